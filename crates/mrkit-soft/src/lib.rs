@@ -1,0 +1,179 @@
+//! # mrkit-soft: the software RDMA device `mrkit0`
+//!
+//! `mrkit0` plays both the RDMA NIC (HCA) and its kernel driver, in user space:
+//!
+//! * [`device`]: attributes, limits and profiles (rxe model by default; every limit
+//!   configurable by builder or `MRKIT_*` environment variables).
+//! * [`table`]: object tables with index + generation keys, two-phase publish, drain-before-free.
+//! * [`mem`]: real page pinning (io_uring fixed buffers = the kernel's long-term pin, mlock
+//!   fallback with per-page pin counts), RLIMIT_MEMLOCK accounting, the page walk, DONTFORK.
+//! * [`mr`]: registration with the kernel's validation order and errnos; **the** access
+//!   predicate every data path goes through.
+//! * [`mw`]: memory windows type 1 and 2.
+//! * [`odp`]: on-demand paging state.
+//! * [`stats`]: counters and latency histograms.
+//!
+//! ```
+//! use mrkit_soft::{AccessFlags, Context, DeviceConfig};
+//! let ctx = Context::open(DeviceConfig::rxe());
+//! let pd = ctx.alloc_pd().unwrap();
+//! let buf = vec![0u8; 8192];
+//! let mr = ctx
+//!     .reg_mr(pd, buf.as_ptr() as u64, buf.len() as u64, buf.as_ptr() as u64,
+//!             AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ)
+//!     .unwrap();
+//! assert_eq!(mr.lkey, mr.rkey);
+//! ctx.dereg_mr(mr.lkey).unwrap();
+//! ctx.dealloc_pd(pd).unwrap();
+//! ```
+
+pub mod access;
+pub mod device;
+pub mod error;
+pub mod mem;
+pub mod mr;
+pub mod mw;
+pub mod odp;
+pub mod pd;
+pub mod stats;
+pub mod table;
+pub mod wire;
+
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+
+pub use access::AccessFlags;
+pub use device::{DeviceAttr, DeviceConfig, StatusModel};
+pub use error::{Errno, Error, Result};
+pub use mr::{MrInfo, ReregFlags};
+pub use mw::MwType;
+
+use crate::error::err;
+use crate::pd::PdObject;
+use crate::table::KeyTable;
+
+/// Name of the embedded device.
+pub const DEVICE_NAME: &str = "mrkit0";
+
+/// Index range of MR keys: keys below 2^31 are MRs.
+pub(crate) const MR_INDEX: (u32, u32) = (1, (1 << 23) - 1);
+/// Index range of MW keys: keys with bit 31 set are memory windows.
+pub(crate) const MW_INDEX: (u32, u32) = (1 << 23, (1 << 24) - 1);
+
+/// Devices this library provides (`ibv_get_device_list`).
+///
+/// ```
+/// assert_eq!(mrkit_soft::device_list(), vec!["mrkit0"]);
+/// ```
+pub fn device_list() -> Vec<&'static str> {
+    vec![DEVICE_NAME]
+}
+
+/// Device state shared by all handles of one opened device instance.
+#[derive(Debug)]
+pub struct DeviceInner {
+    pub(crate) config: DeviceConfig,
+    pub(crate) pds: KeyTable<Arc<PdObject>>,
+    pub(crate) mrs: KeyTable<mr::MrObject>,
+    pub(crate) mws: KeyTable<mw::MwObject>,
+    /// Translation entries reserved by live MRs; bounded by `attr.max_mtt`
+    /// (reserved with a compare-exchange loop before an MR is published).
+    pub(crate) mtt_used: AtomicU64,
+    pub(crate) stats: stats::RegStats,
+}
+
+/// An opened `mrkit0` device instance (`ibv_context`). Cheap to clone; all clones share the
+/// device's tables and limits.
+#[derive(Debug, Clone)]
+pub struct Context {
+    pub(crate) dev: Arc<DeviceInner>,
+}
+
+impl Context {
+    /// Open a device instance with the given limits.
+    pub fn open(config: DeviceConfig) -> Context {
+        let a = config.attr().clone();
+        Context {
+            dev: Arc::new(DeviceInner {
+                pds: KeyTable::new(1, (1 << 24) - 1, a.max_pd),
+                mrs: KeyTable::new(MR_INDEX.0, MR_INDEX.1, a.max_mr),
+                mws: KeyTable::new(MW_INDEX.0, MW_INDEX.1, a.max_mw),
+                mtt_used: AtomicU64::new(0),
+                stats: stats::RegStats::default(),
+                config,
+            }),
+        }
+    }
+
+    /// Open with [`DeviceConfig::from_env`]; a malformed `MRKIT_*` variable is an EINVAL error.
+    pub fn open_from_env() -> Result<Context> {
+        DeviceConfig::from_env()
+            .map(Context::open)
+            .map_err(|e| err!(EINVAL, "{e}"))
+    }
+
+    /// `ibv_query_device`.
+    pub fn query_device(&self) -> DeviceAttr {
+        self.dev.config.attr().clone()
+    }
+
+    /// The configuration (with the source of each value).
+    pub fn config(&self) -> &DeviceConfig {
+        &self.dev.config
+    }
+
+    /// Device counters.
+    pub fn stats(&self) -> stats::StatsSnapshot {
+        self.dev.stats.snapshot()
+    }
+
+    /// `ibv_alloc_pd`: ENOMEM when max_pd PDs exist.
+    pub fn alloc_pd(&self) -> Result<u32> {
+        let r = self.dev.pds.reserve().map_err(|_| {
+            err!(
+                ENOMEM,
+                "max_pd ({}) protection domains exist; deallocate one or raise MRKIT_MAX_PD",
+                self.dev.pds.limit()
+            )
+        })?;
+        let handle = r.key();
+        Ok(r.publish(Arc::new(PdObject {
+            handle,
+            usecnt: Default::default(),
+        })))
+    }
+
+    /// `ibv_dealloc_pd`: EBUSY while MRs, MWs, QPs or SRQs use it; EINVAL for an unknown PD.
+    pub fn dealloc_pd(&self, pd: u32) -> Result<()> {
+        let g = self
+            .dev
+            .pds
+            .get(pd)
+            .ok_or_else(|| err!(EINVAL, "PD {pd:#x} does not exist (already deallocated?)"))?;
+        let used = g.usecnt();
+        if used > 0 {
+            return Err(err!(
+                EBUSY,
+                "PD {pd:#x} is still used by {used} MR/MW/QP/SRQ object(s); destroy them first"
+            ));
+        }
+        drop(g);
+        // A racing creator may have taken a use between the check and here: re-check after
+        // unpublishing and put the PD back if so.
+        let u = self
+            .dev
+            .pds
+            .unpublish(pd)
+            .ok_or_else(|| err!(EINVAL, "PD {pd:#x} does not exist"))?;
+        let _ = u.drain_entry();
+        Ok(())
+    }
+
+    pub(crate) fn pd(&self, pd: u32) -> Result<Arc<PdObject>> {
+        self.dev
+            .pds
+            .get(pd)
+            .map(|g| (*g).clone())
+            .ok_or_else(|| err!(EINVAL, "PD {pd:#x} does not exist"))
+    }
+}

@@ -1,0 +1,176 @@
+//! Refcounted `MADV_DONTFORK` ranges: the first registration over a page marks it, the last one
+//! gone restores `MADV_DOFORK` (so the kernel can merge the VMA back).
+//!
+//! Per-page counts live in a process-global [`RangeCounter`]; `madvise(MADV_DONTFORK)` is only
+//! issued for the pages whose count goes 0 → 1 and `MADV_DOFORK` for those going 1 → 0, so
+//! overlapping registrations never clear each other's mark (libibverbs' `ibv_fork_init` range
+//! tree does the same).
+
+use parking_lot::Mutex;
+
+use super::range_count::RangeCounter;
+use crate::error::{err, Result};
+
+/// Per-page DONTFORK mark counts; held across the madvise calls so the kernel's VMA flags
+/// always match the counts.
+static MARKS: Mutex<RangeCounter> = Mutex::new(RangeCounter::new());
+
+/// A DONTFORK mark on `[start, start + len)`; dropping it releases the mark.
+#[derive(Debug)]
+pub struct DontFork {
+    start: u64,
+    len: u64,
+}
+
+impl DontFork {
+    /// Marked range start.
+    pub fn start(&self) -> u64 {
+        self.start
+    }
+    /// Marked range length.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+fn advise(start: u64, end: u64, dontfork: bool) -> rustix::io::Result<()> {
+    let advice = if dontfork {
+        rustix::mm::Advice::LinuxDontFork
+    } else {
+        rustix::mm::Advice::LinuxDoFork
+    };
+    // SAFETY: MADV_(DONT|DO)FORK only changes whether fork() copies the VMA; it touches neither
+    // contents nor the parent's mapping layout.
+    unsafe { rustix::mm::madvise(start as *mut _, (end - start) as usize, advice) }
+}
+
+/// Mark the page-aligned range DONTFORK (refcounted per page).
+pub fn dontfork(start: u64, len: u64) -> Result<DontFork> {
+    let ps = super::page_size() as u64;
+    if start % ps != 0 || len % ps != 0 {
+        return Err(err!(
+            EINVAL,
+            "DONTFORK range [{start:#x}, +{len:#x}) is not page aligned; round it with \
+             mem::page_span first"
+        ));
+    }
+    let end = start.checked_add(len).ok_or_else(|| {
+        err!(
+            EINVAL,
+            "DONTFORK range [{start:#x}, +{len:#x}) wraps the address space; pass a valid range"
+        )
+    })?;
+    let mut marks = MARKS.lock();
+    for (s, e) in marks.inc(start, end) {
+        if let Err(errno) = advise(s, e, true) {
+            for (gs, ge) in marks.dec(start, end) {
+                let _ = advise(gs, ge, false);
+            }
+            return Err(match errno {
+                rustix::io::Errno::NOMEM => err!(
+                    EFAULT,
+                    "cannot mark [{s:#x}, {e:#x}) DONTFORK: part of it is unmapped; register \
+                     mapped memory"
+                ),
+                other => err!(
+                    EFAULT,
+                    "madvise(MADV_DONTFORK) on [{s:#x}, {e:#x}) failed: {other}; register \
+                     ordinary mapped memory (not VM_IO/VM_PFNMAP)"
+                ),
+            });
+        }
+    }
+    Ok(DontFork { start, len })
+}
+
+impl Drop for DontFork {
+    fn drop(&mut self) {
+        if self.len == 0 {
+            return;
+        }
+        let mut marks = MARKS.lock();
+        for (s, e) in marks.dec(self.start, self.start + self.len) {
+            // Failure means the caller unmapped the range already: nothing left to restore.
+            let _ = advise(s, e, false);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::Errno;
+    use crate::mem::test_util::{serial, Map};
+
+    /// Fork; the child reports with its exit code whether each page of `addrs` is mapped.
+    fn mapped_in_child(addrs: &[u64]) -> Vec<bool> {
+        // SAFETY: the child only calls mincore and _exit (async-signal-safe) before exiting.
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            let mut code = 0;
+            for (i, &a) in addrs.iter().enumerate() {
+                let mut v = 0u8;
+                // SAFETY: mincore only writes one byte into `v`; the address is not accessed.
+                let rc = unsafe { libc::mincore(a as *mut _, 4096, &mut v) };
+                if rc == 0 {
+                    code |= 1 << i;
+                }
+            }
+            // SAFETY: leave the forked child without running any destructor.
+            unsafe { libc::_exit(code) };
+        }
+        assert!(pid > 0, "fork failed");
+        let mut status = 0;
+        // SAFETY: reaping our own child.
+        let rc = unsafe { libc::waitpid(pid, &mut status, 0) };
+        assert_eq!(rc, pid);
+        assert!(libc::WIFEXITED(status));
+        let code = libc::WEXITSTATUS(status);
+        (0..addrs.len()).map(|i| code & (1 << i) != 0).collect()
+    }
+
+    #[test]
+    fn refcounted_marks() {
+        let _g = serial();
+        let ps = 4096;
+        let m = Map::new(8 * ps);
+        let page = |i: u64| m.addr + i * ps;
+        let probe: Vec<u64> = (0..8).map(page).collect();
+        assert_eq!(mapped_in_child(&probe), vec![true; 8]);
+        // A = pages 0..4, B = pages 2..6.
+        let a = dontfork(page(0), 4 * ps).unwrap();
+        assert_eq!((a.start(), a.len()), (page(0), 4 * ps));
+        let b = dontfork(page(2), 4 * ps).unwrap();
+        let expect_ab = [false, false, false, false, false, false, true, true];
+        assert_eq!(mapped_in_child(&probe), expect_ab);
+        drop(a);
+        // Pages 2..6 stay DONTFORK (B), pages 0..2 are copied again.
+        let expect_b = [true, true, false, false, false, false, true, true];
+        assert_eq!(mapped_in_child(&probe), expect_b);
+        drop(b);
+        assert_eq!(mapped_in_child(&probe), vec![true; 8]);
+    }
+
+    #[test]
+    fn unmapped_is_efault_and_rolls_back() {
+        let _g = serial();
+        let ps = 4096;
+        let m = Map::new(4 * ps);
+        // Unmap page 2 only.
+        // SAFETY: punching a hole into our own mapping that nothing references.
+        unsafe { rustix::mm::munmap((m.addr + 2 * ps) as *mut _, ps as usize) }.unwrap();
+        let e = dontfork(m.addr, 4 * ps).unwrap_err();
+        assert_eq!(e.errno(), Errno::EFAULT, "{e}");
+        assert_eq!(MARKS.lock().count_at(m.addr), 0);
+        assert_eq!(
+            mapped_in_child(&[m.addr, m.addr + 3 * ps]),
+            vec![true, true],
+            "failed mark was not rolled back"
+        );
+        assert_eq!(dontfork(m.addr + 1, ps).unwrap_err().errno(), Errno::EINVAL);
+    }
+}

@@ -1,0 +1,37 @@
+//! Memory: the kernel-driver half of registration, done from user space.
+//!
+//! * [`account`]: RLIMIT_MEMLOCK accounting the way the kernel counts `mm->pinned_vm`.
+//! * [`pin`]: long-term page pinning (io_uring fixed buffers = `pin_user_pages(FOLL_LONGTERM)`,
+//!   mlock fallback with per-page pin counts).
+//! * [`translate`]: the page walk (backing page size, frame numbers from `/proc/self/pagemap`).
+//! * [`fork`]: refcounted `MADV_DONTFORK` ranges.
+//! * [`fault`]: on-demand paging primitives (fault-in, present-page snapshot).
+//! * [`range_count`]: the interval refcount map shared by the mlock pins and the DONTFORK marks.
+//!
+//! This is the only place (with the byte-copy module of the data path) where `unsafe` lives:
+//! syscalls that take raw addresses.
+
+pub mod account;
+pub mod fault;
+pub mod fork;
+pub mod pin;
+pub mod range_count;
+pub mod translate;
+
+#[cfg(test)]
+pub(crate) mod test_util;
+
+/// The base page size of this machine (4 KiB on x86-64).
+pub fn page_size() -> usize {
+    rustix::param::page_size()
+}
+
+/// `[align_down(addr), align_up(addr + len))` in base pages, overflow-checked.
+/// Returns `None` when `addr + len` or its page-rounded end wraps the address space.
+pub fn page_span(addr: u64, len: u64) -> Option<(u64, u64)> {
+    let ps = page_size() as u64;
+    let end = addr.checked_add(len)?;
+    let end_up = end.checked_add(ps - 1)? & !(ps - 1);
+    let start = addr & !(ps - 1);
+    Some((start, end_up - start))
+}

@@ -1,0 +1,532 @@
+//! The RoCEv2 invariant CRC (roce.md §2).
+//!
+//! The ICRC is the zlib/Ethernet CRC-32 over a pseudo-packet:
+//! 8 bytes `0xFF` (stand-in for the IB LRH) ‖ IP header with TOS/TTL/checksum (IPv4) or
+//! traffic class/flow label/hop limit (IPv6) set to ones ‖ UDP header with checksum `0xFFFF` ‖
+//! BTH with byte 4 set to `0xFF` ‖ extension headers, payload and pad. It is stored
+//! **little-endian** in the last 4 bytes of the UDP payload.
+//!
+//! A UDP socket does not see the IP header, so the covered IP fields are rebuilt from the
+//! addresses and the datagram length ([`IcrcInputs`]). For IPv4 the identification and
+//! flags/fragment fields are covered too; our own sender uses an unconnected socket with
+//! `IP_PMTUDISC_DO`, which makes the kernel send ID 0 with DF (roce.md §2.3), and that is what
+//! [`IcrcInputs::ipv4`] assumes. [`Ipv4IdSolver`] recovers an unknown ID (roce.md §2.4).
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+
+use super::error::WireError;
+use super::ICRC_LEN;
+
+/// IPv4 flags/fragment-offset word with only DF set.
+pub const IPV4_FLAGS_DF: u16 = 0x4000;
+
+const LRH_STANDIN: [u8; 8] = [0xFF; 8];
+const IPV4_HDR_LEN: usize = 20;
+const IPV6_HDR_LEN: usize = 40;
+const UDP_HDR_LEN: usize = 8;
+const IPPROTO_UDP: u8 = 17;
+
+/// The covered IP header fields that a UDP socket does not show.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum IpInfo {
+    /// IPv4 without options.
+    V4 {
+        /// Source address.
+        src: Ipv4Addr,
+        /// Destination address.
+        dst: Ipv4Addr,
+        /// IP identification (0 for our own sender, see the module docs).
+        identification: u16,
+        /// Flags (3 bits) and fragment offset (13 bits); [`IPV4_FLAGS_DF`] for RoCE.
+        flags_fragment: u16,
+    },
+    /// IPv6 without extension headers.
+    V6 {
+        /// Source address.
+        src: Ipv6Addr,
+        /// Destination address.
+        dst: Ipv6Addr,
+    },
+}
+
+/// Everything besides the UDP payload that the ICRC covers.
+///
+/// ```
+/// use mrkit_soft::wire::IcrcInputs;
+/// use std::net::Ipv4Addr;
+/// // ACKNOWLEDGE from roce.md §2.2 vector 3 (UDP payload only).
+/// let payload = [0x11, 0x00, 0xff, 0xff, 0, 0, 0, 0x12, 0x00, 0x0a, 0xbc, 0xde,
+///                0x1f, 0x00, 0x00, 0x01, 0x13, 0x28, 0x3c, 0xd5];
+/// let lo = Ipv4Addr::LOCALHOST;
+/// let inputs = IcrcInputs::ipv4(lo, lo, 0xc124, 4791);
+/// assert_eq!(inputs.compute(&payload[..16]).to_le_bytes(), [0x13, 0x28, 0x3c, 0xd5]);
+/// assert!(inputs.verify(&payload).is_ok());
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct IcrcInputs {
+    /// IP addresses and (IPv4) identification/flags.
+    pub ip: IpInfo,
+    /// UDP source port.
+    pub src_port: u16,
+    /// UDP destination port (normally 4791).
+    pub dst_port: u16,
+}
+
+impl IcrcInputs {
+    /// IPv4 inputs with identification 0 and DF set (what our unconnected `IP_PMTUDISC_DO`
+    /// socket and the kernel produce).
+    pub const fn ipv4(src: Ipv4Addr, dst: Ipv4Addr, src_port: u16, dst_port: u16) -> IcrcInputs {
+        IcrcInputs {
+            ip: IpInfo::V4 {
+                src,
+                dst,
+                identification: 0,
+                flags_fragment: IPV4_FLAGS_DF,
+            },
+            src_port,
+            dst_port,
+        }
+    }
+
+    /// IPv6 inputs.
+    pub const fn ipv6(src: Ipv6Addr, dst: Ipv6Addr, src_port: u16, dst_port: u16) -> IcrcInputs {
+        IcrcInputs {
+            ip: IpInfo::V6 { src, dst },
+            src_port,
+            dst_port,
+        }
+    }
+
+    /// Inputs from two addresses as a UDP socket reports them.
+    ///
+    /// If both addresses are IPv4 or IPv4-mapped IPv6 (`::ffff:a.b.c.d`, as a dual-stack socket
+    /// reports IPv4 peers), the packet is IPv4 with ID 0 and DF ([`IcrcInputs::ipv4`]).
+    /// Otherwise it is IPv6, with IPv4 addresses taken in their mapped form.
+    pub fn new(src: IpAddr, dst: IpAddr, src_port: u16, dst_port: u16) -> IcrcInputs {
+        match (as_v4(src), as_v4(dst)) {
+            (Some(s), Some(d)) => IcrcInputs::ipv4(s, d, src_port, dst_port),
+            _ => IcrcInputs::ipv6(as_v6(src), as_v6(dst), src_port, dst_port),
+        }
+    }
+
+    /// Same as [`IcrcInputs::new`] with socket addresses.
+    pub fn from_socket_addrs(src: SocketAddr, dst: SocketAddr) -> IcrcInputs {
+        IcrcInputs::new(src.ip(), dst.ip(), src.port(), dst.port())
+    }
+
+    /// Replaces the IPv4 identification and flags/fragment word (no effect for IPv6).
+    pub const fn with_ipv4_id(mut self, identification: u16, flags_fragment: u16) -> IcrcInputs {
+        if let IpInfo::V4 { src, dst, .. } = self.ip {
+            self.ip = IpInfo::V4 {
+                src,
+                dst,
+                identification,
+                flags_fragment,
+            };
+        }
+        self
+    }
+
+    /// True for IPv4.
+    pub const fn is_ipv4(&self) -> bool {
+        matches!(self.ip, IpInfo::V4 { .. })
+    }
+
+    /// The ICRC value of a UDP payload `body` (BTH through pad, **without** the 4 ICRC bytes).
+    /// The wire bytes are `value.to_le_bytes()`.
+    pub fn compute(&self, body: &[u8]) -> u32 {
+        let udp_len = UDP_HDR_LEN + body.len() + ICRC_LEN;
+        let mut h = crc32fast::Hasher::new();
+        h.update(&LRH_STANDIN);
+        match self.ip {
+            IpInfo::V4 {
+                src,
+                dst,
+                identification,
+                flags_fragment,
+            } => {
+                let total = (IPV4_HDR_LEN + udp_len) as u16;
+                let mut ip = [0u8; IPV4_HDR_LEN];
+                ip[0] = 0x45;
+                ip[1] = 0xFF; // TOS
+                ip[2..4].copy_from_slice(&total.to_be_bytes());
+                ip[4..6].copy_from_slice(&identification.to_be_bytes());
+                ip[6..8].copy_from_slice(&flags_fragment.to_be_bytes());
+                ip[8] = 0xFF; // TTL
+                ip[9] = IPPROTO_UDP;
+                ip[10] = 0xFF; // header checksum
+                ip[11] = 0xFF;
+                ip[12..16].copy_from_slice(&src.octets());
+                ip[16..20].copy_from_slice(&dst.octets());
+                h.update(&ip);
+            }
+            IpInfo::V6 { src, dst } => {
+                let mut ip = [0u8; IPV6_HDR_LEN];
+                ip[0..4].copy_from_slice(&[0x6F, 0xFF, 0xFF, 0xFF]); // TC + flow label
+                ip[4..6].copy_from_slice(&(udp_len as u16).to_be_bytes());
+                ip[6] = IPPROTO_UDP;
+                ip[7] = 0xFF; // hop limit
+                ip[8..24].copy_from_slice(&src.octets());
+                ip[24..40].copy_from_slice(&dst.octets());
+                h.update(&ip);
+            }
+        }
+        let mut udp = [0xFFu8; UDP_HDR_LEN];
+        udp[0..2].copy_from_slice(&self.src_port.to_be_bytes());
+        udp[2..4].copy_from_slice(&self.dst_port.to_be_bytes());
+        udp[4..6].copy_from_slice(&(udp_len as u16).to_be_bytes());
+        h.update(&udp);
+        update_masked_ib(&mut h, body);
+        h.finalize()
+    }
+
+    /// Checks the ICRC of a whole UDP payload (BTH through ICRC).
+    pub fn verify(&self, datagram: &[u8]) -> Result<(), WireError> {
+        let (body, found) = split_icrc(datagram)?;
+        let expected = self.compute(body);
+        if expected == found {
+            Ok(())
+        } else {
+            Err(WireError::BadIcrc { expected, found })
+        }
+    }
+
+    /// Computes the ICRC over `datagram[..len - 4]` and stores it little-endian in the last 4 bytes.
+    /// Returns the value.
+    pub fn fill(&self, datagram: &mut [u8]) -> Result<u32, WireError> {
+        let n = datagram.len();
+        if n < ICRC_LEN {
+            return Err(WireError::BufferTooSmall {
+                needed: ICRC_LEN,
+                available: n,
+            });
+        }
+        let v = self.compute(&datagram[..n - ICRC_LEN]);
+        datagram[n - ICRC_LEN..].copy_from_slice(&v.to_le_bytes());
+        Ok(v)
+    }
+}
+
+fn as_v4(a: IpAddr) -> Option<Ipv4Addr> {
+    match a {
+        IpAddr::V4(v) => Some(v),
+        IpAddr::V6(v) => v.to_ipv4_mapped(),
+    }
+}
+
+fn as_v6(a: IpAddr) -> Ipv6Addr {
+    match a {
+        IpAddr::V4(v) => v.to_ipv6_mapped(),
+        IpAddr::V6(v) => v,
+    }
+}
+
+/// Feeds the IB part with BTH byte 4 (FECN/BECN/resv6a) replaced by `0xFF`.
+fn update_masked_ib(h: &mut crc32fast::Hasher, body: &[u8]) {
+    if body.len() > 4 {
+        h.update(&body[..4]);
+        h.update(&[0xFF]);
+        h.update(&body[5..]);
+    } else {
+        h.update(body);
+    }
+}
+
+/// Splits a UDP payload into the covered part and the carried ICRC value.
+pub(crate) fn split_icrc(datagram: &[u8]) -> Result<(&[u8], u32), WireError> {
+    match datagram.split_last_chunk::<ICRC_LEN>() {
+        Some((body, icrc)) => Ok((body, u32::from_le_bytes(*icrc))),
+        None => Err(WireError::Truncated {
+            needed: ICRC_LEN,
+            available: datagram.len(),
+        }),
+    }
+}
+
+/// ICRC value for a UDP payload as seen by a plain UDP socket.
+///
+/// `udp_payload_without_icrc` is BTH through pad. IPv4 is assumed to carry ID 0 and DF (see
+/// [`IcrcInputs::new`] for how the address family is chosen). The wire bytes are
+/// `value.to_le_bytes()`.
+///
+/// ```
+/// use mrkit_soft::wire::icrc_for_udp_payload;
+/// use std::net::{IpAddr, Ipv4Addr};
+/// let lo = IpAddr::V4(Ipv4Addr::LOCALHOST);
+/// let ack = [0x11, 0x00, 0xff, 0xff, 0, 0, 0, 0x12, 0x00, 0x0a, 0xbc, 0xde, 0x1f, 0, 0, 1];
+/// assert_eq!(icrc_for_udp_payload(lo, lo, 0xc124, 4791, &ack).to_le_bytes(), [0x13, 0x28, 0x3c, 0xd5]);
+/// ```
+pub fn icrc_for_udp_payload(
+    src_ip: IpAddr,
+    dst_ip: IpAddr,
+    src_port: u16,
+    dst_port: u16,
+    udp_payload_without_icrc: &[u8],
+) -> u32 {
+    IcrcInputs::new(src_ip, dst_ip, src_port, dst_port).compute(udp_payload_without_icrc)
+}
+
+/// Splits a whole IP packet (IPv4 without options, or IPv6 without extension headers, carrying
+/// UDP) into the ICRC inputs (taken from the actual headers, including the IPv4 ID and flags)
+/// and the UDP payload (BTH through ICRC).
+///
+/// Bytes after the IP total length (for example Ethernet padding) are ignored. The UDP
+/// destination port is not checked (tests may use ports other than 4791).
+pub fn split_ip_packet(pkt: &[u8]) -> Result<(IcrcInputs, &[u8]), WireError> {
+    let bad = WireError::BadIpHeader;
+    let first = *pkt.first().ok_or(WireError::Truncated {
+        needed: IPV4_HDR_LEN,
+        available: 0,
+    })?;
+    let (ip, l4) = match first >> 4 {
+        4 => {
+            if pkt.len() < IPV4_HDR_LEN {
+                return Err(WireError::Truncated {
+                    needed: IPV4_HDR_LEN,
+                    available: pkt.len(),
+                });
+            }
+            if first != 0x45 {
+                return Err(bad("IPv4 header with options"));
+            }
+            if pkt[9] != IPPROTO_UDP {
+                return Err(bad("IPv4 protocol is not UDP"));
+            }
+            let total = usize::from(u16::from_be_bytes([pkt[2], pkt[3]]));
+            if total < IPV4_HDR_LEN {
+                return Err(bad("IPv4 total length shorter than its header"));
+            }
+            let Some(l4) = pkt.get(IPV4_HDR_LEN..total) else {
+                return Err(WireError::Truncated {
+                    needed: total,
+                    available: pkt.len(),
+                });
+            };
+            let ip = IpInfo::V4 {
+                src: Ipv4Addr::new(pkt[12], pkt[13], pkt[14], pkt[15]),
+                dst: Ipv4Addr::new(pkt[16], pkt[17], pkt[18], pkt[19]),
+                identification: u16::from_be_bytes([pkt[4], pkt[5]]),
+                flags_fragment: u16::from_be_bytes([pkt[6], pkt[7]]),
+            };
+            (ip, l4)
+        }
+        6 => {
+            if pkt.len() < IPV6_HDR_LEN {
+                return Err(WireError::Truncated {
+                    needed: IPV6_HDR_LEN,
+                    available: pkt.len(),
+                });
+            }
+            if pkt[6] != IPPROTO_UDP {
+                return Err(bad("IPv6 next header is not UDP"));
+            }
+            let plen = usize::from(u16::from_be_bytes([pkt[4], pkt[5]]));
+            let Some(l4) = pkt.get(IPV6_HDR_LEN..IPV6_HDR_LEN + plen) else {
+                return Err(WireError::Truncated {
+                    needed: IPV6_HDR_LEN + plen,
+                    available: pkt.len(),
+                });
+            };
+            let mut s = [0u8; 16];
+            let mut d = [0u8; 16];
+            s.copy_from_slice(&pkt[8..24]);
+            d.copy_from_slice(&pkt[24..40]);
+            (
+                IpInfo::V6 {
+                    src: Ipv6Addr::from(s),
+                    dst: Ipv6Addr::from(d),
+                },
+                l4,
+            )
+        }
+        _ => return Err(bad("not IPv4 or IPv6")),
+    };
+    if l4.len() < UDP_HDR_LEN {
+        return Err(WireError::Truncated {
+            needed: UDP_HDR_LEN,
+            available: l4.len(),
+        });
+    }
+    if usize::from(u16::from_be_bytes([l4[4], l4[5]])) != l4.len() {
+        return Err(bad("UDP length does not match the IP length"));
+    }
+    let inputs = IcrcInputs {
+        ip,
+        src_port: u16::from_be_bytes([l4[0], l4[1]]),
+        dst_port: u16::from_be_bytes([l4[2], l4[3]]),
+    };
+    Ok((inputs, &l4[UDP_HDR_LEN..]))
+}
+
+/// Checks the ICRC of a whole IP packet (IPv4 or IPv6), e.g. one read from a tshark/pcap capture
+/// with `LINKTYPE_RAW`. Every covered field is taken from the packet itself.
+///
+/// ```
+/// use mrkit_soft::wire::check_icrc_ip_packet;
+/// // ConnectX-4 Lx CNP (roce.md §2.2 vector 1), IP ID 0x718c.
+/// let hex = "45c2003c718c4000401191610a0011010a001201000012b7002800008100ffff40000118000000000000000000000000000000000000000082fd002a";
+/// let pkt: Vec<u8> = (0..hex.len()).step_by(2).map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap()).collect();
+/// assert!(check_icrc_ip_packet(&pkt).is_ok());
+/// ```
+pub fn check_icrc_ip_packet(pkt: &[u8]) -> Result<(), WireError> {
+    let (inputs, payload) = split_ip_packet(pkt)?;
+    inputs.verify(payload)
+}
+
+/// Like [`check_icrc_ip_packet`] but rejects anything that is not IPv4.
+pub fn check_icrc_ipv4_packet(pkt: &[u8]) -> Result<(), WireError> {
+    match pkt.first() {
+        Some(b) if b >> 4 == 4 => check_icrc_ip_packet(pkt),
+        Some(_) => Err(WireError::BadIpHeader("not IPv4")),
+        None => Err(WireError::Truncated {
+            needed: IPV4_HDR_LEN,
+            available: 0,
+        }),
+    }
+}
+
+/// Like [`check_icrc_ip_packet`] but rejects anything that is not IPv6.
+pub fn check_icrc_ipv6_packet(pkt: &[u8]) -> Result<(), WireError> {
+    match pkt.first() {
+        Some(b) if b >> 4 == 6 => check_icrc_ip_packet(pkt),
+        Some(_) => Err(WireError::BadIpHeader("not IPv6")),
+        None => Err(WireError::Truncated {
+            needed: IPV6_HDR_LEN,
+            available: 0,
+        }),
+    }
+}
+
+/// Recomputes and stores the ICRC of a whole IP packet in place (for tests that write pcaps).
+pub fn fill_icrc_ip_packet(pkt: &mut [u8]) -> Result<u32, WireError> {
+    let (inputs, payload) = split_ip_packet(pkt)?;
+    let start = if inputs.is_ipv4() {
+        IPV4_HDR_LEN
+    } else {
+        IPV6_HDR_LEN
+    } + UDP_HDR_LEN;
+    let end = start + payload.len();
+    inputs.fill(&mut pkt[start..end])
+}
+
+/// Recovers the unknown IPv4 identification and DF bit of a received packet from its ICRC
+/// (roce.md §2.4, option 1).
+///
+/// The ICRC is affine in the covered bits, so the 16 ID bits and the DF bit act on it through a
+/// fixed 32×17 linear map that depends only on the datagram length. Build one solver per length
+/// (and cache it); [`Ipv4IdSolver::solve`] then costs one CRC. An unrelated corruption is accepted
+/// with probability about 2^-15, so this is weaker than an exact check.
+///
+/// ```
+/// use mrkit_soft::wire::{IcrcInputs, Ipv4IdSolver};
+/// use std::net::Ipv4Addr;
+/// let lo = Ipv4Addr::LOCALHOST;
+/// let mut dgram = vec![0x11, 0, 0xff, 0xff, 0, 0, 0, 0x12, 0, 0, 0, 5, 0x1f, 0, 0, 1, 0, 0, 0, 0];
+/// let sender = IcrcInputs::ipv4(lo, lo, 0xc000, 4791).with_ipv4_id(0x1234, 0x4000);
+/// sender.fill(&mut dgram).unwrap();
+/// let solver = Ipv4IdSolver::new(dgram.len());
+/// let (id, df) = solver.solve(&IcrcInputs::ipv4(lo, lo, 0xc000, 4791), &dgram).unwrap();
+/// assert_eq!((id, df), (0x1234, true));
+/// ```
+#[derive(Debug, Clone)]
+pub struct Ipv4IdSolver {
+    datagram_len: usize,
+    /// XOR basis indexed by pivot bit: (vector, combination of unknown bits).
+    basis: [(u32, u32); 32],
+}
+
+impl Ipv4IdSolver {
+    /// Prepares the linear map for UDP payloads (BTH through ICRC) of `datagram_len` bytes.
+    pub fn new(datagram_len: usize) -> Ipv4IdSolver {
+        let body_len = datagram_len.saturating_sub(ICRC_LEN);
+        // The covered message: LRH stand-in, IPv4, UDP, body. Bit positions of the unknowns:
+        // ID = IPv4 bytes 4-5, DF = bit 6 of IPv4 byte 6.
+        let total = LRH_STANDIN.len() + IPV4_HDR_LEN + UDP_HDR_LEN + body_len;
+        let zero = crc_of_sparse(total, None);
+        let mut basis = [(0u32, 0u32); 32];
+        for unknown in 0..17u32 {
+            let (byte, bit) = if unknown < 16 {
+                (
+                    LRH_STANDIN.len() + 4 + (1 - (unknown as usize) / 8),
+                    unknown % 8,
+                )
+            } else {
+                (LRH_STANDIN.len() + 6, 6)
+            };
+            let mut v = crc_of_sparse(total, Some((byte, 1u8 << bit))) ^ zero;
+            let mut c = 1u32 << unknown;
+            for p in (0..32).rev() {
+                if v & (1 << p) == 0 {
+                    continue;
+                }
+                if basis[p].0 == 0 {
+                    basis[p] = (v, c);
+                    break;
+                }
+                v ^= basis[p].0;
+                c ^= basis[p].1;
+            }
+        }
+        Ipv4IdSolver {
+            datagram_len,
+            basis,
+        }
+    }
+
+    /// The datagram length this solver was built for.
+    pub fn datagram_len(&self) -> usize {
+        self.datagram_len
+    }
+
+    /// Finds the `(identification, df)` that make the ICRC of `datagram` (BTH through ICRC) correct
+    /// with the addresses and ports of `inputs` (its ID/flags are ignored).
+    ///
+    /// Errors: [`WireError::BadIcrc`] if no ID/DF fits (values computed with ID 0, DF clear),
+    /// [`WireError::BadIpHeader`] for IPv6 inputs or a datagram of another length.
+    pub fn solve(&self, inputs: &IcrcInputs, datagram: &[u8]) -> Result<(u16, bool), WireError> {
+        if !inputs.is_ipv4() {
+            return Err(WireError::BadIpHeader("ID solver needs IPv4 inputs"));
+        }
+        if datagram.len() != self.datagram_len {
+            return Err(WireError::BadIpHeader(
+                "datagram length differs from the solver's",
+            ));
+        }
+        let (body, found) = split_icrc(datagram)?;
+        let expected = inputs.with_ipv4_id(0, 0).compute(body);
+        let mut d = expected ^ found;
+        let mut c = 0u32;
+        for p in (0..32).rev() {
+            if d & (1 << p) != 0 && self.basis[p].0 != 0 {
+                d ^= self.basis[p].0;
+                c ^= self.basis[p].1;
+            }
+        }
+        if d != 0 {
+            return Err(WireError::BadIcrc { expected, found });
+        }
+        Ok(((c & 0xFFFF) as u16, c & (1 << 16) != 0))
+    }
+}
+
+/// CRC-32 of `len` zero bytes, optionally with one byte set to `val`.
+fn crc_of_sparse(len: usize, set: Option<(usize, u8)>) -> u32 {
+    fn zeros(h: &mut crc32fast::Hasher, mut n: usize) {
+        const Z: [u8; 256] = [0; 256];
+        while n > 0 {
+            let k = n.min(Z.len());
+            h.update(&Z[..k]);
+            n -= k;
+        }
+    }
+    let mut h = crc32fast::Hasher::new();
+    match set {
+        Some((pos, val)) if pos < len => {
+            zeros(&mut h, pos);
+            h.update(&[val]);
+            zeros(&mut h, len - pos - 1);
+        }
+        _ => zeros(&mut h, len),
+    }
+    h.finalize()
+}

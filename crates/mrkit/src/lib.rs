@@ -1,0 +1,38 @@
+//! # mrkit: RDMA memory registration done right
+//!
+//! A safe Rust API over RDMA devices. The embedded software device `mrkit0`
+//! ([`mrkit_soft`]) is the default provider: no NIC, no kernel module, no root.
+//!
+//! * [`Context::open`] opens `mrkit0`; [`Context::alloc_pd`] gives a [`ProtectionDomain`].
+//! * [`ProtectionDomain::register`] registers a [`Buffer`] it then *owns*: the buffer cannot be
+//!   freed or reused while registered, and dropping the [`MemoryRegion`] deregisters first.
+//! * [`ProtectionDomain::register_raw`] is the `unsafe` escape hatch for memory you manage.
+//! * Errors are [`Error`]: the errno a real HCA would give plus a sentence with the fix.
+//!
+//! ```
+//! use mrkit::{AccessFlags, Buffer, Context};
+//! let ctx = Context::open_default().unwrap();
+//! let pd = ctx.alloc_pd().unwrap();
+//! let mr = pd
+//!     .register(Buffer::new(64 << 10).unwrap(), AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ)
+//!     .unwrap();
+//! assert_eq!(mr.lkey(), mr.rkey());
+//! // A classic mistake, caught with the errno ibv_reg_mr gives:
+//! let err = pd.register(Buffer::new(4096).unwrap(), AccessFlags::REMOTE_WRITE).unwrap_err();
+//! assert_eq!(err.errno(), mrkit::Errno::EINVAL);
+//! ```
+
+pub mod buffer;
+pub mod provider;
+mod verbs;
+
+pub use buffer::{Buffer, BufferOptions};
+pub use mrkit_soft::mr::{MrInfo, MrKind};
+pub use mrkit_soft::mw::{BindInfo, MwInfo};
+pub use mrkit_soft::{
+    AccessFlags, DeviceAttr, DeviceConfig, Errno, Error, MwType, Result, StatusModel,
+};
+pub use provider::Provider;
+pub use verbs::{
+    Context, LocalSlice, MemoryRegion, MemoryWindow, ProtectionDomain, RawMemoryRegion, RemoteSlice,
+};

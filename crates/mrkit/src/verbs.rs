@@ -1,0 +1,391 @@
+//! Safe handles: context, protection domain, memory regions and windows.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use mrkit_soft::mr::ReregFlags;
+use mrkit_soft::{AccessFlags, DeviceAttr, DeviceConfig, Errno, Error, MrInfo, MwType, Result};
+
+use crate::buffer::Buffer;
+use crate::provider::Provider;
+
+/// An opened device (`ibv_context`).
+///
+/// ```
+/// let ctx = mrkit::Context::open_default().unwrap();
+/// assert_eq!(ctx.name(), "mrkit0");
+/// assert!(ctx.query_device().max_mr > 0);
+/// ```
+#[derive(Debug, Clone)]
+pub struct Context {
+    provider: Arc<dyn Provider>,
+}
+
+impl Context {
+    /// Open the embedded `mrkit0` with explicit limits.
+    pub fn open(config: DeviceConfig) -> Context {
+        Context {
+            provider: Arc::new(mrkit_soft::Context::open(config)),
+        }
+    }
+
+    /// Open `mrkit0` with the default limits overlaid by `MRKIT_*` environment variables.
+    pub fn open_default() -> Result<Context> {
+        Ok(Context {
+            provider: Arc::new(mrkit_soft::Context::open_from_env()?),
+        })
+    }
+
+    /// Wrap any provider.
+    pub fn from_provider(provider: Arc<dyn Provider>) -> Context {
+        Context { provider }
+    }
+
+    /// Device name.
+    pub fn name(&self) -> &str {
+        self.provider.name()
+    }
+
+    /// `ibv_query_device`.
+    pub fn query_device(&self) -> DeviceAttr {
+        self.provider.query_device()
+    }
+
+    /// The provider (for services that need raw handles).
+    pub fn provider(&self) -> &Arc<dyn Provider> {
+        &self.provider
+    }
+
+    /// The embedded software device, if this context is one.
+    pub fn soft(&self) -> Option<&mrkit_soft::Context> {
+        self.provider.soft()
+    }
+
+    /// `ibv_alloc_pd`.
+    pub fn alloc_pd(&self) -> Result<ProtectionDomain> {
+        let handle = self.provider.alloc_pd()?;
+        Ok(ProtectionDomain {
+            inner: Arc::new(PdInner {
+                ctx: self.clone(),
+                handle,
+            }),
+        })
+    }
+}
+
+#[derive(Debug)]
+struct PdInner {
+    ctx: Context,
+    handle: u32,
+}
+
+impl Drop for PdInner {
+    fn drop(&mut self) {
+        if let Err(e) = self.ctx.provider.dealloc_pd(self.handle) {
+            tracing::warn!(error = %e, "dealloc_pd failed in drop");
+        }
+    }
+}
+
+/// A protection domain. MRs and windows keep it alive, so it is deallocated after the last of
+/// them (the EBUSY of `ibv_dealloc_pd` cannot happen through this type).
+#[derive(Debug, Clone)]
+pub struct ProtectionDomain {
+    inner: Arc<PdInner>,
+}
+
+impl ProtectionDomain {
+    /// PD handle.
+    pub fn handle(&self) -> u32 {
+        self.inner.handle
+    }
+
+    /// The context.
+    pub fn context(&self) -> &Context {
+        &self.inner.ctx
+    }
+
+    /// Register a buffer this MR then owns. The MR's iova is the buffer's address.
+    pub fn register(&self, buf: Buffer, access: AccessFlags) -> Result<MemoryRegion> {
+        let iova = buf.addr();
+        self.register_iova(buf, iova, access)
+    }
+
+    /// Register a buffer with an explicit iova (`ibv_reg_mr_iova`).
+    pub fn register_iova(
+        &self,
+        buf: Buffer,
+        iova: u64,
+        access: AccessFlags,
+    ) -> Result<MemoryRegion> {
+        let info = self.inner.ctx.provider.reg_mr(
+            self.inner.handle,
+            buf.addr(),
+            buf.len() as u64,
+            iova,
+            access,
+        )?;
+        Ok(MemoryRegion {
+            raw: RawMemoryRegion {
+                pd: self.clone(),
+                info,
+            },
+            buf,
+        })
+    }
+
+    /// Register memory this crate does not own.
+    ///
+    /// # Safety
+    /// `[addr, addr+len)` must stay mapped, and must not be freed or reused for anything the
+    /// device may corrupt, until the returned region is dropped (deregistered) and every work
+    /// request using it has completed. Registering with write rights lets peers holding the
+    /// rkey write these bytes at any time.
+    pub unsafe fn register_raw(
+        &self,
+        addr: u64,
+        len: u64,
+        iova: u64,
+        access: AccessFlags,
+    ) -> Result<RawMemoryRegion> {
+        let info = self
+            .inner
+            .ctx
+            .provider
+            .reg_mr(self.inner.handle, addr, len, iova, access)?;
+        Ok(RawMemoryRegion {
+            pd: self.clone(),
+            info,
+        })
+    }
+
+    /// `ibv_alloc_mw`.
+    pub fn alloc_mw(&self, ty: MwType) -> Result<MemoryWindow> {
+        let rkey = self.inner.ctx.provider.alloc_mw(self.inner.handle, ty)?;
+        Ok(MemoryWindow {
+            pd: self.clone(),
+            alloc_rkey: rkey,
+            ty,
+        })
+    }
+
+    /// `ibv_advise_mr` on ODP regions: `(lkey, addr, len)` triples.
+    pub fn advise(&self, advice: u32, flags: u32, sges: &[(u32, u64, u32)]) -> Result<()> {
+        self.inner
+            .ctx
+            .provider
+            .advise_mr(self.inner.handle, advice, flags, sges)
+    }
+}
+
+/// A registration of memory this crate does not own. Deregisters on drop.
+#[derive(Debug)]
+pub struct RawMemoryRegion {
+    pd: ProtectionDomain,
+    info: MrInfo,
+}
+
+impl RawMemoryRegion {
+    /// Local key.
+    pub fn lkey(&self) -> u32 {
+        self.info.lkey
+    }
+    /// Remote key.
+    pub fn rkey(&self) -> u32 {
+        self.info.rkey
+    }
+    /// What the device reports about this MR (page size, entries, pin path...).
+    pub fn info(&self) -> &MrInfo {
+        &self.info
+    }
+    /// Fresh `query_mr` from the device.
+    pub fn query(&self) -> Result<MrInfo> {
+        self.pd.inner.ctx.provider.query_mr(self.info.lkey)
+    }
+    /// The protection domain.
+    pub fn pd(&self) -> &ProtectionDomain {
+        &self.pd
+    }
+    /// `ibv_rereg_mr` changing access rights in place (keys stay). EACCES when the pages were
+    /// pinned read-only and the new rights are writable.
+    pub fn set_access(&mut self, access: AccessFlags) -> Result<()> {
+        self.info = self.pd.inner.ctx.provider.rereg_mr(
+            self.info.lkey,
+            ReregFlags::CHANGE_ACCESS,
+            0,
+            0,
+            0,
+            0,
+            access,
+        )?;
+        Ok(())
+    }
+    /// `ibv_rereg_mr` moving the MR to another PD in place (keys stay).
+    pub fn set_pd(&mut self, pd: &ProtectionDomain) -> Result<()> {
+        self.info = self.pd.inner.ctx.provider.rereg_mr(
+            self.info.lkey,
+            ReregFlags::CHANGE_PD,
+            pd.handle(),
+            0,
+            0,
+            0,
+            AccessFlags::empty(),
+        )?;
+        self.pd = pd.clone();
+        Ok(())
+    }
+    /// A local SGE over `range` (offsets into the MR).
+    pub fn local(&self, range: Range<u64>) -> Result<LocalSlice> {
+        slice_check(&self.info, &range)?;
+        Ok(LocalSlice {
+            addr: self.info.iova + range.start,
+            len: (range.end - range.start) as u32,
+            lkey: self.info.lkey,
+        })
+    }
+    /// A remote descriptor over `range` (offsets into the MR) to hand to a peer.
+    pub fn remote(&self, range: Range<u64>) -> Result<RemoteSlice> {
+        slice_check(&self.info, &range)?;
+        Ok(RemoteSlice {
+            addr: self.info.iova + range.start,
+            len: range.end - range.start,
+            rkey: self.info.rkey,
+        })
+    }
+}
+
+fn slice_check(info: &MrInfo, range: &Range<u64>) -> Result<()> {
+    if range.start > range.end
+        || range.end > info.length
+        || range.end - range.start > u32::MAX as u64
+    {
+        return Err(Error::new(
+            Errno::EINVAL,
+            format!(
+                "slice {}..{} is outside the MR (length {})",
+                range.start, range.end, info.length
+            ),
+        ));
+    }
+    Ok(())
+}
+
+impl Drop for RawMemoryRegion {
+    fn drop(&mut self) {
+        if let Err(e) = self.pd.inner.ctx.provider.dereg_mr(self.info.lkey) {
+            tracing::warn!(error = %e, lkey = self.info.lkey, "dereg_mr failed in drop");
+        }
+    }
+}
+
+/// A registered [`Buffer`], owned by the MR. Dropping it deregisters, then frees the buffer.
+#[derive(Debug)]
+pub struct MemoryRegion {
+    // Field order matters: `raw` (dereg) drops before `buf` (munmap).
+    raw: RawMemoryRegion,
+    buf: Buffer,
+}
+
+impl MemoryRegion {
+    /// Local key.
+    pub fn lkey(&self) -> u32 {
+        self.raw.lkey()
+    }
+    /// Remote key.
+    pub fn rkey(&self) -> u32 {
+        self.raw.rkey()
+    }
+    /// Registration details.
+    pub fn info(&self) -> &MrInfo {
+        self.raw.info()
+    }
+    /// Fresh `query_mr`.
+    pub fn query(&self) -> Result<MrInfo> {
+        self.raw.query()
+    }
+    /// Bytes of the buffer.
+    pub fn as_slice(&self) -> &[u8] {
+        self.buf.as_slice()
+    }
+    /// Bytes of the buffer, mutably (no work request can be in flight while `&mut` is held).
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        self.buf.as_mut_slice()
+    }
+    /// Rights change in place (see [`RawMemoryRegion::set_access`]).
+    pub fn set_access(&mut self, access: AccessFlags) -> Result<()> {
+        self.raw.set_access(access)
+    }
+    /// PD change in place.
+    pub fn set_pd(&mut self, pd: &ProtectionDomain) -> Result<()> {
+        self.raw.set_pd(pd)
+    }
+    /// Local SGE over `range`.
+    pub fn local(&self, range: Range<u64>) -> Result<LocalSlice> {
+        self.raw.local(range)
+    }
+    /// Remote descriptor over `range`.
+    pub fn remote(&self, range: Range<u64>) -> Result<RemoteSlice> {
+        self.raw.remote(range)
+    }
+    /// Deregister and get the buffer back.
+    pub fn deregister(self) -> Buffer {
+        let MemoryRegion { raw, buf } = self;
+        drop(raw);
+        buf
+    }
+}
+
+/// A local scatter/gather element (`struct ibv_sge`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LocalSlice {
+    /// Address in the MR's iova space.
+    pub addr: u64,
+    /// Length.
+    pub len: u32,
+    /// lkey.
+    pub lkey: u32,
+}
+
+/// What a peer needs to RDMA READ/WRITE a range: address, length and rkey.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RemoteSlice {
+    /// Address in the MR's (or window's) iova space.
+    pub addr: u64,
+    /// Length.
+    pub len: u64,
+    /// rkey.
+    pub rkey: u32,
+}
+
+/// A memory window. Deallocated on drop.
+#[derive(Debug)]
+pub struct MemoryWindow {
+    pd: ProtectionDomain,
+    alloc_rkey: u32,
+    ty: MwType,
+}
+
+impl MemoryWindow {
+    /// Current rkey (changes with every bind).
+    pub fn rkey(&self) -> u32 {
+        self.pd
+            .inner
+            .ctx
+            .provider
+            .query_mw(self.alloc_rkey)
+            .map(|i| i.rkey)
+            .unwrap_or(self.alloc_rkey)
+    }
+    /// Window type.
+    pub fn mw_type(&self) -> MwType {
+        self.ty
+    }
+}
+
+impl Drop for MemoryWindow {
+    fn drop(&mut self) {
+        if let Err(e) = self.pd.inner.ctx.provider.dealloc_mw(self.alloc_rkey) {
+            tracing::warn!(error = %e, "dealloc_mw failed in drop");
+        }
+    }
+}

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The full test command (README's second command, run by .ci/run).
+# Installs what the tests need on a fresh Debian 12 machine, then runs format check, clippy
+# and every test. Safe to re-run: installed packages are skipped.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# --- system packages the tests use ---------------------------------------------------------
+# util-linux: setpriv/prlimit (memlock tests drop CAP_IPC_LOCK in a child process)
+# iproute2: network namespaces for two-host tests
+PKGS=(util-linux iproute2 gcc pkg-config)
+missing=()
+for p in "${PKGS[@]}"; do
+  dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  echo "==> installing: ${missing[*]}"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+# --- Rust checks ---------------------------------------------------------------------------
+echo "==> cargo fmt --check"
+cargo fmt --all -- --check
+echo "==> cargo clippy --all-targets -D warnings"
+cargo clippy --workspace --all-targets -- -D warnings
+echo "==> cargo test"
+cargo test --workspace --all-targets -- --test-threads=2
+cargo test --workspace --doc
+echo "==> CLI smoke"
+cargo run -q -p mrkit-cli -- demo >/dev/null
+echo "all tests passed"
