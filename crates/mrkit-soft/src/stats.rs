@@ -1,5 +1,5 @@
 //! Counters and histograms, cheap enough to stay on: relaxed atomic adds on paths that already
-//! make syscalls. Exported per device ([`DeviceStats`]) and per process ([`process`]).
+//! make syscalls. Exported per device ([`RegStats`] in each device) and per process ([`process`]).
 #![forbid(unsafe_code)]
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
