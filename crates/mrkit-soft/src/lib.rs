@@ -28,13 +28,18 @@
 //! ```
 
 pub mod access;
+mod copy;
+pub mod cq;
 pub mod device;
 pub mod error;
 pub mod mem;
 pub mod mr;
 pub mod mw;
+pub mod net;
 pub mod odp;
 pub mod pd;
+pub mod progress;
+pub mod qp;
 pub mod stats;
 pub mod table;
 pub mod wire;
@@ -80,6 +85,8 @@ pub struct DeviceInner {
     /// (reserved with a compare-exchange loop before an MR is published).
     pub(crate) mtt_used: AtomicU64,
     pub(crate) stats: stats::RegStats,
+    /// Data path: CQs, QPs, progress engine (issue 3).
+    pub(crate) dp: progress::DataPath,
 }
 
 /// An opened `mrkit0` device instance (`ibv_context`). Cheap to clone; all clones share the
@@ -93,8 +100,9 @@ impl Context {
     /// Open a device instance with the given limits.
     pub fn open(config: DeviceConfig) -> Context {
         let a = config.attr().clone();
-        Context {
+        let ctx = Context {
             dev: Arc::new(DeviceInner {
+                dp: progress::DataPath::new(),
                 pds: KeyTable::new(1, (1 << 24) - 1, a.max_pd),
                 mrs: KeyTable::new(MR_INDEX.0, MR_INDEX.1, a.max_mr),
                 mws: KeyTable::new(MW_INDEX.0, MW_INDEX.1, a.max_mw),
@@ -102,7 +110,9 @@ impl Context {
                 stats: stats::RegStats::default(),
                 config,
             }),
-        }
+        };
+        net::loopback::attach(ctx.dev.dp.node_id, &ctx.dev);
+        ctx
     }
 
     /// Open with [`DeviceConfig::from_env`]; a malformed `MRKIT_*` variable is an EINVAL error.

@@ -24,15 +24,18 @@
 
 pub mod buffer;
 pub mod provider;
+pub mod qp;
 mod verbs;
 
 pub use buffer::{Buffer, BufferOptions};
 pub use mrkit_soft::mr::{MrInfo, MrKind};
 pub use mrkit_soft::mw::{BindInfo, MwInfo};
+pub use mrkit_soft::qp::{QpCap, QpState};
 pub use mrkit_soft::{
     AccessFlags, DeviceAttr, DeviceConfig, Errno, Error, MwType, Result, StatusModel,
 };
 pub use provider::Provider;
+pub use qp::{QueuePair, WcOpcode, WcStatus, WorkCompletion};
 pub use verbs::{
     Context, LocalSlice, MemoryRegion, MemoryWindow, ProtectionDomain, RawMemoryRegion, RemoteSlice,
 };

@@ -1,0 +1,263 @@
+//! Completion queues and completion channels.
+//!
+//! * A CQ holds up to `cqe` completions. A push into a full CQ is an **overflow**: the CQ is
+//!   marked in error, the async event `CQ_ERR` is raised, and the QP that tried to complete
+//!   moves to ERR (IBA 11.4.2.1). Completions already queued can still be polled.
+//! * Arming (`req_notify_cq`) is one-shot: the next completion (or, solicited-only, the next
+//!   solicited *or error* completion) posts one event on the CQ's channel and disarms.
+//! * A channel is a Condvar-backed queue of CQ numbers with a blocking `get_cq_event`.
+#![forbid(unsafe_code)]
+
+use std::collections::VecDeque;
+use std::sync::atomic::AtomicU32;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+
+/// `enum ibv_wc_status`.
+#[allow(missing_docs)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u32)]
+pub enum WcStatus {
+    Success = 0,
+    LocLenErr = 1,
+    LocQpOpErr = 2,
+    LocEecOpErr = 3,
+    LocProtErr = 4,
+    WrFlushErr = 5,
+    MwBindErr = 6,
+    BadRespErr = 7,
+    LocAccessErr = 8,
+    RemInvReqErr = 9,
+    RemAccessErr = 10,
+    RemOpErr = 11,
+    RetryExcErr = 12,
+    RnrRetryExcErr = 13,
+    LocRddViolErr = 14,
+    RemInvRdReqErr = 15,
+    RemAbortErr = 16,
+    InvEecnErr = 17,
+    InvEecStateErr = 18,
+    FatalErr = 19,
+    RespTimeoutErr = 20,
+    GeneralErr = 21,
+}
+
+impl WcStatus {
+    /// `ibv_wc_status_str`-like name.
+    pub fn name(self) -> &'static str {
+        use WcStatus::*;
+        match self {
+            Success => "SUCCESS",
+            LocLenErr => "LOC_LEN_ERR",
+            LocQpOpErr => "LOC_QP_OP_ERR",
+            LocEecOpErr => "LOC_EEC_OP_ERR",
+            LocProtErr => "LOC_PROT_ERR",
+            WrFlushErr => "WR_FLUSH_ERR",
+            MwBindErr => "MW_BIND_ERR",
+            BadRespErr => "BAD_RESP_ERR",
+            LocAccessErr => "LOC_ACCESS_ERR",
+            RemInvReqErr => "REM_INV_REQ_ERR",
+            RemAccessErr => "REM_ACCESS_ERR",
+            RemOpErr => "REM_OP_ERR",
+            RetryExcErr => "RETRY_EXC_ERR",
+            RnrRetryExcErr => "RNR_RETRY_EXC_ERR",
+            LocRddViolErr => "LOC_RDD_VIOL_ERR",
+            RemInvRdReqErr => "REM_INV_RD_REQ_ERR",
+            RemAbortErr => "REM_ABORT_ERR",
+            InvEecnErr => "INV_EECN_ERR",
+            InvEecStateErr => "INV_EEC_STATE_ERR",
+            FatalErr => "FATAL_ERR",
+            RespTimeoutErr => "RESP_TIMEOUT_ERR",
+            GeneralErr => "GENERAL_ERR",
+        }
+    }
+}
+
+/// `enum ibv_wc_opcode`.
+#[allow(missing_docs)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u32)]
+pub enum WcOpcode {
+    Send = 0,
+    RdmaWrite = 1,
+    RdmaRead = 2,
+    CompSwap = 3,
+    FetchAdd = 4,
+    BindMw = 5,
+    LocalInv = 6,
+    Recv = 128,
+    RecvRdmaWithImm = 129,
+}
+
+/// `IBV_WC_WITH_IMM`.
+pub const WC_WITH_IMM: u32 = 2;
+/// `IBV_WC_WITH_INV`.
+pub const WC_WITH_INV: u32 = 8;
+
+/// A work completion (`struct ibv_wc`). The status is data: an error completion is a value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Wc {
+    /// The WR's id.
+    pub wr_id: u64,
+    /// Status.
+    pub status: WcStatus,
+    /// Opcode (filled on send-side errors too; meaningless on flushed receives).
+    pub opcode: WcOpcode,
+    /// Vendor error (0).
+    pub vendor_err: u32,
+    /// Bytes: send = WR total length; RECV = bytes received; RECV_RDMA_WITH_IMM = RETH length.
+    pub byte_len: u32,
+    /// Immediate data (valid with `WC_WITH_IMM`), or the invalidated rkey (`WC_WITH_INV`).
+    pub imm_data: u32,
+    /// Local QP number.
+    pub qp_num: u32,
+    /// Source QP (receive completions).
+    pub src_qp: u32,
+    /// `WC_WITH_IMM` / `WC_WITH_INV`.
+    pub wc_flags: u32,
+}
+
+/// Why a push failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Overflow;
+
+#[derive(Debug)]
+struct CqState {
+    q: VecDeque<Wc>,
+    cap: usize,
+    overflowed: bool,
+    /// `Some(solicited_only)` when armed.
+    armed: Option<bool>,
+}
+
+/// A completion channel (`ibv_comp_channel`).
+#[derive(Debug, Default)]
+pub struct CompChannel {
+    events: Mutex<VecDeque<u32>>,
+    cond: Condvar,
+}
+
+impl CompChannel {
+    fn post(&self, cqn: u32) {
+        self.events.lock().push_back(cqn);
+        self.cond.notify_all();
+    }
+    /// Block until an event arrives (or `timeout`); returns the CQ number.
+    pub fn get_event(&self, timeout: Option<Duration>) -> Option<u32> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut g = self.events.lock();
+        loop {
+            if let Some(c) = g.pop_front() {
+                return Some(c);
+            }
+            match deadline {
+                Some(d) => {
+                    if self.cond.wait_until(&mut g, d).timed_out() {
+                        return g.pop_front();
+                    }
+                }
+                None => self.cond.wait(&mut g),
+            }
+        }
+    }
+}
+
+/// A completion queue as the device keeps it.
+#[derive(Debug)]
+pub struct CqObject {
+    pub(crate) cqn: u32,
+    state: Mutex<CqState>,
+    /// QPs whose send or receive queue completes here (destroy → EBUSY while > 0).
+    pub(crate) users: AtomicU32,
+    pub(crate) channel: Option<Arc<CompChannel>>,
+    /// Signalled on every push (for blocking polls without a channel).
+    cond: Condvar,
+}
+
+impl CqObject {
+    pub(crate) fn new(cqn: u32, cap: usize, channel: Option<Arc<CompChannel>>) -> CqObject {
+        CqObject {
+            cqn,
+            state: Mutex::new(CqState {
+                q: VecDeque::with_capacity(cap.min(4096)),
+                cap,
+                overflowed: false,
+                armed: None,
+            }),
+            users: AtomicU32::new(0),
+            channel,
+            cond: Condvar::new(),
+        }
+    }
+
+    /// Push one completion. `solicited`: the completion is a receive of a solicited message.
+    pub(crate) fn push(&self, wc: Wc, solicited: bool) -> Result<(), Overflow> {
+        let mut s = self.state.lock();
+        if s.overflowed || s.q.len() >= s.cap {
+            s.overflowed = true;
+            return Err(Overflow);
+        }
+        s.q.push_back(wc);
+        let fire = match s.armed {
+            Some(sol_only) => !sol_only || solicited || wc.status != WcStatus::Success,
+            None => false,
+        };
+        if fire {
+            s.armed = None;
+        }
+        drop(s);
+        self.cond.notify_all();
+        if fire {
+            if let Some(ch) = &self.channel {
+                ch.post(self.cqn);
+            }
+        }
+        Ok(())
+    }
+
+    pub(crate) fn poll(&self, out: &mut Vec<Wc>, max: usize) -> usize {
+        let mut s = self.state.lock();
+        let n = max.min(s.q.len());
+        out.extend(s.q.drain(..n));
+        n
+    }
+
+    pub(crate) fn wait_nonempty(&self, deadline: Instant) -> bool {
+        let mut s = self.state.lock();
+        while s.q.is_empty() {
+            if self.cond.wait_until(&mut s, deadline).timed_out() {
+                return !s.q.is_empty();
+            }
+        }
+        true
+    }
+
+    pub(crate) fn arm(&self, solicited_only: bool) {
+        let mut s = self.state.lock();
+        // A second arm without solicited-only widens the condition.
+        s.armed = Some(match s.armed {
+            Some(prev) => prev && solicited_only,
+            None => solicited_only,
+        });
+    }
+
+    pub(crate) fn len_cap(&self) -> (usize, usize) {
+        let s = self.state.lock();
+        (s.q.len(), s.cap)
+    }
+
+    pub(crate) fn overflowed(&self) -> bool {
+        self.state.lock().overflowed
+    }
+
+    pub(crate) fn resize(&self, cap: usize) -> Result<(), usize> {
+        let mut s = self.state.lock();
+        if cap < s.q.len() {
+            return Err(s.q.len());
+        }
+        s.cap = cap;
+        Ok(())
+    }
+}

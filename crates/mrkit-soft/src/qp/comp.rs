@@ -1,0 +1,323 @@
+//! Completer: responses (ACK, NAK, RNR NAK, read responses, atomic ACKs) → WQE completions
+//! (sans-IO). Handles coalesced ACKs, RNR back-off, PSN-sequence NAK and timeout retries
+//! (go-back-N through [`Requester::rewind`](super::req::Requester::rewind)), scatters READ
+//! data and atomic results into local SGEs (LOCAL_WRITE required) and maps NAK codes to
+//! completion statuses (roce.md §3.8).
+#![forbid(unsafe_code)]
+
+use std::time::{Duration, Instant};
+
+use super::req::{for_pieces, Requester, SendQueue, WqeSt};
+use super::{Out, QpCtx, WrOpcode};
+use crate::access::AccessFlags;
+use crate::cq::{Wc, WcStatus};
+use crate::mr::AccessDenied;
+use crate::mr::KeyUse;
+use crate::net::{Payload, Pkt};
+use crate::wire::{
+    local_ack_timeout, psn_add, psn_cmp, psn_diff, rnr_timer_to_duration, NakCode, Opcode, Syndrome,
+};
+
+/// Completer state.
+#[derive(Debug)]
+pub(crate) struct Completer {
+    /// Oldest unacknowledged PSN.
+    pub comp_psn: u32,
+    retry_cnt: u8,
+    rnr_retry: u8,
+    retry_left: u8,
+    rnr_left: u8,
+    timeout: Option<Duration>,
+    last_activity: Instant,
+    rnr_until: Option<Instant>,
+    rewind: Option<u32>,
+}
+
+/// Requester status for a NAK code.
+pub fn nak_status(code: NakCode) -> WcStatus {
+    match code {
+        NakCode::InvalidRequest => WcStatus::RemInvReqErr,
+        NakCode::RemoteAccessError => WcStatus::RemAccessErr,
+        _ => WcStatus::RemOpErr,
+    }
+}
+
+impl Completer {
+    pub(crate) fn new(now: Instant) -> Completer {
+        Completer {
+            comp_psn: 0,
+            retry_cnt: 7,
+            rnr_retry: 7,
+            retry_left: 7,
+            rnr_left: 7,
+            timeout: local_ack_timeout(14),
+            last_activity: now,
+            rnr_until: None,
+            rewind: None,
+        }
+    }
+
+    pub(crate) fn start(&mut self, psn: u32, retry: u8, rnr: u8, timeout: u8, now: Instant) {
+        self.comp_psn = psn;
+        self.set_limits(retry, rnr, timeout);
+        self.retry_left = retry;
+        self.rnr_left = rnr;
+        self.last_activity = now;
+    }
+
+    pub(crate) fn set_limits(&mut self, retry: u8, rnr: u8, timeout: u8) {
+        self.retry_cnt = retry;
+        self.rnr_retry = rnr;
+        self.timeout = local_ack_timeout(timeout);
+    }
+
+    pub(crate) fn mark_activity(&mut self, now: Instant) {
+        self.last_activity = now;
+    }
+
+    pub(crate) fn rnr_pending(&self) -> bool {
+        self.rnr_until.is_some()
+    }
+
+    /// A pending rewind once its RNR delay (if any) has passed.
+    pub(crate) fn take_rewind(&mut self, now: Instant) -> Option<u32> {
+        if let Some(t) = self.rnr_until {
+            if now < t {
+                return None;
+            }
+            self.rnr_until = None;
+        }
+        self.rewind.take()
+    }
+
+    fn ack_before(&mut self, sq: &mut SendQueue, psn: u32, inclusive: bool) {
+        for w in sq.q.iter_mut() {
+            if w.st != WqeSt::Wait {
+                if matches!(w.st, WqeSt::Done(_)) {
+                    continue;
+                }
+                break;
+            }
+            let c = psn_cmp(w.last_psn, psn);
+            let covered = if inclusive { c.is_le() } else { c.is_lt() };
+            if !covered {
+                break;
+            }
+            if w.wr.opcode.is_rd_atomic() {
+                break; // its responses are missing: left to the retry timer
+            }
+            w.st = WqeSt::Done(WcStatus::Success);
+        }
+    }
+
+    fn advance(&mut self, psn: u32) {
+        let next = psn_add(psn, 1);
+        if psn_cmp(next, self.comp_psn).is_gt() {
+            self.comp_psn = next;
+        }
+        self.retry_left = self.retry_cnt;
+        self.rnr_left = self.rnr_retry;
+    }
+
+    fn fail(sq: &mut SendQueue, psn: Option<u32>, status: WcStatus, out: &mut Out) {
+        let idx = psn
+            .and_then(|p| sq.q.iter().position(|w| w.contains(p)))
+            .or_else(|| sq.q.iter().position(|w| !matches!(w.st, WqeSt::Done(_))));
+        if let Some(i) = idx {
+            sq.q[i].st = WqeSt::Done(status);
+        }
+        out.error = true;
+    }
+
+    /// Process one response packet.
+    pub(crate) fn on_response(
+        &mut self,
+        q: &QpCtx<'_>,
+        sq: &mut SendQueue,
+        _req: &mut Requester,
+        p: Pkt,
+        now: Instant,
+        out: &mut Out,
+    ) {
+        let psn = p.bth.psn;
+        self.last_activity = now;
+        match p.bth.opcode {
+            Opcode::Acknowledge => {
+                let Some(aeth) = p.ext.aeth else { return };
+                match aeth.kind() {
+                    Syndrome::Ack { .. } => {
+                        self.ack_before(sq, psn, true);
+                        self.advance(psn);
+                    }
+                    Syndrome::RnrNak { timer } => {
+                        self.ack_before(sq, psn, false);
+                        if self.rnr_left == 0 {
+                            Self::fail(sq, Some(psn), WcStatus::RnrRetryExcErr, out);
+                            return;
+                        }
+                        if self.rnr_left != 7 {
+                            self.rnr_left -= 1;
+                        }
+                        self.rnr_until = Some(now + rnr_timer_to_duration(timer));
+                        self.rewind = Some(psn);
+                        self.comp_psn = psn;
+                    }
+                    Syndrome::Nak(NakCode::PsnSequenceError) => {
+                        self.ack_before(sq, psn, false);
+                        if self.rewind.is_some() || self.rnr_until.is_some() {
+                            return; // a retry is already under way
+                        }
+                        if self.retry_left == 0 {
+                            Self::fail(sq, Some(psn), WcStatus::RetryExcErr, out);
+                            return;
+                        }
+                        if self.retry_left != 7 {
+                            self.retry_left -= 1;
+                        }
+                        self.comp_psn = psn;
+                        self.rewind = Some(psn);
+                    }
+                    Syndrome::Nak(code) => {
+                        self.ack_before(sq, psn, false);
+                        Self::fail(sq, Some(psn), nak_status(code), out);
+                    }
+                    Syndrome::Reserved(_) => {}
+                }
+            }
+            Opcode::RdmaReadResponseFirst
+            | Opcode::RdmaReadResponseMiddle
+            | Opcode::RdmaReadResponseLast
+            | Opcode::RdmaReadResponseOnly => {
+                self.ack_before(sq, psn, false);
+                let Some(i) = sq.q.iter().position(|w| !matches!(w.st, WqeSt::Done(_))) else {
+                    return;
+                };
+                let w = &mut sq.q[i];
+                if w.wr.opcode != WrOpcode::RdmaRead || w.st != WqeSt::Wait || !w.contains(psn) {
+                    return; // duplicate or stray response
+                }
+                let k = psn_diff(psn, w.first_psn) as u32;
+                if k != w.sent {
+                    return; // gap: wait for the retry
+                }
+                let off = u64::from(k) * q.mtu as u64;
+                let n = p.payload.len() as u64;
+                let r = scatter(q, &w.wr.sg_list, off, n, &p.payload);
+                if r.is_err() {
+                    w.st = WqeSt::Done(WcStatus::LocProtErr);
+                    out.error = true;
+                    return;
+                }
+                w.sent += 1;
+                self.advance(psn);
+                if psn == w.last_psn {
+                    w.st = WqeSt::Done(WcStatus::Success);
+                }
+            }
+            Opcode::AtomicAcknowledge => {
+                self.ack_before(sq, psn, false);
+                let Some(i) = sq.q.iter().position(|w| !matches!(w.st, WqeSt::Done(_))) else {
+                    return;
+                };
+                let w = &mut sq.q[i];
+                if !w.wr.opcode.is_rd_atomic() || w.st != WqeSt::Wait || w.first_psn != psn {
+                    return;
+                }
+                let orig = p.ext.atomic_ack_eth.map(|a| a.orig).unwrap_or(0);
+                let r = scatter(
+                    q,
+                    &w.wr.sg_list,
+                    0,
+                    8,
+                    &Payload::Bytes(orig.to_ne_bytes().to_vec()),
+                );
+                self.advance(psn);
+                w.st = WqeSt::Done(if r.is_ok() {
+                    WcStatus::Success
+                } else {
+                    out.error = true;
+                    WcStatus::LocProtErr
+                });
+            }
+            _ => {}
+        }
+    }
+
+    /// Retransmit timer: with outstanding PSNs and no response for `timeout`, retry from
+    /// `comp_psn`; after `retry_cnt` retries complete with RETRY_EXC_ERR.
+    pub(crate) fn tick(
+        &mut self,
+        _q: &QpCtx<'_>,
+        sq: &mut SendQueue,
+        _req: &mut Requester,
+        now: Instant,
+        out: &mut Out,
+    ) {
+        let Some(t) = self.timeout else { return };
+        if self.rnr_until.is_some() || self.rewind.is_some() {
+            return;
+        }
+        let outstanding =
+            sq.q.iter()
+                .any(|w| matches!(w.st, WqeSt::Wait | WqeSt::Sending));
+        if !outstanding || now.duration_since(self.last_activity) < t {
+            return;
+        }
+        self.last_activity = now;
+        if self.retry_left == 0 {
+            Self::fail(sq, None, WcStatus::RetryExcErr, out);
+            return;
+        }
+        if self.retry_left != 7 {
+            self.retry_left -= 1;
+        }
+        self.rewind = Some(self.comp_psn);
+    }
+
+    /// Pop finished WQEs from the head, in order, into completions (error completions always;
+    /// successful ones when signaled or `sq_sig_all`).
+    pub(crate) fn drain_done(
+        &mut self,
+        qpn: u32,
+        sig_all: bool,
+        sq: &mut SendQueue,
+        _req: &mut Requester,
+        wcs: &mut Vec<Wc>,
+    ) {
+        while let Some(WqeSt::Done(status)) = sq.q.front().map(|w| w.st) {
+            let w = sq.q.pop_front().expect("front exists");
+            sq.cursor = sq.cursor.saturating_sub(1);
+            if status != WcStatus::Success
+                || sig_all
+                || w.wr.flags & super::send_flags::SIGNALED != 0
+            {
+                wcs.push(w.wc(qpn, status));
+            }
+        }
+    }
+}
+
+/// Write `n` payload bytes into the local SGEs at message offset `off` (LOCAL_WRITE needed).
+pub(crate) fn scatter(
+    q: &QpCtx<'_>,
+    sges: &[super::Sge],
+    off: u64,
+    n: u64,
+    payload: &Payload,
+) -> Result<(), AccessDenied> {
+    let mut poff = 0usize;
+    for_pieces(sges, off, n, |s, soff, len| {
+        let g = q.ctx.check_access(
+            s.lkey,
+            q.pd,
+            AccessFlags::LOCAL_WRITE,
+            s.addr.wrapping_add(soff),
+            len,
+            KeyUse::Local,
+            q.qpn,
+        )?;
+        payload.copy_to(poff, &g, 0, len as usize);
+        poff += len as usize;
+        Ok(())
+    })
+}

@@ -1,0 +1,1016 @@
+//! RC queue pairs: creation, the modify state machine, posting, and the per-QP run loop that
+//! drives the three sans-IO engines ([`req`], [`resp`], [`comp`]).
+#![forbid(unsafe_code)]
+
+pub mod comp;
+pub mod req;
+pub mod resp;
+pub mod state;
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use parking_lot::Mutex;
+
+use crate::access::AccessFlags;
+use crate::cq::{CqObject, Wc, WcOpcode, WcStatus};
+use crate::device::StatusModel;
+use crate::error::{err, Error, Result};
+use crate::mw::BindInfo;
+use crate::net::Pkt;
+use crate::pd::PdObject;
+use crate::progress::AsyncEvent;
+use crate::wire::PSN_MASK;
+use crate::Context;
+
+pub use state::{attr_mask, QpState};
+
+/// `enum ibv_wr_opcode` (RC subset).
+#[allow(missing_docs)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u32)]
+pub enum WrOpcode {
+    RdmaWrite = 0,
+    RdmaWriteWithImm = 1,
+    Send = 2,
+    SendWithImm = 3,
+    RdmaRead = 4,
+    AtomicCmpAndSwp = 5,
+    AtomicFetchAndAdd = 6,
+    LocalInv = 7,
+    BindMw = 8,
+    SendWithInv = 9,
+}
+
+impl WrOpcode {
+    fn is_atomic(self) -> bool {
+        matches!(
+            self,
+            WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd
+        )
+    }
+    fn is_rd_atomic(self) -> bool {
+        self.is_atomic() || self == WrOpcode::RdmaRead
+    }
+    fn is_local(self) -> bool {
+        matches!(self, WrOpcode::LocalInv | WrOpcode::BindMw)
+    }
+    pub(crate) fn wc_opcode(self) -> WcOpcode {
+        match self {
+            WrOpcode::Send | WrOpcode::SendWithImm | WrOpcode::SendWithInv => WcOpcode::Send,
+            WrOpcode::RdmaWrite | WrOpcode::RdmaWriteWithImm => WcOpcode::RdmaWrite,
+            WrOpcode::RdmaRead => WcOpcode::RdmaRead,
+            WrOpcode::AtomicCmpAndSwp => WcOpcode::CompSwap,
+            WrOpcode::AtomicFetchAndAdd => WcOpcode::FetchAdd,
+            WrOpcode::LocalInv => WcOpcode::LocalInv,
+            WrOpcode::BindMw => WcOpcode::BindMw,
+        }
+    }
+}
+
+/// `enum ibv_send_flags`.
+pub mod send_flags {
+    /// Wait for earlier READ/atomics to complete first.
+    pub const FENCE: u32 = 1;
+    /// Generate a completion on success.
+    pub const SIGNALED: u32 = 2;
+    /// Set SE on the last packet (the receiver's solicited-only arm fires).
+    pub const SOLICITED: u32 = 4;
+    /// Copy the gather list at post time (no lkey check).
+    pub const INLINE: u32 = 8;
+}
+
+/// A scatter/gather element (`struct ibv_sge`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Sge {
+    /// Address in the MR's iova space.
+    pub addr: u64,
+    /// Length.
+    pub length: u32,
+    /// lkey.
+    pub lkey: u32,
+}
+
+/// What a BIND_MW work request binds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BindWr {
+    /// The window's current rkey.
+    pub mw_rkey: u32,
+    /// The new 8-bit key (low byte of the new rkey).
+    pub new_key: u8,
+    /// MR, range and rights.
+    pub info: BindInfo,
+}
+
+/// A send work request (`struct ibv_send_wr`, RC fields).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SendWr {
+    /// Returned in the completion.
+    pub wr_id: u64,
+    /// Operation.
+    pub opcode: WrOpcode,
+    /// [`send_flags`] bits.
+    pub flags: u32,
+    /// Gather list (READ/atomic: where the device writes the result).
+    pub sg_list: Vec<Sge>,
+    /// Immediate data (`*_WITH_IMM`).
+    pub imm_data: u32,
+    /// rkey to invalidate (SEND_WITH_INV, LOCAL_INV).
+    pub invalidate_rkey: u32,
+    /// Remote address (RDMA and atomics).
+    pub remote_addr: u64,
+    /// Remote key.
+    pub rkey: u32,
+    /// Compare (CMP_AND_SWP) or addend (FETCH_AND_ADD).
+    pub compare_add: u64,
+    /// Swap value.
+    pub swap: u64,
+    /// BIND_MW parameters.
+    pub bind: Option<BindWr>,
+    /// With [`send_flags::INLINE`]: the message bytes (copied at post time; the gather list is
+    /// ignored and no lkey is checked, as IBA specifies for inline data).
+    pub inline_data: Vec<u8>,
+}
+
+impl SendWr {
+    /// A signaled WR with everything else zero.
+    pub fn new(wr_id: u64, opcode: WrOpcode) -> SendWr {
+        SendWr {
+            wr_id,
+            opcode,
+            flags: send_flags::SIGNALED,
+            sg_list: Vec::new(),
+            imm_data: 0,
+            invalidate_rkey: 0,
+            remote_addr: 0,
+            rkey: 0,
+            compare_add: 0,
+            swap: 0,
+            bind: None,
+            inline_data: Vec::new(),
+        }
+    }
+    /// Builder: gather list.
+    pub fn sge(mut self, addr: u64, length: u32, lkey: u32) -> SendWr {
+        self.sg_list.push(Sge { addr, length, lkey });
+        self
+    }
+    /// Builder: remote address and key.
+    pub fn remote(mut self, addr: u64, rkey: u32) -> SendWr {
+        self.remote_addr = addr;
+        self.rkey = rkey;
+        self
+    }
+    /// Builder: replace the flags.
+    pub fn flags(mut self, flags: u32) -> SendWr {
+        self.flags = flags;
+        self
+    }
+    /// Builder: immediate data.
+    pub fn imm(mut self, imm: u32) -> SendWr {
+        self.imm_data = imm;
+        self
+    }
+    fn total_len(&self) -> u64 {
+        if self.flags & send_flags::INLINE != 0 {
+            return self.inline_data.len() as u64;
+        }
+        self.sg_list.iter().map(|s| u64::from(s.length)).sum()
+    }
+}
+
+/// A receive work request.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct RecvWr {
+    /// Returned in the completion.
+    pub wr_id: u64,
+    /// Scatter list.
+    pub sg_list: Vec<Sge>,
+}
+
+/// A post failed at WR `bad_wr` (earlier WRs were posted).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("work request {bad_wr}: {error}")]
+pub struct PostError {
+    /// Index of the failing WR.
+    pub bad_wr: usize,
+    /// Why.
+    pub error: Error,
+}
+
+/// Queue capacities (`struct ibv_qp_cap`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QpCap {
+    /// Send queue depth.
+    pub max_send_wr: u32,
+    /// Receive queue depth.
+    pub max_recv_wr: u32,
+    /// SGEs per send WR.
+    pub max_send_sge: u32,
+    /// SGEs per receive WR.
+    pub max_recv_sge: u32,
+    /// Inline bytes per send WR (≤ 512).
+    pub max_inline_data: u32,
+}
+
+impl Default for QpCap {
+    fn default() -> Self {
+        QpCap {
+            max_send_wr: 128,
+            max_recv_wr: 128,
+            max_send_sge: 4,
+            max_recv_sge: 4,
+            max_inline_data: 64,
+        }
+    }
+}
+
+/// `struct ibv_qp_init_attr` for an RC QP.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QpInitAttr {
+    /// Protection domain.
+    pub pd: u32,
+    /// CQ for send completions.
+    pub send_cq: u32,
+    /// CQ for receive completions.
+    pub recv_cq: u32,
+    /// Capacities.
+    pub cap: QpCap,
+    /// Signal every send WR.
+    pub sq_sig_all: bool,
+}
+
+/// Address vector: on the loopback link, the destination device instance.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct AddressVector {
+    /// Destination node ([`Context::node_id`] of the peer).
+    pub dest_node: u64,
+    /// Port (must be 1).
+    pub port_num: u8,
+}
+
+/// `struct ibv_qp_attr` (RC fields).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QpAttr {
+    /// Target / current state.
+    pub qp_state: u32,
+    /// Current state (with IBV_QP_CUR_STATE).
+    pub cur_qp_state: u32,
+    /// Raise SQ_DRAINED when SQD drains.
+    pub en_sqd_async_notify: bool,
+    /// REMOTE_WRITE / REMOTE_READ / REMOTE_ATOMIC the QP allows.
+    pub qp_access_flags: AccessFlags,
+    /// P_Key index.
+    pub pkey_index: u16,
+    /// Port (1).
+    pub port_num: u8,
+    /// Address vector.
+    pub ah_attr: AddressVector,
+    /// `IBV_MTU_*` (1=256 .. 5=4096).
+    pub path_mtu: u8,
+    /// Local ACK timeout exponent (0 = none).
+    pub timeout: u8,
+    /// Transport retries (7 = infinite).
+    pub retry_cnt: u8,
+    /// RNR retries (7 = infinite).
+    pub rnr_retry: u8,
+    /// Expected receive PSN.
+    pub rq_psn: u32,
+    /// Outstanding READ/atomics as requester (rounded up to a power of two).
+    pub max_rd_atomic: u32,
+    /// RNR timer code this side puts in its RNR NAKs (0..=31).
+    pub min_rnr_timer: u8,
+    /// Initial send PSN.
+    pub sq_psn: u32,
+    /// Responder resources (rounded up to a power of two; 0 disables incoming READ/atomics).
+    pub max_dest_rd_atomic: u32,
+    /// Peer QP number.
+    pub dest_qp_num: u32,
+    /// Capacities (IBV_QP_CAP).
+    pub cap: QpCap,
+}
+
+impl Default for QpAttr {
+    fn default() -> Self {
+        QpAttr {
+            qp_state: 0,
+            cur_qp_state: 0,
+            en_sqd_async_notify: false,
+            qp_access_flags: AccessFlags::empty(),
+            pkey_index: 0,
+            port_num: 1,
+            ah_attr: AddressVector::default(),
+            path_mtu: 5,
+            timeout: 14,
+            retry_cnt: 7,
+            rnr_retry: 7,
+            rq_psn: 0,
+            max_rd_atomic: 16,
+            min_rnr_timer: 1,
+            sq_psn: 0,
+            max_dest_rd_atomic: 16,
+            dest_qp_num: 0,
+            cap: QpCap::default(),
+        }
+    }
+}
+
+/// A posted receive.
+#[derive(Debug, Clone)]
+pub(crate) struct RecvWqe {
+    pub wr_id: u64,
+    pub sges: Vec<Sge>,
+}
+
+/// Everything the engines need to know about their QP for one run.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct QpCtx<'a> {
+    pub ctx: &'a Context,
+    pub qpn: u32,
+    pub pd: u32,
+    pub mtu: usize,
+    pub dest_qpn: u32,
+    pub dest_node: u64,
+    pub src_node: u64,
+    pub access: AccessFlags,
+    pub max_rd_atomic: u32,
+    pub max_dest_rd_atomic: u32,
+    pub min_rnr_timer: u8,
+    pub model: StatusModel,
+    pub state: QpState,
+}
+
+/// Outputs of one engine run.
+#[derive(Debug, Default)]
+pub(crate) struct Out {
+    pub pkts: Vec<Pkt>,
+    /// Receive completions with their solicited flag.
+    pub recv_wcs: Vec<(Wc, bool)>,
+    /// The QP must move to ERR (after the completions above).
+    pub error: bool,
+    pub events: Vec<AsyncEvent>,
+}
+
+pub(crate) struct QpInner {
+    pub attr: QpAttr,
+    pub state: QpState,
+    pub sq: req::SendQueue,
+    pub rq: VecDeque<RecvWqe>,
+    pub req: req::Requester,
+    pub comp: comp::Completer,
+    pub resp: resp::Responder,
+    pub destroyed: bool,
+    pub sqd_notified: bool,
+}
+
+/// A QP as the device keeps it.
+pub(crate) struct QpObject {
+    pub qpn: u32,
+    pub pd: Arc<PdObject>,
+    pub send_cq: Arc<CqObject>,
+    pub recv_cq: Arc<CqObject>,
+    pub sq_sig_all: bool,
+    pub inbox: Mutex<Vec<Pkt>>,
+    pub scheduled: AtomicBool,
+    pub inner: Mutex<QpInner>,
+}
+
+impl std::fmt::Debug for QpObject {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("QpObject").field("qpn", &self.qpn).finish()
+    }
+}
+
+fn pow2(v: u32) -> u32 {
+    if v == 0 {
+        0
+    } else {
+        v.next_power_of_two()
+    }
+}
+
+impl QpObject {
+    /// One run: process the inbox, timers and the send queue; push completions; hand back the
+    /// packets to send. Returns (packets, whether timers still need ticks).
+    pub(crate) fn run(&self, ctx: &Context, now: Instant) -> (Vec<Pkt>, bool) {
+        let inbox = std::mem::take(&mut *self.inbox.lock());
+        let mut g = self.inner.lock();
+        let st = &mut *g;
+        if st.destroyed {
+            return (Vec::new(), false);
+        }
+        let q = QpCtx {
+            ctx,
+            qpn: self.qpn,
+            pd: self.pd.handle,
+            mtu: 128usize << st.attr.path_mtu.clamp(1, 5),
+            dest_qpn: st.attr.dest_qp_num,
+            dest_node: st.attr.ah_attr.dest_node,
+            src_node: ctx.dev.dp.node_id,
+            access: st.attr.qp_access_flags,
+            max_rd_atomic: st.attr.max_rd_atomic,
+            max_dest_rd_atomic: st.attr.max_dest_rd_atomic,
+            min_rnr_timer: st.attr.min_rnr_timer,
+            model: ctx.dev.config.model(),
+            state: st.state,
+        };
+        let mut out = Out::default();
+        for p in inbox {
+            if st.state == QpState::Err || out.error {
+                break; // a QP in ERR drops every incoming packet
+            }
+            if p.bth.opcode.info().is_response() {
+                if matches!(st.state, QpState::Rts | QpState::Sqd) {
+                    st.comp
+                        .on_response(&q, &mut st.sq, &mut st.req, p, now, &mut out);
+                }
+            } else if matches!(st.state, QpState::Rtr | QpState::Rts | QpState::Sqd) {
+                st.resp.on_request(&q, &mut st.rq, p, &mut out);
+            }
+        }
+        if !out.error && matches!(st.state, QpState::Rts | QpState::Sqd) {
+            st.comp.tick(&q, &mut st.sq, &mut st.req, now, &mut out);
+            st.req.step(&q, &mut st.sq, &mut st.comp, now, &mut out);
+        }
+        // Completions, in order.
+        let mut send_wcs: Vec<Wc> = Vec::new();
+        st.comp.drain_done(
+            self.qpn,
+            self.sq_sig_all,
+            &mut st.sq,
+            &mut st.req,
+            &mut send_wcs,
+        );
+        if out.error {
+            st.state = QpState::Err;
+        }
+        if st.state == QpState::Err {
+            // Flush: every remaining send WQE, then every receive WQE.
+            for w in st.sq.q.drain(..) {
+                send_wcs.push(w.flush_wc(self.qpn));
+            }
+            st.sq.cursor = 0;
+            st.req.reset_flow();
+            for r in st.rq.drain(..) {
+                out.recv_wcs.push((
+                    Wc {
+                        wr_id: r.wr_id,
+                        status: WcStatus::WrFlushErr,
+                        opcode: WcOpcode::Recv,
+                        vendor_err: 0,
+                        byte_len: 0,
+                        imm_data: 0,
+                        qp_num: self.qpn,
+                        src_qp: 0,
+                        wc_flags: 0,
+                    },
+                    false,
+                ));
+            }
+        }
+        let mut overflow = None;
+        for wc in send_wcs {
+            if self.send_cq.push(wc, false).is_err() {
+                overflow = Some(self.send_cq.cqn);
+            }
+        }
+        for (wc, sol) in std::mem::take(&mut out.recv_wcs) {
+            if self.recv_cq.push(wc, sol).is_err() {
+                overflow = Some(self.recv_cq.cqn);
+            }
+        }
+        if let Some(cqn) = overflow {
+            out.events.push(AsyncEvent::CqErr { cqn });
+            if st.state != QpState::Err {
+                st.state = QpState::Err;
+                out.events.push(AsyncEvent::QpFatal { qpn: self.qpn });
+                // Flush what is left (into the full CQ: those completions are lost, as on
+                // hardware after a CQ overrun).
+                for w in st.sq.q.drain(..) {
+                    let _ = self.send_cq.push(w.flush_wc(self.qpn), false);
+                }
+                st.sq.cursor = 0;
+                st.rq.clear();
+            }
+        }
+        if st.state == QpState::Sqd && !st.sqd_notified && st.sq.outstanding() == 0 {
+            st.sqd_notified = true;
+            if st.attr.en_sqd_async_notify {
+                out.events.push(AsyncEvent::SqDrained { qpn: self.qpn });
+            }
+        }
+        let needs_tick = st.state == QpState::Rts && st.sq.cursor > 0
+            || st.comp.rnr_pending()
+            || (st.state == QpState::Rts && st.sq.cursor < st.sq.q.len());
+        drop(g);
+        for e in out.events {
+            ctx.dev.dp.raise(e);
+        }
+        (out.pkts, needs_tick)
+    }
+}
+
+impl Context {
+    /// This device instance's node id on the loopback link (put it in a peer's
+    /// [`AddressVector::dest_node`]).
+    pub fn node_id(&self) -> u64 {
+        self.dev.dp.node_id
+    }
+
+    fn qp(&self, qpn: u32) -> Result<Arc<QpObject>> {
+        self.dev
+            .dp
+            .qps
+            .read()
+            .get(&qpn)
+            .cloned()
+            .ok_or_else(|| err!(EINVAL, "QP {qpn} does not exist"))
+    }
+
+    /// `ibv_create_qp` (RC). EINVAL for caps above the device limits (queue depth ≤ max_qp_wr,
+    /// SGEs ≤ max_sge, inline ≤ 512), an unknown PD or CQ; ENOMEM when max_qp QPs exist.
+    /// Returns the QP number and the actual caps.
+    pub fn create_qp(&self, init: QpInitAttr) -> Result<(u32, QpCap)> {
+        let a = self.dev.config.attr();
+        let c = init.cap;
+        if c.max_send_wr > a.max_qp_wr || c.max_recv_wr > a.max_qp_wr {
+            return Err(err!(
+                EINVAL,
+                "queue depth {}/{} exceeds max_qp_wr {}",
+                c.max_send_wr,
+                c.max_recv_wr,
+                a.max_qp_wr
+            ));
+        }
+        if c.max_send_sge > a.max_sge || c.max_recv_sge > a.max_sge {
+            return Err(err!(
+                EINVAL,
+                "SGE count {}/{} exceeds max_sge {}",
+                c.max_send_sge,
+                c.max_recv_sge,
+                a.max_sge
+            ));
+        }
+        if c.max_inline_data > a.max_inline_data {
+            return Err(err!(
+                EINVAL,
+                "max_inline_data {} exceeds the device's {}",
+                c.max_inline_data,
+                a.max_inline_data
+            ));
+        }
+        let pd = self.pd(init.pd)?;
+        let send_cq = self.cq(init.send_cq)?;
+        let recv_cq = self.cq(init.recv_cq)?;
+        let dp = &self.dev.dp;
+        if dp.qps.read().len() as u32 >= a.max_qp {
+            return Err(err!(ENOMEM, "max_qp ({}) QPs exist; destroy one", a.max_qp));
+        }
+        let qpn = dp.alloc_qpn();
+        pd.get();
+        send_cq.users.fetch_add(1, Ordering::AcqRel);
+        recv_cq.users.fetch_add(1, Ordering::AcqRel);
+        let cap = QpCap {
+            max_send_wr: c.max_send_wr.max(1),
+            max_recv_wr: c.max_recv_wr.max(1),
+            ..c
+        };
+        let attr = QpAttr {
+            cap,
+            ..QpAttr::default()
+        };
+        let obj = Arc::new(QpObject {
+            qpn,
+            pd,
+            send_cq,
+            recv_cq,
+            sq_sig_all: init.sq_sig_all,
+            inbox: Mutex::new(Vec::new()),
+            scheduled: AtomicBool::new(false),
+            inner: Mutex::new(QpInner {
+                attr,
+                state: QpState::Reset,
+                sq: req::SendQueue::default(),
+                rq: VecDeque::new(),
+                req: req::Requester::default(),
+                comp: comp::Completer::new(Instant::now()),
+                resp: resp::Responder::default(),
+                destroyed: false,
+                sqd_notified: false,
+            }),
+        });
+        dp.qps.write().insert(qpn, obj);
+        dp.ensure_thread(&self.dev);
+        Ok((qpn, cap))
+    }
+
+    /// `ibv_destroy_qp`: outstanding WRs are discarded without completions; after this
+    /// returns the device never processes the QP again.
+    pub fn destroy_qp(&self, qpn: u32) -> Result<()> {
+        let q = self
+            .dev
+            .dp
+            .qps
+            .write()
+            .remove(&qpn)
+            .ok_or_else(|| err!(EINVAL, "QP {qpn} does not exist"))?;
+        {
+            let mut g = q.inner.lock();
+            g.destroyed = true;
+            g.sq.q.clear();
+            g.rq.clear();
+            g.resp.reset(0);
+        }
+        q.inbox.lock().clear();
+        q.send_cq.users.fetch_sub(1, Ordering::AcqRel);
+        q.recv_cq.users.fetch_sub(1, Ordering::AcqRel);
+        q.pd.put();
+        Ok(())
+    }
+
+    /// `ibv_query_qp`: the attributes and the current state (in `qp_state`/`cur_qp_state`).
+    pub fn query_qp(&self, qpn: u32) -> Result<QpAttr> {
+        let q = self.qp(qpn)?;
+        let g = q.inner.lock();
+        let mut a = g.attr;
+        a.qp_state = g.state as u32;
+        a.cur_qp_state = g.state as u32;
+        Ok(a)
+    }
+
+    /// Current state.
+    pub fn qp_state(&self, qpn: u32) -> Result<QpState> {
+        Ok(self.qp(qpn)?.inner.lock().state)
+    }
+
+    /// `ibv_modify_qp` with the RC table and attribute rules of `docs/semantics.md` §8.
+    pub fn modify_qp(&self, qpn: u32, attr: &QpAttr, mask: u32) -> Result<()> {
+        use attr_mask as m;
+        let q = self.qp(qpn)?;
+        let mut g = q.inner.lock();
+        let cur = g.state;
+        let to = state::check_modify(cur, mask, attr.qp_state)?;
+        let dev = self.dev.config.attr();
+        if mask & m::CUR_STATE != 0 && attr.cur_qp_state != cur as u32 {
+            return Err(err!(
+                EINVAL,
+                "cur_qp_state {} does not match the QP's state {:?}",
+                attr.cur_qp_state,
+                cur
+            ));
+        }
+        if mask & m::PORT != 0 && attr.port_num != 1 {
+            return Err(err!(
+                EINVAL,
+                "port {} does not exist (mrkit0 has port 1)",
+                attr.port_num
+            ));
+        }
+        if mask & m::AV != 0 && attr.ah_attr.port_num > 1 {
+            return Err(err!(
+                EINVAL,
+                "address vector names port {}",
+                attr.ah_attr.port_num
+            ));
+        }
+        if mask & m::PKEY_INDEX != 0 && attr.pkey_index >= dev.max_pkeys {
+            return Err(err!(
+                EINVAL,
+                "pkey_index {} >= max_pkeys {}",
+                attr.pkey_index,
+                dev.max_pkeys
+            ));
+        }
+        if mask & m::ACCESS_FLAGS != 0 && attr.qp_access_flags.bits() & !AccessFlags::SUPPORTED != 0
+        {
+            return Err(err!(
+                EINVAL,
+                "unknown QP access bits {:#x}",
+                attr.qp_access_flags.bits()
+            ));
+        }
+        if mask & m::PATH_MTU != 0 && !(1..=5).contains(&attr.path_mtu) {
+            return Err(err!(
+                EINVAL,
+                "path_mtu {} is not IBV_MTU_256..IBV_MTU_4096",
+                attr.path_mtu
+            ));
+        }
+        if mask & m::MAX_QP_RD_ATOMIC != 0 && attr.max_rd_atomic > dev.max_qp_init_rd_atom {
+            return Err(err!(
+                EINVAL,
+                "max_rd_atomic {} > {}",
+                attr.max_rd_atomic,
+                dev.max_qp_init_rd_atom
+            ));
+        }
+        if mask & m::MAX_DEST_RD_ATOMIC != 0 && attr.max_dest_rd_atomic > dev.max_qp_rd_atom {
+            return Err(err!(
+                EINVAL,
+                "max_dest_rd_atomic {} > {}",
+                attr.max_dest_rd_atomic,
+                dev.max_qp_rd_atom
+            ));
+        }
+        if mask & m::TIMEOUT != 0 && attr.timeout > 31 {
+            return Err(err!(EINVAL, "timeout {} > 31", attr.timeout));
+        }
+        if mask & m::RETRY_CNT != 0 && attr.retry_cnt > 7 {
+            return Err(err!(EINVAL, "retry_cnt {} > 7", attr.retry_cnt));
+        }
+        if mask & m::RNR_RETRY != 0 && attr.rnr_retry > 7 {
+            return Err(err!(EINVAL, "rnr_retry {} > 7", attr.rnr_retry));
+        }
+        if mask & m::MIN_RNR_TIMER != 0 && attr.min_rnr_timer > 31 {
+            return Err(err!(EINVAL, "min_rnr_timer {} > 31", attr.min_rnr_timer));
+        }
+        if mask & m::CAP != 0 {
+            let c = attr.cap;
+            if c.max_send_wr > dev.max_qp_wr
+                || c.max_recv_wr > dev.max_qp_wr
+                || c.max_send_sge > dev.max_sge
+                || c.max_recv_sge > dev.max_sge
+                || c.max_inline_data > dev.max_inline_data
+            {
+                return Err(err!(EINVAL, "IBV_QP_CAP exceeds the device limits"));
+            }
+        }
+        // Apply.
+        let a = &mut g.attr;
+        if mask & m::EN_SQD_ASYNC_NOTIFY != 0 {
+            a.en_sqd_async_notify = attr.en_sqd_async_notify;
+        }
+        if mask & m::ACCESS_FLAGS != 0 {
+            a.qp_access_flags = attr.qp_access_flags;
+        }
+        if mask & m::PKEY_INDEX != 0 {
+            a.pkey_index = attr.pkey_index;
+        }
+        if mask & m::PORT != 0 {
+            a.port_num = attr.port_num;
+        }
+        if mask & m::AV != 0 {
+            a.ah_attr = attr.ah_attr;
+        }
+        if mask & m::PATH_MTU != 0 {
+            a.path_mtu = attr.path_mtu;
+        }
+        if mask & m::TIMEOUT != 0 {
+            a.timeout = attr.timeout;
+        }
+        if mask & m::RETRY_CNT != 0 {
+            a.retry_cnt = attr.retry_cnt;
+        }
+        if mask & m::RNR_RETRY != 0 {
+            a.rnr_retry = attr.rnr_retry;
+        }
+        if mask & m::RQ_PSN != 0 {
+            a.rq_psn = attr.rq_psn & PSN_MASK;
+        }
+        if mask & m::MAX_QP_RD_ATOMIC != 0 {
+            a.max_rd_atomic = pow2(attr.max_rd_atomic);
+        }
+        if mask & m::MIN_RNR_TIMER != 0 {
+            a.min_rnr_timer = attr.min_rnr_timer;
+        }
+        if mask & m::SQ_PSN != 0 {
+            a.sq_psn = attr.sq_psn & PSN_MASK;
+        }
+        if mask & m::MAX_DEST_RD_ATOMIC != 0 {
+            a.max_dest_rd_atomic = pow2(attr.max_dest_rd_atomic);
+        }
+        if mask & m::DEST_QPN != 0 {
+            a.dest_qp_num = attr.dest_qp_num & crate::wire::QPN_MASK;
+        }
+        if mask & m::CAP != 0 {
+            a.cap = attr.cap;
+        }
+        let a = *a;
+        g.state = to;
+        match to {
+            QpState::Reset if cur != QpState::Reset => {
+                g.sq = req::SendQueue::default();
+                g.rq.clear();
+                g.req = req::Requester::default();
+                g.comp = comp::Completer::new(Instant::now());
+                g.resp = resp::Responder::default();
+                q.inbox.lock().clear();
+            }
+            QpState::Rtr if cur == QpState::Init => g.resp.reset(a.rq_psn),
+            QpState::Rts if cur == QpState::Rtr => {
+                g.req.start(a.sq_psn);
+                g.comp.start(
+                    a.sq_psn,
+                    a.retry_cnt,
+                    a.rnr_retry,
+                    a.timeout,
+                    Instant::now(),
+                );
+            }
+            QpState::Sqd => g.sqd_notified = false,
+            _ => {}
+        }
+        g.comp.set_limits(a.retry_cnt, a.rnr_retry, a.timeout);
+        drop(g);
+        self.dev.dp.schedule(qpn);
+        Ok(())
+    }
+
+    /// `ibv_post_send`. Post-time checks of `docs/semantics.md` §6.2: state RESET/INIT/RTR →
+    /// EINVAL; too many SGEs, bad atomic length/alignment, inline too long or on an opcode
+    /// that cannot be inline, BIND_MW with SGEs/imm, message > 2^31 → EINVAL; SQ full → ENOMEM.
+    /// Keys are not checked here. WRs before `bad_wr` are posted. In ERR every WR completes
+    /// with WR_FLUSH_ERR.
+    pub fn post_send(&self, qpn: u32, wrs: &[SendWr]) -> std::result::Result<(), PostError> {
+        let q = self
+            .qp(qpn)
+            .map_err(|error| PostError { bad_wr: 0, error })?;
+        let mut g = q.inner.lock();
+        let res = (|| {
+            for (i, wr) in wrs.iter().enumerate() {
+                let fail = |error| PostError { bad_wr: i, error };
+                if matches!(g.state, QpState::Reset | QpState::Init | QpState::Rtr) {
+                    return Err(fail(err!(
+                        EINVAL,
+                        "post_send on a QP in {:?}; move it to RTS first",
+                        g.state
+                    )));
+                }
+                let wqe = validate_send(wr, &g.attr.cap).map_err(fail)?;
+                if g.sq.q.len() as u32 >= g.attr.cap.max_send_wr {
+                    return Err(fail(err!(
+                        ENOMEM,
+                        "send queue full ({} WRs outstanding); poll the CQ or raise max_send_wr",
+                        g.attr.cap.max_send_wr
+                    )));
+                }
+                g.sq.q.push_back(wqe);
+            }
+            Ok(())
+        })();
+        drop(g);
+        self.dev.dp.schedule(qpn);
+        res
+    }
+
+    /// `ibv_post_recv`: RESET → EINVAL, too many SGEs → EINVAL, RQ full → ENOMEM.
+    pub fn post_recv(&self, qpn: u32, wrs: &[RecvWr]) -> std::result::Result<(), PostError> {
+        let q = self
+            .qp(qpn)
+            .map_err(|error| PostError { bad_wr: 0, error })?;
+        let mut g = q.inner.lock();
+        let mut flushed = false;
+        let res = (|| {
+            for (i, wr) in wrs.iter().enumerate() {
+                let fail = |error| PostError { bad_wr: i, error };
+                if g.state == QpState::Reset {
+                    return Err(fail(err!(
+                        EINVAL,
+                        "post_recv on a QP in RESET; move it to INIT first"
+                    )));
+                }
+                if wr.sg_list.len() as u32 > g.attr.cap.max_recv_sge {
+                    return Err(fail(err!(
+                        EINVAL,
+                        "{} SGEs > max_recv_sge {}",
+                        wr.sg_list.len(),
+                        g.attr.cap.max_recv_sge
+                    )));
+                }
+                if g.rq.len() as u32 >= g.attr.cap.max_recv_wr {
+                    return Err(fail(err!(
+                        ENOMEM,
+                        "receive queue full ({})",
+                        g.attr.cap.max_recv_wr
+                    )));
+                }
+                g.rq.push_back(RecvWqe {
+                    wr_id: wr.wr_id,
+                    sges: wr.sg_list.clone(),
+                });
+                flushed |= g.state == QpState::Err;
+            }
+            Ok(())
+        })();
+        drop(g);
+        self.dev.dp.schedule(qpn);
+        let _ = flushed;
+        res
+    }
+}
+
+fn validate_send(wr: &SendWr, cap: &QpCap) -> Result<req::Wqe> {
+    use WrOpcode as O;
+    if wr.sg_list.len() as u32 > cap.max_send_sge && wr.flags & send_flags::INLINE == 0 {
+        return Err(err!(
+            EINVAL,
+            "{} SGEs > max_send_sge {}",
+            wr.sg_list.len(),
+            cap.max_send_sge
+        ));
+    }
+    let len = wr.total_len();
+    if len > 1 << 31 {
+        return Err(err!(
+            EINVAL,
+            "message of {len} bytes exceeds max_msg_sz 2^31"
+        ));
+    }
+    let inline = wr.flags & send_flags::INLINE != 0;
+    if wr.opcode.is_atomic() {
+        if len != 8 {
+            return Err(err!(
+                EINVAL,
+                "atomics need exactly 8 bytes of local result buffer, got {len}"
+            ));
+        }
+        if wr.remote_addr % 8 != 0 {
+            return Err(err!(
+                EINVAL,
+                "atomic remote address {:#x} is not 8-byte aligned",
+                wr.remote_addr
+            ));
+        }
+    }
+    if inline {
+        if !matches!(
+            wr.opcode,
+            O::Send | O::SendWithImm | O::SendWithInv | O::RdmaWrite | O::RdmaWriteWithImm
+        ) {
+            return Err(err!(EINVAL, "{:?} cannot be INLINE", wr.opcode));
+        }
+        if len > u64::from(cap.max_inline_data) {
+            return Err(err!(
+                EINVAL,
+                "inline message of {len} bytes > max_inline_data {}",
+                cap.max_inline_data
+            ));
+        }
+    }
+    if wr.opcode == O::BindMw && (!wr.sg_list.is_empty() || wr.imm_data != 0 || wr.bind.is_none()) {
+        return Err(err!(
+            EINVAL,
+            "BIND_MW takes no SGEs and no immediate, and needs bind info"
+        ));
+    }
+    if wr.opcode == O::LocalInv && !wr.sg_list.is_empty() {
+        return Err(err!(EINVAL, "LOCAL_INV takes no SGEs"));
+    }
+    Ok(req::Wqe::new(wr.clone(), len, inline))
+}
+
+/// Bring two RC QPs (possibly on different device instances) to RTS, connected to each other:
+/// RESET→INIT (port 1, `access`), INIT→RTR (path MTU `mtu` as `IBV_MTU_*`, PSN 0, 16
+/// responder resources, min_rnr_timer 1), RTR→RTS (timeout 14, retry 7, rnr_retry 7, 16
+/// outstanding READ/atomics).
+pub fn rc_connect(
+    a: &Context,
+    qpa: u32,
+    b: &Context,
+    qpb: u32,
+    access: AccessFlags,
+    mtu: u8,
+) -> Result<()> {
+    use attr_mask as m;
+    for (c, q, peer_node, peer_qp) in [(a, qpa, b.node_id(), qpb), (b, qpb, a.node_id(), qpa)] {
+        let mut at = QpAttr {
+            qp_state: QpState::Init as u32,
+            qp_access_flags: access,
+            port_num: 1,
+            ..QpAttr::default()
+        };
+        c.modify_qp(q, &at, m::STATE | m::PKEY_INDEX | m::PORT | m::ACCESS_FLAGS)?;
+        at.qp_state = QpState::Rtr as u32;
+        at.ah_attr = AddressVector {
+            dest_node: peer_node,
+            port_num: 1,
+        };
+        at.path_mtu = mtu;
+        at.dest_qp_num = peer_qp;
+        c.modify_qp(
+            q,
+            &at,
+            m::STATE
+                | m::AV
+                | m::PATH_MTU
+                | m::DEST_QPN
+                | m::RQ_PSN
+                | m::MAX_DEST_RD_ATOMIC
+                | m::MIN_RNR_TIMER,
+        )?;
+    }
+    for (c, q) in [(a, qpa), (b, qpb)] {
+        let at = QpAttr {
+            qp_state: QpState::Rts as u32,
+            ..QpAttr::default()
+        };
+        c.modify_qp(
+            q,
+            &at,
+            m::STATE | m::TIMEOUT | m::RETRY_CNT | m::RNR_RETRY | m::SQ_PSN | m::MAX_QP_RD_ATOMIC,
+        )?;
+    }
+    Ok(())
+}

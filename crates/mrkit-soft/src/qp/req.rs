@@ -1,0 +1,440 @@
+//! Requester: send WQEs → request packets (sans-IO). Segments SEND/WRITE by path MTU, builds
+//! BTH/RETH/ImmDt/IETH/AtomicETH, gathers local SGEs through the access predicate (one
+//! guarded piece per SGE fragment per packet), applies the flow limits (128 unacked PSNs,
+//! `max_rd_atomic`, FENCE, LOCAL_INV/BIND_MW ordering) and executes local operations.
+#![forbid(unsafe_code)]
+
+use std::collections::VecDeque;
+use std::time::Instant;
+
+use super::comp::Completer;
+use super::{send_flags, Out, QpCtx, SendWr, Sge, WrOpcode};
+use crate::access::AccessFlags;
+use crate::cq::{Wc, WcStatus};
+use crate::device::StatusModel;
+use crate::mr::{AccessDenied, KeyUse};
+use crate::net::{Payload, Pkt};
+use crate::wire::{
+    psn_add, psn_cmp, psn_diff, AtomicEth, Bth, ExtHeaders, Ieth, ImmDt, Opcode, Reth,
+};
+
+/// Maximum PSNs in flight past the oldest unacknowledged one (rxe).
+pub const MAX_UNACKED_PSNS: i32 = 128;
+/// AckReq at least every this many packets (rxe).
+pub const MAX_PKT_PER_ACK: u32 = 64;
+
+/// Progress of one WQE.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum WqeSt {
+    Pending,
+    Sending,
+    Wait,
+    Done(WcStatus),
+}
+
+/// A send WQE.
+#[derive(Debug)]
+pub(crate) struct Wqe {
+    pub wr: SendWr,
+    pub len: u64,
+    pub inline: bool,
+    pub first_psn: u32,
+    pub last_psn: u32,
+    pub npkts: u32,
+    /// SEND/WRITE: packets sent. READ: response packets received.
+    pub sent: u32,
+    pub st: WqeSt,
+}
+
+impl Wqe {
+    pub(crate) fn new(wr: SendWr, len: u64, inline: bool) -> Wqe {
+        Wqe {
+            wr,
+            len,
+            inline,
+            first_psn: 0,
+            last_psn: 0,
+            npkts: 0,
+            sent: 0,
+            st: WqeSt::Pending,
+        }
+    }
+    pub(crate) fn wc(&self, qpn: u32, status: WcStatus) -> Wc {
+        Wc {
+            wr_id: self.wr.wr_id,
+            status,
+            opcode: self.wr.opcode.wc_opcode(),
+            vendor_err: 0,
+            byte_len: self.len as u32,
+            imm_data: 0,
+            qp_num: qpn,
+            src_qp: 0,
+            wc_flags: 0,
+        }
+    }
+    pub(crate) fn flush_wc(&self, qpn: u32) -> Wc {
+        self.wc(qpn, WcStatus::WrFlushErr)
+    }
+    pub(crate) fn contains(&self, psn: u32) -> bool {
+        !matches!(self.st, WqeSt::Pending | WqeSt::Done(_))
+            && psn_cmp(psn, self.first_psn).is_ge()
+            && psn_cmp(psn, self.last_psn).is_le()
+    }
+}
+
+/// The send queue: WQEs in post order; `cursor` is the first WQE the requester has not
+/// finished sending.
+#[derive(Debug, Default)]
+pub(crate) struct SendQueue {
+    pub q: VecDeque<Wqe>,
+    pub cursor: usize,
+}
+
+impl SendQueue {
+    pub(crate) fn outstanding(&self) -> usize {
+        self.q.len()
+    }
+}
+
+/// Requester state.
+#[derive(Debug, Default)]
+pub(crate) struct Requester {
+    /// Next PSN to send.
+    pub psn: u32,
+    pkts_since_ackreq: u32,
+}
+
+/// Status for a failed local gather (`docs/datapath.md`).
+pub(crate) fn gather_status(model: StatusModel, d: AccessDenied) -> WcStatus {
+    match (model, d) {
+        (_, AccessDenied::Fault) => WcStatus::LocProtErr,
+        (StatusModel::Rxe, _) => WcStatus::LocQpOpErr,
+        (StatusModel::Hardware, _) => WcStatus::LocProtErr,
+    }
+}
+
+/// Walk the SGE fragments covering `[off, off+n)` of a message.
+pub(crate) fn for_pieces(
+    sges: &[Sge],
+    mut off: u64,
+    mut n: u64,
+    mut f: impl FnMut(&Sge, u64, u64) -> Result<(), AccessDenied>,
+) -> Result<(), AccessDenied> {
+    for s in sges {
+        if n == 0 {
+            break;
+        }
+        let l = u64::from(s.length);
+        if l == 0 {
+            continue; // zero-length SGEs are never key-checked
+        }
+        if off >= l {
+            off -= l;
+            continue;
+        }
+        let k = (l - off).min(n);
+        f(s, off, k)?;
+        n -= k;
+        off = 0;
+    }
+    if n > 0 {
+        return Err(AccessDenied::OutOfRange);
+    }
+    Ok(())
+}
+
+impl Requester {
+    pub(crate) fn start(&mut self, psn: u32) {
+        self.psn = psn;
+        self.pkts_since_ackreq = 0;
+    }
+
+    pub(crate) fn reset_flow(&mut self) {
+        self.pkts_since_ackreq = 0;
+    }
+
+    /// Go back to `psn` (go-back-N): the WQE containing it resumes there, later ones restart.
+    pub(crate) fn rewind(&mut self, sq: &mut SendQueue, psn: u32) {
+        let Some(idx) = sq.q.iter().position(|w| w.contains(psn)) else {
+            return;
+        };
+        let k = psn_diff(psn, sq.q[idx].first_psn).max(0) as u32;
+        {
+            let w = &mut sq.q[idx];
+            match w.wr.opcode {
+                WrOpcode::RdmaRead => {
+                    w.sent = k;
+                    w.st = WqeSt::Sending;
+                }
+                o if o.is_atomic() => {
+                    w.sent = 0;
+                    w.st = WqeSt::Sending;
+                }
+                _ => {
+                    w.sent = k;
+                    w.st = WqeSt::Sending;
+                }
+            }
+        }
+        for w in sq.q.iter_mut().skip(idx + 1) {
+            if !matches!(w.st, WqeSt::Done(_)) {
+                w.st = WqeSt::Pending;
+                w.sent = 0;
+            }
+        }
+        sq.cursor = idx;
+        self.psn = psn;
+    }
+
+    /// Send what the flow limits allow.
+    pub(crate) fn step(
+        &mut self,
+        q: &QpCtx<'_>,
+        sq: &mut SendQueue,
+        comp: &mut Completer,
+        now: Instant,
+        out: &mut Out,
+    ) {
+        if let Some(p) = comp.take_rewind(now) {
+            self.rewind(sq, p);
+        }
+        if comp.rnr_pending() {
+            return;
+        }
+        let mut rd_out =
+            sq.q.iter()
+                .take(sq.cursor)
+                .filter(|w| w.wr.opcode.is_rd_atomic() && w.st == WqeSt::Wait)
+                .count() as u32;
+        while sq.cursor < sq.q.len() {
+            let idx = sq.cursor;
+            let w = &sq.q[idx];
+            match w.st {
+                WqeSt::Done(_) | WqeSt::Wait => {
+                    sq.cursor += 1;
+                    continue;
+                }
+                WqeSt::Pending if q.state == super::QpState::Sqd => break,
+                _ => {}
+            }
+            if psn_diff(self.psn, comp.comp_psn) >= MAX_UNACKED_PSNS {
+                break;
+            }
+            let op = w.wr.opcode;
+            let earlier_done = |sq: &SendQueue| {
+                sq.q.iter()
+                    .take(idx)
+                    .all(|w| matches!(w.st, WqeSt::Done(_)))
+            };
+            if op.is_local() {
+                if !earlier_done(sq) {
+                    break;
+                }
+                let status = exec_local(q, &sq.q[idx].wr);
+                sq.q[idx].st = WqeSt::Done(status);
+                sq.cursor += 1;
+                if status != WcStatus::Success {
+                    out.error = true;
+                    return;
+                }
+                continue;
+            }
+            if w.wr.flags & send_flags::FENCE != 0
+                && sq
+                    .q
+                    .iter()
+                    .take(idx)
+                    .any(|x| x.wr.opcode.is_rd_atomic() && !matches!(x.st, WqeSt::Done(_)))
+            {
+                break;
+            }
+            if op.is_rd_atomic() && rd_out >= q.max_rd_atomic.max(1) {
+                break;
+            }
+            if self.psn == comp.comp_psn {
+                comp.mark_activity(now);
+            }
+            let w = &mut sq.q[idx];
+            if w.st == WqeSt::Pending {
+                w.first_psn = self.psn;
+                w.npkts = if op.is_atomic() {
+                    1
+                } else {
+                    (w.len.div_ceil(q.mtu as u64)).max(1) as u32
+                };
+                w.last_psn = psn_add(w.first_psn, w.npkts - 1);
+                w.sent = 0;
+                w.st = WqeSt::Sending;
+            }
+            if op.is_rd_atomic() {
+                out.pkts.push(self.rd_atomic_packet(q, w));
+                self.psn = psn_add(w.last_psn, 1);
+                w.st = WqeSt::Wait;
+                rd_out += 1;
+                sq.cursor += 1;
+                continue;
+            }
+            // SEND / WRITE: one packet per PSN within the window.
+            while w.sent < w.npkts {
+                if psn_diff(self.psn, comp.comp_psn) >= MAX_UNACKED_PSNS {
+                    return;
+                }
+                match self.data_packet(q, w) {
+                    Ok(p) => out.pkts.push(p),
+                    Err(status) => {
+                        w.st = WqeSt::Done(status);
+                        sq.cursor += 1;
+                        out.error = true;
+                        return;
+                    }
+                }
+                w.sent += 1;
+                self.psn = psn_add(self.psn, 1);
+            }
+            w.st = WqeSt::Wait;
+            sq.cursor += 1;
+        }
+    }
+
+    fn pkt(&self, q: &QpCtx<'_>, opcode: Opcode, psn: u32) -> Pkt {
+        Pkt {
+            dst_node: q.dest_node,
+            src_node: q.src_node,
+            src_qpn: q.qpn,
+            bth: Bth::new(opcode, q.dest_qpn, psn),
+            ext: ExtHeaders::default(),
+            payload: Payload::Empty,
+        }
+    }
+
+    fn rd_atomic_packet(&mut self, q: &QpCtx<'_>, w: &Wqe) -> Pkt {
+        self.pkts_since_ackreq = 0;
+        if w.wr.opcode == WrOpcode::RdmaRead {
+            let done = u64::from(w.sent) * q.mtu as u64;
+            let mut p = self.pkt(q, Opcode::RdmaReadRequest, psn_add(w.first_psn, w.sent));
+            p.ext.reth = Some(Reth {
+                va: w.wr.remote_addr.wrapping_add(done),
+                rkey: w.wr.rkey,
+                dma_len: (w.len - done.min(w.len)) as u32,
+            });
+            p.bth.ack_req = true;
+            p
+        } else {
+            let cmp = w.wr.opcode == WrOpcode::AtomicCmpAndSwp;
+            let mut p = self.pkt(
+                q,
+                if cmp {
+                    Opcode::CompareSwap
+                } else {
+                    Opcode::FetchAdd
+                },
+                w.first_psn,
+            );
+            p.ext.atomic_eth = Some(AtomicEth {
+                va: w.wr.remote_addr,
+                rkey: w.wr.rkey,
+                swap_add: if cmp { w.wr.swap } else { w.wr.compare_add },
+                compare: if cmp { w.wr.compare_add } else { 0 },
+            });
+            p.bth.ack_req = true;
+            p
+        }
+    }
+
+    fn data_packet(&mut self, q: &QpCtx<'_>, w: &Wqe) -> Result<Pkt, WcStatus> {
+        use Opcode::*;
+        let k = w.sent;
+        let first = k == 0;
+        let last = k + 1 == w.npkts;
+        let off = u64::from(k) * q.mtu as u64;
+        let n = (w.len - off).min(q.mtu as u64);
+        let op = w.wr.opcode;
+        let opcode = match (op, first, last) {
+            (WrOpcode::Send | WrOpcode::SendWithImm | WrOpcode::SendWithInv, true, false) => {
+                SendFirst
+            }
+            (WrOpcode::Send | WrOpcode::SendWithImm | WrOpcode::SendWithInv, false, false) => {
+                SendMiddle
+            }
+            (WrOpcode::Send, false, true) => SendLast,
+            (WrOpcode::Send, true, true) => SendOnly,
+            (WrOpcode::SendWithImm, false, true) => SendLastWithImmediate,
+            (WrOpcode::SendWithImm, true, true) => SendOnlyWithImmediate,
+            (WrOpcode::SendWithInv, false, true) => SendLastWithInvalidate,
+            (WrOpcode::SendWithInv, true, true) => SendOnlyWithInvalidate,
+            (_, true, false) => RdmaWriteFirst,
+            (_, false, false) => RdmaWriteMiddle,
+            (WrOpcode::RdmaWriteWithImm, false, true) => RdmaWriteLastWithImmediate,
+            (WrOpcode::RdmaWriteWithImm, true, true) => RdmaWriteOnlyWithImmediate,
+            (_, false, true) => RdmaWriteLast,
+            (_, true, true) => RdmaWriteOnly,
+        };
+        let mut p = self.pkt(q, opcode, self.psn);
+        let h = opcode.headers();
+        use crate::wire::HeaderSet;
+        if h.contains(HeaderSet::RETH) {
+            p.ext.reth = Some(Reth {
+                va: w.wr.remote_addr,
+                rkey: w.wr.rkey,
+                dma_len: w.len as u32,
+            });
+        }
+        if h.contains(HeaderSet::IMMDT) {
+            p.ext.immdt = Some(ImmDt(w.wr.imm_data));
+        }
+        if h.contains(HeaderSet::IETH) {
+            p.ext.ieth = Some(Ieth {
+                rkey: w.wr.invalidate_rkey,
+            });
+        }
+        p.bth.se =
+            last && w.wr.flags & send_flags::SOLICITED != 0 && !matches!(op, WrOpcode::RdmaWrite);
+        self.pkts_since_ackreq += 1;
+        if last || self.pkts_since_ackreq >= MAX_PKT_PER_ACK {
+            p.bth.ack_req = true;
+            self.pkts_since_ackreq = 0;
+        }
+        p.payload = if n == 0 {
+            Payload::Empty
+        } else if w.inline {
+            Payload::Bytes(w.wr.inline_data[off as usize..(off + n) as usize].to_vec())
+        } else {
+            let mut pieces = Vec::with_capacity(1);
+            for_pieces(&w.wr.sg_list, off, n, |s, soff, len| {
+                let g = q.ctx.check_access(
+                    s.lkey,
+                    q.pd,
+                    AccessFlags::empty(),
+                    s.addr.wrapping_add(soff),
+                    len,
+                    KeyUse::Local,
+                    q.qpn,
+                )?;
+                pieces.push((g, 0, len as usize));
+                Ok(())
+            })
+            .map_err(|d| gather_status(q.model, d))?;
+            Payload::Mem(pieces)
+        };
+        Ok(p)
+    }
+}
+
+fn exec_local(q: &QpCtx<'_>, wr: &SendWr) -> WcStatus {
+    match wr.opcode {
+        WrOpcode::LocalInv => match q.ctx.invalidate_rkey(q.pd, q.qpn, wr.invalidate_rkey) {
+            Ok(()) => WcStatus::Success,
+            Err(_) => WcStatus::LocQpOpErr,
+        },
+        WrOpcode::BindMw => {
+            let Some(b) = wr.bind else {
+                return WcStatus::MwBindErr;
+            };
+            match q.ctx.bind_mw(q.pd, q.qpn, b.mw_rkey, b.new_key, b.info) {
+                Ok(_) => WcStatus::Success,
+                Err(_) => WcStatus::MwBindErr,
+            }
+        }
+        _ => WcStatus::LocQpOpErr,
+    }
+}
