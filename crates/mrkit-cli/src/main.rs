@@ -22,9 +22,9 @@ pub mod exit {
     name = "mrkit",
     version,
     about = "RDMA memory registration done right, on the embedded software device mrkit0",
-    after_help = "Examples:\n  mrkit demo\n  mrkit reg --size 8MiB --access local-write,remote-write --json\n  MRKIT_MAX_MR=1000 mrkit reg --size 4096 --access remote-read"
+    after_help = "Examples:\n  mrkit demo\n  mrkit devinfo -v\n  mrkit capacity\n  mrkit doctor\n  mrkit doctor explain EINVAL --access remote-write\n  mrkit reg --size 8MiB --access local-write,remote-write --json\n  mrkit stat --watch 1\n  mrkit bench --quick\n  MRKIT_MAX_MR=1000 mrkit reg --size 4096 --access remote-read\n\nExit status: 0 ok, 1 the verb or a check failed, 2 usage error (bad arguments or MRKIT_* environment)."
 )]
-struct Cli {
+pub(crate) struct Cli {
     /// More logging (-v info, -vv debug, -vvv trace).
     #[arg(short, long, action = clap::ArgAction::Count, global = true)]
     verbose: u8,
@@ -38,11 +38,46 @@ enum Command {
     Reg(cmd::reg::RegArgs),
     /// A guided tour: keys, translation, the classic mistakes and their real errors.
     Demo(cmd::demo::DemoArgs),
+    /// A perftest-like pair over RoCEv2/UDP: bandwidth, message rate, latency, data verified.
+    Perf(cmd::perf::PerfArgs),
+    /// Device, port, GID and every attribute and limit in force, with its source (like ibv_devinfo -v).
+    Devinfo(cmd::devinfo::DevinfoArgs),
+    /// How much memory this process can register now, term by term, with and without THP.
+    Capacity(cmd::capacity::CapacityArgs),
+    /// Check the environment against the registration checklist; `doctor explain ERRNO` for failures.
+    Doctor(cmd::doctor::DoctorArgs),
+    /// Live registration counters of running mrkit processes (like `rdma stat show mr`).
+    Stat(cmd::stat::StatArgs),
+    /// The seeds' experiments as one suite: Markdown report, SVG plots, raw JSON.
+    Bench(cmd::bench::BenchArgs),
+    /// Print a shell completion script.
+    Completions(cmd::completions::CompletionsArgs),
+}
+
+/// `mrkit __stat-hold`: test helper outside the public command tree (so completions and help
+/// never show it): register memory, export statistics, wait.
+#[derive(Parser, Debug)]
+#[command(name = "mrkit __stat-hold")]
+struct HoldCli {
+    #[command(flatten)]
+    args: cmd::stat::HoldArgs,
 }
 
 fn main() -> ExitCode {
+    if std::env::args_os()
+        .nth(1)
+        .is_some_and(|a| a == "__stat-hold")
+    {
+        let h = HoldCli::parse_from(std::env::args_os().skip(1));
+        return ExitCode::from(cmd::stat::hold(h.args));
+    }
     let cli = Cli::parse();
-    let level = match cli.verbose {
+    // `devinfo -v` means "all attributes" (as ibv_devinfo -v): logging starts at -vv there.
+    let log_v = match cli.cmd {
+        Command::Devinfo(_) => cli.verbose.saturating_sub(1),
+        _ => cli.verbose,
+    };
+    let level = match log_v {
         0 => "warn",
         1 => "info",
         2 => "debug",
@@ -58,6 +93,13 @@ fn main() -> ExitCode {
     let code = match cli.cmd {
         Command::Reg(a) => cmd::reg::run(a),
         Command::Demo(a) => cmd::demo::run(a),
+        Command::Perf(a) => cmd::perf::run(a),
+        Command::Devinfo(a) => cmd::devinfo::run(a, cli.verbose > 0),
+        Command::Capacity(a) => cmd::capacity::run(a),
+        Command::Doctor(a) => cmd::doctor::run(a),
+        Command::Stat(a) => cmd::stat::run(a),
+        Command::Bench(a) => cmd::bench::run(a),
+        Command::Completions(a) => cmd::completions::run(a),
     };
     ExitCode::from(code)
 }

@@ -60,6 +60,45 @@ pub(crate) fn mem_to_mem(dst: &MrGuard, doff: u64, src: &MrGuard, soff: u64, len
     unsafe { std::ptr::copy(s as *const u8, d, len) }
 }
 
+/// Copy a batch of `(dst guard, dst offset, src guard, src offset, len)` pieces, in order,
+/// with **one memmove per run of pieces that are contiguous on both sides** (the loopback
+/// responder's coalesced WRITE placement: 4 KiB packets of one message become one large copy).
+/// Every piece is bounds-checked against its own guard exactly as [`mem_to_mem`]; a run is the
+/// union of adjacent ranges each covered by a live guard, so it is covered too. Runs whose
+/// source and destination overlap are not merged (piecewise order would matter).
+pub(crate) fn mem_to_mem_batch(items: &[(&MrGuard, u64, &MrGuard, u64, usize)]) {
+    let mut i = 0;
+    while i < items.len() {
+        let (dg, doff, sg, soff, len) = items[i];
+        let d0 = span(dg, doff, len) as usize;
+        let s0 = span(sg, soff, len) as usize;
+        let mut run = len;
+        let mut j = i + 1;
+        while j < items.len() {
+            let (dg2, doff2, sg2, soff2, len2) = items[j];
+            let d = span(dg2, doff2, len2) as usize;
+            let s = span(sg2, soff2, len2) as usize;
+            let total = run + len2;
+            let disjoint = d0 + total <= s0 || s0 + total <= d0;
+            if d != d0 + run || s != s0 + run || !disjoint {
+                break;
+            }
+            run = total;
+            j += 1;
+        }
+        if j == i + 1 {
+            mem_to_mem(dg, doff, sg, soff, len);
+        } else if run > 0 {
+            // SAFETY: [d0, d0+run) is the union of the adjacent destination pieces i..j and
+            // [s0, s0+run) of the adjacent source pieces, each validated by `span` against a
+            // guard that is alive for this call (the guards keep their MRs registered and
+            // pinned); the two unions do not overlap (checked above).
+            unsafe { std::ptr::copy_nonoverlapping(s0 as *const u8, d0 as *mut u8, run) }
+        }
+        i = j;
+    }
+}
+
 /// One lock for every atomic the device executes (IBV_ATOMIC_HCA: atomic with respect to
 /// other device atomics, as rxe's global spinlock). Process-wide so that two device
 /// instances in one process (loopback "hosts") targeting the same memory stay atomic.

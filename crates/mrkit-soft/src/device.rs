@@ -182,6 +182,9 @@ pub struct DeviceConfig {
     profile: &'static str,
     status_model: StatusModel,
     dontfork: bool,
+    udp_addr: Option<std::net::SocketAddr>,
+    gso: bool,
+    faults: Option<crate::net::fault::FaultConfig>,
     sources: BTreeMap<&'static str, Source>,
 }
 
@@ -215,6 +218,18 @@ pub const ENV_VARS: &[(&str, &str)] = &[
     (
         "MRKIT_PIN",
         "auto (default), io_uring or mlock: the pinning mechanism",
+    ),
+    (
+        "MRKIT_ADDR",
+        "IP (or ip:port) of the device's RoCEv2 UDP port; default: a distinct 127.x.y.z per instance",
+    ),
+    (
+        "MRKIT_GSO",
+        "1 (default): send runs of packets as one UDP GSO buffer; 0: one datagram per packet",
+    ),
+    (
+        "MRKIT_FAULTS",
+        "fault injection on sends: loss=0.1,dup=0.01,reorder=0.05,corrupt=0.01,delay=1ms,seed=N",
     ),
 ];
 
@@ -307,6 +322,9 @@ impl DeviceConfig {
             profile: "rxe",
             status_model: StatusModel::Hardware,
             dontfork: true,
+            udp_addr: None,
+            gso: true,
+            faults: None,
             sources: BTreeMap::new(),
         }
     }
@@ -428,6 +446,22 @@ impl DeviceConfig {
             c.sources
                 .insert("status_model", Source::Env("MRKIT_STATUS_MODEL"));
         }
+        if let Some(v) = get("MRKIT_ADDR").filter(|v| !v.trim().is_empty()) {
+            c.udp_addr =
+                Some(crate::net::udp::parse_addr(&v).map_err(|e| format!("MRKIT_ADDR: {e}"))?);
+            c.sources.insert("udp_addr", Source::Env("MRKIT_ADDR"));
+        }
+        if let Some(v) = get("MRKIT_GSO") {
+            c.gso = !matches!(v.as_str(), "0" | "off" | "no" | "false");
+            c.sources.insert("gso", Source::Env("MRKIT_GSO"));
+        }
+        if let Some(v) = get("MRKIT_FAULTS").filter(|v| !v.trim().is_empty()) {
+            c.faults = Some(
+                crate::net::fault::FaultConfig::parse(&v)
+                    .map_err(|e| format!("MRKIT_FAULTS: {e}"))?,
+            );
+            c.sources.insert("faults", Source::Env("MRKIT_FAULTS"));
+        }
         if let Some(v) = get("MRKIT_DONTFORK") {
             c.dontfork = !matches!(v.as_str(), "0" | "off" | "no" | "false");
             c.sources.insert("dontfork", Source::Env("MRKIT_DONTFORK"));
@@ -480,6 +514,37 @@ impl DeviceConfig {
         self.dontfork = on;
         self.sources.insert("dontfork", Source::Builder);
         self
+    }
+    /// Bind the device's RoCEv2 UDP port to this address (port 4791 unless given).
+    pub fn udp_addr(mut self, addr: std::net::SocketAddr) -> Self {
+        self.udp_addr = Some(addr);
+        self.sources.insert("udp_addr", Source::Builder);
+        self
+    }
+    /// Inject faults on the UDP send path (tests; see [`crate::net::fault`]).
+    pub fn faults(mut self, f: crate::net::fault::FaultConfig) -> Self {
+        self.faults = Some(f);
+        self.sources.insert("faults", Source::Builder);
+        self
+    }
+    /// Send runs of equal packets as one UDP GSO buffer (default on; off makes every packet
+    /// its own datagram on the wire, e.g. for captures on loopback).
+    pub fn gso(mut self, on: bool) -> Self {
+        self.gso = on;
+        self.sources.insert("gso", Source::Builder);
+        self
+    }
+    /// Whether UDP segmentation offload is used.
+    pub fn uses_gso(&self) -> bool {
+        self.gso
+    }
+    /// Configured UDP address (None: default 127.x.y.z).
+    pub fn configured_udp_addr(&self) -> Option<std::net::SocketAddr> {
+        self.udp_addr
+    }
+    /// Configured fault injection.
+    pub fn configured_faults(&self) -> Option<crate::net::fault::FaultConfig> {
+        self.faults
     }
     /// Direct access to every attribute (for profiles the builder does not cover).
     pub fn with_attr(mut self, f: impl FnOnce(&mut DeviceAttr)) -> Self {

@@ -30,6 +30,8 @@ pub enum Errno {
     EOPNOTSUPP,
     /// Connection timed out (110).
     ETIMEDOUT,
+    /// Address not available (99).
+    EADDRNOTAVAIL,
 }
 
 impl Errno {
@@ -51,6 +53,7 @@ impl Errno {
             Errno::EOVERFLOW => 75,
             Errno::EOPNOTSUPP => 95,
             Errno::ETIMEDOUT => 110,
+            Errno::EADDRNOTAVAIL => 99,
         }
     }
 
@@ -72,6 +75,7 @@ impl Errno {
             Errno::EOVERFLOW => "EOVERFLOW",
             Errno::EOPNOTSUPP => "EOPNOTSUPP",
             Errno::ETIMEDOUT => "ETIMEDOUT",
+            Errno::EADDRNOTAVAIL => "EADDRNOTAVAIL",
         }
     }
 
@@ -83,7 +87,7 @@ impl Errno {
     /// assert_eq!(Errno::parse("12"), Some(Errno::ENOMEM));
     /// ```
     pub fn parse(s: &str) -> Option<Errno> {
-        const ALL: [Errno; 11] = [
+        const ALL: [Errno; 12] = [
             Errno::EPERM,
             Errno::ENOENT,
             Errno::EAGAIN,
@@ -95,6 +99,7 @@ impl Errno {
             Errno::EOVERFLOW,
             Errno::EOPNOTSUPP,
             Errno::ETIMEDOUT,
+            Errno::EADDRNOTAVAIL,
         ];
         let s = s.trim();
         if let Ok(n) = s.parse::<i32>() {
@@ -117,6 +122,7 @@ impl Errno {
             75 => Errno::EOVERFLOW,
             95 => Errno::EOPNOTSUPP,
             110 => Errno::ETIMEDOUT,
+            99 => Errno::EADDRNOTAVAIL,
             _ => Errno::EFAULT,
         }
     }

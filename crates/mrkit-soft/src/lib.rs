@@ -32,6 +32,7 @@ mod copy;
 pub mod cq;
 pub mod device;
 pub mod error;
+mod fastpath;
 pub mod mem;
 pub mod mr;
 pub mod mw;
@@ -40,6 +41,7 @@ pub mod odp;
 pub mod pd;
 pub mod progress;
 pub mod qp;
+pub mod srq;
 pub mod stats;
 pub mod table;
 pub mod wire;
@@ -87,6 +89,20 @@ pub struct DeviceInner {
     pub(crate) stats: stats::RegStats,
     /// Data path: CQs, QPs, progress engine (issue 3).
     pub(crate) dp: progress::DataPath,
+    /// Shared receive queues.
+    pub(crate) srqs: srq::SrqTable,
+    /// Threads inside `progress_once` right now (`fastpath.rs`).
+    pub(crate) progress_runners: std::sync::atomic::AtomicUsize,
+    /// The RoCEv2 UDP port, bound on first use (query_gid, a QP with a GID address vector).
+    pub(crate) udp: std::sync::OnceLock<Arc<net::udp::UdpPort>>,
+    /// Serialises the first bind of `udp`.
+    udp_init: parking_lot::Mutex<()>,
+    /// Link counters.
+    pub(crate) net_stats: net::udp::NetStats,
+    /// Receive buffers of the UDP port. Whoever holds this lock receives *and* hands the
+    /// packets to their QPs, so packets reach a QP in the order the socket delivered them even
+    /// when the application thread and the progress thread both make progress.
+    pub(crate) rx: parking_lot::Mutex<net::udp::RecvBufs>,
 }
 
 /// An opened `mrkit0` device instance (`ibv_context`). Cheap to clone; all clones share the
@@ -103,6 +119,12 @@ impl Context {
         let ctx = Context {
             dev: Arc::new(DeviceInner {
                 dp: progress::DataPath::new(),
+                srqs: srq::SrqTable::default(),
+                progress_runners: std::sync::atomic::AtomicUsize::new(0),
+                udp: std::sync::OnceLock::new(),
+                udp_init: parking_lot::Mutex::new(()),
+                net_stats: net::udp::NetStats::default(),
+                rx: parking_lot::Mutex::new(net::udp::RecvBufs::default()),
                 pds: KeyTable::new(1, (1 << 24) - 1, a.max_pd),
                 mrs: KeyTable::new(MR_INDEX.0, MR_INDEX.1, a.max_mr),
                 mws: KeyTable::new(MW_INDEX.0, MW_INDEX.1, a.max_mw),
@@ -120,6 +142,53 @@ impl Context {
         DeviceConfig::from_env()
             .map(Context::open)
             .map_err(|e| err!(EINVAL, "{e}"))
+    }
+
+    /// The device's RoCEv2 UDP port, binding it on first use (the configured address, or a
+    /// distinct 127.x.y.z address on port 4791).
+    pub fn udp_port(&self) -> Result<Arc<net::udp::UdpPort>> {
+        if let Some(p) = self.dev.udp.get() {
+            return Ok(p.clone());
+        }
+        let _g = self.dev.udp_init.lock();
+        if let Some(p) = self.dev.udp.get() {
+            return Ok(p.clone());
+        }
+        let port = net::udp::UdpPort::bind(
+            self.dev.config.configured_udp_addr(),
+            self.dev.config.configured_faults(),
+        )
+        .map_err(|e| {
+            err!(
+                EADDRNOTAVAIL,
+                "cannot bind the RoCEv2 UDP port ({e}); set MRKIT_ADDR to a free local address"
+            )
+        })?;
+        let port = Arc::new(port);
+        let _ = self.dev.udp.set(port.clone());
+        self.dev.dp.wake_progress();
+        Ok(port)
+    }
+
+    /// `ibv_query_gid` (index 0): the device's address as a RoCEv2 GID (IPv4-mapped for
+    /// IPv4). Binds the UDP port if needed.
+    pub fn query_gid(&self) -> Result<[u8; 16]> {
+        Ok(net::udp::gid_of(self.udp_port()?.local_addr().ip()))
+    }
+
+    /// The bound UDP address, if the port is bound.
+    pub fn udp_addr(&self) -> Option<std::net::SocketAddr> {
+        self.dev.udp.get().map(|p| p.local_addr())
+    }
+
+    /// Link counters (datagrams sent/received, drops by reason).
+    pub fn net_stats(&self) -> net::udp::NetStatsSnapshot {
+        self.dev.net_stats.snapshot()
+    }
+
+    /// Fault-injector counters of the UDP port (None without faults or before binding).
+    pub fn fault_stats(&self) -> Option<net::fault::FaultStats> {
+        self.dev.udp.get().and_then(|p| p.fault_stats())
     }
 
     /// `ibv_query_device`.

@@ -49,13 +49,27 @@ pub enum AsyncEvent {
         /// QP number.
         qpn: u32,
     },
+    /// IBV_EVENT_QP_LAST_WQE_REACHED (13): a QP attached to an SRQ entered ERR.
+    QpLastWqeReached {
+        /// QP number.
+        qpn: u32,
+    },
+    /// IBV_EVENT_SRQ_LIMIT_REACHED (15): an armed SRQ dropped below its limit.
+    SrqLimitReached {
+        /// SRQ number.
+        srqn: u32,
+    },
 }
 
 #[derive(Debug, Default)]
 struct Sched {
     runq: Mutex<VecDeque<Arc<QpObject>>>,
     cond: Condvar,
+    /// Set by the progress thread while it sleeps (on `cond`, or in poll() on the UDP socket
+    /// and `wake`); schedulers then notify `cond` and write `wake`.
     sleeping: AtomicBool,
+    /// eventfd that wakes the progress thread out of poll() (created with the UDP port).
+    wake: std::sync::OnceLock<rustix::fd::OwnedFd>,
     shutdown: AtomicBool,
 }
 
@@ -118,13 +132,45 @@ impl DataPath {
         g.push_back(q.clone());
         if self.sched.sleeping.load(Ordering::Acquire) {
             self.sched.cond.notify_one();
+            self.sched.kick();
         }
+    }
+
+    /// Whether the application drives progress itself ([`Context::set_manual_progress`]).
+    pub(crate) fn manual(&self) -> bool {
+        self.manual.load(Ordering::Acquire)
     }
 
     pub(crate) fn schedule(&self, qpn: u32) {
         let q = self.qps.read().get(&qpn).cloned();
         if let Some(q) = q {
             self.schedule_obj(&q);
+        }
+    }
+
+    /// Wake the progress thread (e.g. after the UDP port was bound, so it starts polling it).
+    pub(crate) fn wake_progress(&self) {
+        let _ = self.sched.wake.get_or_init(|| {
+            rustix::event::eventfd(
+                0,
+                rustix::event::EventfdFlags::NONBLOCK | rustix::event::EventfdFlags::CLOEXEC,
+            )
+            .expect("eventfd")
+        });
+        self.sched.cond.notify_all();
+        self.sched.kick();
+    }
+
+    /// Hand a packet to its QP; false (and the packet dropped) when no such QP exists.
+    pub(crate) fn enqueue_packet_checked(&self, p: Pkt) -> bool {
+        let q = self.qps.read().get(&p.bth.dest_qpn).cloned();
+        match q {
+            Some(q) => {
+                q.inbox.lock().push(p);
+                self.schedule_obj(&q);
+                true
+            }
+            None => false,
         }
     }
 
@@ -145,6 +191,47 @@ impl DataPath {
         let _ = std::thread::Builder::new()
             .name(format!("mrkit0-progress-{}", self.node_id))
             .spawn(move || progress_thread(weak, sched));
+    }
+}
+
+impl Sched {
+    /// Write the eventfd so a poll() in the progress thread returns.
+    fn kick(&self) {
+        if let Some(fd) = self.wake.get() {
+            let _ = rustix::io::write(fd, &1u64.to_ne_bytes());
+        }
+    }
+
+    /// Sleep until work is scheduled, a datagram arrives on `udp`, or `timeout` passes.
+    fn sleep(&self, udp: Option<&crate::net::udp::UdpPort>, timeout: Duration) {
+        use rustix::event::{poll, PollFd, PollFlags, Timespec};
+        let mut g = self.runq.lock();
+        if !g.is_empty() {
+            return;
+        }
+        self.sleeping.store(true, Ordering::Release);
+        match (udp, self.wake.get()) {
+            (Some(port), Some(wake)) => {
+                drop(g);
+                let mut fds = [
+                    PollFd::new(port.rx_socket(), PollFlags::IN),
+                    PollFd::new(wake, PollFlags::IN),
+                ];
+                let ts = Timespec {
+                    tv_sec: timeout.as_secs() as i64,
+                    tv_nsec: i64::from(timeout.subsec_nanos()),
+                };
+                if self.runq.lock().is_empty() {
+                    let _ = poll(&mut fds, Some(&ts));
+                }
+                let mut buf = [0u8; 8];
+                let _ = rustix::io::read(wake, &mut buf);
+            }
+            _ => {
+                self.cond.wait_for(&mut g, timeout);
+            }
+        }
+        self.sleeping.store(false, Ordering::Release);
     }
 }
 
@@ -181,12 +268,8 @@ fn progress_thread(weak: Weak<DeviceInner>, sched: Arc<Sched>) {
             }
             continue;
         }
-        let mut g = sched.runq.lock();
-        if g.is_empty() {
-            sched.sleeping.store(true, Ordering::Release);
-            sched.cond.wait_for(&mut g, Duration::from_millis(1));
-            sched.sleeping.store(false, Ordering::Release);
-        }
+        let udp = weak.upgrade().and_then(|d| d.udp.get().cloned());
+        sched.sleep(udp.as_deref(), Duration::from_millis(1));
         idle_since = None;
     }
 }
@@ -203,6 +286,14 @@ impl Context {
     /// timers). Returns the number of QP runs that did something.
     pub fn progress_once(&self, now: Instant) -> usize {
         let dp = &self.dev.dp;
+        let _running = crate::fastpath::Running::enter(self);
+        if let Some(port) = self.dev.udp.get() {
+            // One receiver at a time keeps the socket's order (see DeviceInner::rx).
+            if let Some(mut bufs) = self.dev.rx.try_lock() {
+                crate::net::udp::poll_rx(self, port, &mut bufs);
+            }
+            let _ = port.tick(now);
+        }
         let batch: Vec<Arc<QpObject>> = dp.sched.runq.lock().drain(..).collect();
         let mut work = batch.len();
         let tick: Vec<u32> = {
@@ -219,7 +310,7 @@ impl Context {
             q.scheduled.store(false, Ordering::Release);
             let (pkts, needs_tick) = q.run(self, now);
             self.set_ticking(q.qpn, needs_tick);
-            loopback::deliver(pkts);
+            crate::net::deliver(self, pkts);
         }
         for qpn in tick {
             let q = dp.qps.read().get(&qpn).cloned();
@@ -232,12 +323,12 @@ impl Context {
             if !pkts.is_empty() {
                 work += 1;
             }
-            loopback::deliver(pkts);
+            crate::net::deliver(self, pkts);
         }
         work
     }
 
-    fn set_ticking(&self, qpn: u32, on: bool) {
+    pub(crate) fn set_ticking(&self, qpn: u32, on: bool) {
         let mut t = self.dev.dp.ticking.lock();
         if on {
             t.0.insert(qpn);
@@ -355,8 +446,15 @@ impl Context {
     }
 
     /// `ibv_poll_cq`: append up to `max` completions to `out`; returns how many.
+    /// On an empty CQ (and without manual progress) it first runs the device's progress
+    /// inline once (progress-on-poll, `fastpath.rs`).
     pub fn poll_cq(&self, cqn: u32, out: &mut Vec<Wc>, max: usize) -> Result<usize> {
-        Ok(self.cq(cqn)?.poll(out, max))
+        let cq = self.cq(cqn)?;
+        let n = cq.poll(out, max);
+        if n == 0 && max > 0 && self.progress_on_poll() {
+            return Ok(cq.poll(out, max));
+        }
+        Ok(n)
     }
 
     /// Block until the CQ holds a completion or `timeout` passes.

@@ -23,8 +23,11 @@
 //! ```
 
 pub mod buffer;
+pub mod cache;
+pub mod pool;
 pub mod provider;
 pub mod qp;
+pub mod stat_export;
 mod verbs;
 
 pub use buffer::{Buffer, BufferOptions};
@@ -35,7 +38,7 @@ pub use mrkit_soft::{
     AccessFlags, DeviceAttr, DeviceConfig, Errno, Error, MwType, Result, StatusModel,
 };
 pub use provider::Provider;
-pub use qp::{QueuePair, WcOpcode, WcStatus, WorkCompletion};
+pub use qp::{Owned, PostRefused, QueuePair, Ticket, WcOpcode, WcStatus, WorkCompletion};
 pub use verbs::{
     Context, LocalSlice, MemoryRegion, MemoryWindow, ProtectionDomain, RawMemoryRegion, RemoteSlice,
 };

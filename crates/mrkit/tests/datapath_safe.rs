@@ -58,3 +58,92 @@ fn safe_write_read_atomic_and_error_as_value() {
     assert_eq!(wc.status, WcStatus::RemAccessErr);
     assert_eq!(q1.state().unwrap(), QpState::Err);
 }
+
+/// Pipelined WRs: many WRITEs/READs in flight, each owning its buffer (MRs and pool slots),
+/// buffers handed back with their completions.
+#[test]
+fn pipelined_owned_buffers_come_back_with_completions() {
+    use mrkit::pool::{MrPool, PoolConfig};
+    use mrkit::qp::Owned;
+    let c1 = Context::open(mrkit::DeviceConfig::rxe());
+    let c2 = Context::open(mrkit::DeviceConfig::rxe());
+    let (p1, p2) = (c1.alloc_pd().unwrap(), c2.alloc_pd().unwrap());
+    let mut q1 = QueuePair::new(&p1, QpCap::default()).unwrap();
+    let q2 = QueuePair::new(&p2, QpCap::default()).unwrap();
+    QueuePair::connect(&q1, &q2, A::REMOTE_WRITE | A::REMOTE_READ).unwrap();
+    let dst = p2
+        .register(
+            Buffer::new(64 << 10).unwrap(),
+            A::LOCAL_WRITE | A::REMOTE_WRITE | A::REMOTE_READ,
+        )
+        .unwrap();
+    let mut tickets = Vec::new();
+    for i in 0..8u64 {
+        let mut src = p1
+            .register(Buffer::new(4096).unwrap(), A::LOCAL_WRITE)
+            .unwrap();
+        src.as_mut_slice().fill(i as u8 + 1);
+        let r = dst.remote(i * 4096..(i + 1) * 4096).unwrap();
+        tickets.push(q1.post_write(src, 0..4096, r).unwrap());
+    }
+    let pool = MrPool::new(
+        &p1,
+        PoolConfig {
+            chunk_size: 1 << 20,
+            thp: false,
+            ..PoolConfig::default()
+        },
+    )
+    .unwrap();
+    for i in 8..12u64 {
+        let mut s = pool.alloc_owned().unwrap();
+        s.as_mut_slice().fill(i as u8 + 1);
+        let r = dst.remote(i * 4096..(i + 1) * 4096).unwrap();
+        tickets.push(q1.post_write(s, 0..4096, r).unwrap());
+    }
+    assert_eq!(q1.in_flight(), 12);
+    // A blocking call in the middle still gets its own completion.
+    let mut probe = p1
+        .register(Buffer::new(4096).unwrap(), A::LOCAL_WRITE)
+        .unwrap();
+    let wc = q1
+        .read(&mut probe, 0..16, dst.remote(0..16).unwrap())
+        .unwrap();
+    assert_eq!(wc.status, WcStatus::Success);
+    let done = q1.wait_all().unwrap();
+    assert_eq!(done.len(), 12);
+    assert_eq!(q1.in_flight(), 0);
+    let mut ids: Vec<u64> = done.iter().map(|(w, _)| w.wr_id).collect();
+    ids.sort();
+    let mut want: Vec<u64> = tickets.iter().map(|t| t.wr_id()).collect();
+    want.sort();
+    assert_eq!(ids, want);
+    let mut slots = 0;
+    for (wc, buf) in done {
+        assert_eq!(wc.status, WcStatus::Success);
+        match buf.expect("buffer back") {
+            Owned::Mr(m) => assert_eq!(m.as_slice().len(), 4096),
+            Owned::Slot(_) => slots += 1,
+        }
+    }
+    assert_eq!(slots, 4);
+    for i in 0..12usize {
+        assert!(dst.as_slice()[i * 4096..(i + 1) * 4096]
+            .iter()
+            .all(|&b| b == i as u8 + 1));
+    }
+    // A pipelined READ into a pool slot, then a refused post hands the buffer back.
+    let s = pool.alloc_owned().unwrap();
+    let t = q1
+        .post_read(s, 0..4096, dst.remote(4096..8192).unwrap())
+        .unwrap();
+    let (wc, buf) = q1.wait_all().unwrap().pop().unwrap();
+    assert_eq!((wc.wr_id, wc.status), (t.wr_id(), WcStatus::Success));
+    let buf = buf.unwrap();
+    assert!(buf.as_slice().iter().all(|&b| b == 2));
+    let refused = q1
+        .post_write(buf, 0..8192, dst.remote(0..8192).unwrap())
+        .unwrap_err();
+    assert_eq!(refused.error.errno(), mrkit::Errno::EINVAL);
+    assert!(matches!(refused.buf, Owned::Slot(_)));
+}

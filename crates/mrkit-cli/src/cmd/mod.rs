@@ -1,7 +1,16 @@
 //! Subcommands.
+pub mod bench;
 pub mod bench_pool_cache;
+pub mod bench_transport;
+pub mod capacity;
+pub mod completions;
 pub mod demo;
+pub mod devinfo;
+pub mod doctor;
+pub mod perf;
 pub mod reg;
+pub mod stat;
+pub mod sysinfo;
 
 /// Human-readable bytes (`64 KiB`).
 pub fn human(bytes: u64) -> String {

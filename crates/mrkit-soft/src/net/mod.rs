@@ -9,7 +9,9 @@
 //! processing. A UDP link (next issue) materialises the payload with [`Pkt::to_wire`].
 #![forbid(unsafe_code)]
 
+pub mod fault;
 pub mod loopback;
+pub mod udp;
 
 use crate::copy;
 use crate::mr::MrGuard;
@@ -25,6 +27,9 @@ pub enum Payload {
     Bytes(Vec<u8>),
     /// Pieces of registered memory `(guard, offset in guard, length)`.
     Mem(Vec<(MrGuard, u64, usize)>),
+    /// A range of a shared receive buffer (packets from the UDP link: no per-packet copy or
+    /// allocation; the buffer is recycled once every packet in it is consumed).
+    Shared(std::sync::Arc<Vec<u8>>, usize, usize),
 }
 
 impl Payload {
@@ -33,6 +38,7 @@ impl Payload {
         match self {
             Payload::Empty => 0,
             Payload::Bytes(b) => b.len(),
+            Payload::Shared(_, _, n) => *n,
             Payload::Mem(p) => p.iter().map(|x| x.2).sum(),
         }
     }
@@ -45,6 +51,9 @@ impl Payload {
         match self {
             Payload::Empty => debug_assert_eq!(n, 0),
             Payload::Bytes(b) => copy::write_from(dst, doff, &b[poff..poff + n]),
+            Payload::Shared(b, start, _) => {
+                copy::write_from(dst, doff, &b[start + poff..start + poff + n])
+            }
             Payload::Mem(pieces) => {
                 for (g, goff, glen) in pieces {
                     if n == 0 {
@@ -68,6 +77,9 @@ impl Payload {
         match self {
             Payload::Empty => {}
             Payload::Bytes(b) => dst.copy_from_slice(&b[poff..poff + dst.len()]),
+            Payload::Shared(b, start, _) => {
+                dst.copy_from_slice(&b[start + poff..start + poff + dst.len()])
+            }
             Payload::Mem(pieces) => {
                 let mut d = 0;
                 for (g, goff, glen) in pieces {
@@ -97,8 +109,10 @@ impl Payload {
 /// A packet in flight between two QPs.
 #[derive(Debug)]
 pub struct Pkt {
-    /// Node (device instance) the packet is for.
+    /// Node (device instance) the packet is for (loopback link).
     pub dst_node: u64,
+    /// Destination IP (UDP link); `None` on the loopback link.
+    pub dst_ip: Option<std::net::IpAddr>,
     /// Node that sent it.
     pub src_node: u64,
     /// Sending QP (the wire derives it from the UDP flow; kept here for completions).
@@ -140,4 +154,117 @@ impl Pkt {
         }
         pb.to_vec(&self.payload.to_vec(), inputs)
     }
+}
+
+/// Why a received datagram was dropped (counted per device; none of them touches memory).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Drop {
+    /// Not a well-formed RoCEv2 RC packet (truncated, bad version, unknown opcode, bad pad...).
+    Malformed,
+    /// The ICRC does not match.
+    BadIcrc,
+    /// No QP with the destination QPN.
+    UnknownQp,
+}
+
+impl Pkt {
+    /// Build a packet from a received RoCEv2 datagram (UDP payload, BTH .. ICRC) after checking
+    /// its structure and ICRC. `src`/`dst` are the UDP endpoints it travelled between.
+    pub fn from_wire(
+        datagram: &[u8],
+        src: std::net::SocketAddr,
+        dst: std::net::SocketAddr,
+        node: u64,
+    ) -> Result<Pkt, Drop> {
+        Self::from_wire_in(datagram, None, src, dst, node)
+    }
+
+    /// As [`from_wire`](Self::from_wire); with `shared = Some((buffer, offset))` where
+    /// `datagram` lies at `offset` inside `buffer`, the payload refers to the buffer instead of
+    /// being copied.
+    pub fn from_wire_in(
+        datagram: &[u8],
+        shared: Option<(&std::sync::Arc<Vec<u8>>, usize)>,
+        src: std::net::SocketAddr,
+        dst: std::net::SocketAddr,
+        node: u64,
+    ) -> Result<Pkt, Drop> {
+        let view = crate::wire::Packet::parse(datagram).map_err(|_| Drop::Malformed)?;
+        if !icrc_ok(&view, src, dst) {
+            return Err(Drop::BadIcrc);
+        }
+        Ok(Pkt {
+            dst_node: node,
+            dst_ip: None,
+            src_node: 0,
+            src_qpn: 0,
+            bth: view.bth,
+            ext: view.ext,
+            payload: match shared {
+                _ if view.payload.is_empty() => Payload::Empty,
+                Some((buf, base)) => {
+                    // The payload's position inside the datagram, then inside the buffer.
+                    let at = view.payload.as_ptr() as usize - datagram.as_ptr() as usize;
+                    Payload::Shared(buf.clone(), base + at, view.payload.len())
+                }
+                None => Payload::Bytes(view.payload.to_vec()),
+            },
+        })
+    }
+}
+
+/// ICRC check of a datagram received on a plain UDP socket. IPv6 is exact. For IPv4 the IP
+/// identification and flags are not visible to a UDP socket: packets from mrkit peers carry
+/// ID 0 with DF unless they were segmented by UDP GSO (IDs 0, 1, 2, ...), so the check tries
+/// ID 0 and falls back to the linear solve over the 17 unknown bits (roce.md §2.4), which accepts
+/// any ID and DF value and still rejects a corrupted packet with probability 1 - 2^-15.
+fn icrc_ok(
+    view: &crate::wire::PacketView<'_>,
+    src: std::net::SocketAddr,
+    dst: std::net::SocketAddr,
+) -> bool {
+    let inputs = IcrcInputs::from_socket_addrs(src, dst);
+    if view.verify_icrc(&inputs).is_ok() {
+        return true;
+    }
+    if inputs.is_ipv4() {
+        // The solver's basis depends only on the datagram length: cache a few per thread.
+        thread_local! {
+            static SOLVERS: std::cell::RefCell<std::collections::HashMap<usize, crate::wire::Ipv4IdSolver>> =
+                std::cell::RefCell::new(std::collections::HashMap::new());
+        }
+        let len = view.datagram().len();
+        return SOLVERS.with(|c| {
+            let mut c = c.borrow_mut();
+            if c.len() > 64 && !c.contains_key(&len) {
+                c.clear();
+            }
+            c.entry(len)
+                .or_insert_with(|| crate::wire::Ipv4IdSolver::new(len))
+                .solve(&inputs, view.datagram())
+                .is_ok()
+        });
+    }
+    false
+}
+
+/// Send packets: over the in-process loopback link, or as RoCEv2 datagrams over UDP when the
+/// packet names an IP destination.
+pub(crate) fn deliver(ctx: &crate::Context, pkts: Vec<Pkt>) {
+    if pkts.iter().all(|p| p.dst_ip.is_none()) {
+        return loopback::deliver(pkts);
+    }
+    let mut local = Vec::new();
+    let mut wire = Vec::new();
+    for p in pkts {
+        if p.dst_ip.is_some() {
+            wire.push(p);
+        } else {
+            local.push(p);
+        }
+    }
+    if !local.is_empty() {
+        loopback::deliver(local);
+    }
+    udp::send_pkts(ctx, wire);
 }

@@ -119,6 +119,29 @@ impl Completer {
         self.rnr_left = self.rnr_retry;
     }
 
+    /// The first PSN whose response is still missing: the next READ response (or the atomic
+    /// ACK) of the oldest incomplete READ/atomic, or the first unacknowledged PSN of the oldest
+    /// incomplete SEND/WRITE. An ACK or a PSN-sequence NAK for a later PSN implicitly
+    /// acknowledges SENDs and WRITEs only (IBA 9.7.5.1.3): READ data and atomic results that
+    /// were lost must still be requested again, so retries never start beyond this PSN.
+    fn oldest_missing(sq: &SendQueue) -> Option<u32> {
+        let w = sq.q.iter().find(|w| !matches!(w.st, WqeSt::Done(_)))?;
+        match w.st {
+            WqeSt::Wait if w.wr.opcode == WrOpcode::RdmaRead => Some(psn_add(w.first_psn, w.sent)),
+            WqeSt::Wait => Some(w.first_psn),
+            _ => None,
+        }
+    }
+
+    /// Keep `comp_psn` at or before the oldest missing response.
+    fn clamp(&mut self, sq: &SendQueue) {
+        if let Some(m) = Self::oldest_missing(sq) {
+            if psn_cmp(m, self.comp_psn).is_lt() {
+                self.comp_psn = m;
+            }
+        }
+    }
+
     fn fail(sq: &mut SendQueue, psn: Option<u32>, status: WcStatus, out: &mut Out) {
         let idx = psn
             .and_then(|p| sq.q.iter().position(|w| w.contains(p)))
@@ -148,6 +171,7 @@ impl Completer {
                     Syndrome::Ack { .. } => {
                         self.ack_before(sq, psn, true);
                         self.advance(psn);
+                        self.clamp(sq);
                     }
                     Syndrome::RnrNak { timer } => {
                         self.ack_before(sq, psn, false);
@@ -175,7 +199,8 @@ impl Completer {
                             self.retry_left -= 1;
                         }
                         self.comp_psn = psn;
-                        self.rewind = Some(psn);
+                        self.clamp(sq);
+                        self.rewind = Some(self.comp_psn);
                     }
                     Syndrome::Nak(code) => {
                         self.ack_before(sq, psn, false);
@@ -202,7 +227,7 @@ impl Completer {
                 }
                 let off = u64::from(k) * q.mtu as u64;
                 let n = p.payload.len() as u64;
-                let r = scatter(q, &w.wr.sg_list, off, n, &p.payload);
+                let r = scatter_deferred(q, &w.wr.sg_list, off, n, p.payload, out);
                 if r.is_err() {
                     w.st = WqeSt::Done(WcStatus::LocProtErr);
                     out.error = true;
@@ -271,6 +296,7 @@ impl Completer {
         if self.retry_left != 7 {
             self.retry_left -= 1;
         }
+        self.clamp(sq);
         self.rewind = Some(self.comp_psn);
     }
 
@@ -294,6 +320,42 @@ impl Completer {
                 wcs.push(w.wc(qpn, status));
             }
         }
+    }
+}
+
+/// As [`scatter`], but when the bytes land in a single SGE fragment and come from registered
+/// memory the copy is deferred to [`Out::flush_copies`](super::Out::flush_copies) (coalesced
+/// with the next response packets of the READ into one large copy).
+pub(crate) fn scatter_deferred(
+    q: &QpCtx<'_>,
+    sges: &[super::Sge],
+    off: u64,
+    n: u64,
+    payload: Payload,
+    out: &mut Out,
+) -> Result<(), AccessDenied> {
+    let mut frags = 0;
+    let mut one = None;
+    let walk = for_pieces(sges, off, n, |s, soff, len| {
+        frags += 1;
+        one = Some((*s, soff, len));
+        Ok(())
+    });
+    match (walk, frags, one, &payload) {
+        (Ok(()), 1, Some((s, soff, len)), Payload::Mem(_)) if len == n => {
+            let g = q.ctx.check_access(
+                s.lkey,
+                q.pd,
+                AccessFlags::LOCAL_WRITE,
+                s.addr.wrapping_add(soff),
+                len,
+                KeyUse::Local,
+                q.qpn,
+            )?;
+            out.place(g, payload);
+            Ok(())
+        }
+        _ => scatter(q, sges, off, n, &payload),
     }
 }
 

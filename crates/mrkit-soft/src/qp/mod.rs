@@ -3,6 +3,9 @@
 #![forbid(unsafe_code)]
 
 pub mod comp;
+pub mod connect;
+#[cfg(test)]
+mod dp_tests;
 pub mod req;
 pub mod resp;
 pub mod state;
@@ -242,11 +245,15 @@ pub struct QpInitAttr {
     pub sq_sig_all: bool,
 }
 
-/// Address vector: on the loopback link, the destination device instance.
+/// Address vector: the destination device instance on the in-process loopback link, or the
+/// destination GID's IP address on the UDP (RoCEv2) link.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct AddressVector {
-    /// Destination node ([`Context::node_id`] of the peer).
+    /// Destination node ([`Context::node_id`] of the peer) on the loopback link; ignored when
+    /// `dgid` is set.
     pub dest_node: u64,
+    /// Destination GID as an IP address (IPv4-mapped GIDs are IPv4): packets go over UDP.
+    pub dgid: Option<std::net::IpAddr>,
     /// Port (must be 1).
     pub port_num: u8,
 }
@@ -333,6 +340,7 @@ pub(crate) struct QpCtx<'a> {
     pub mtu: usize,
     pub dest_qpn: u32,
     pub dest_node: u64,
+    pub dest_ip: Option<std::net::IpAddr>,
     pub src_node: u64,
     pub access: AccessFlags,
     pub max_rd_atomic: u32,
@@ -351,6 +359,57 @@ pub(crate) struct Out {
     /// The QP must move to ERR (after the completions above).
     pub error: bool,
     pub events: Vec<AsyncEvent>,
+    /// RDMA WRITE placements not yet copied (coalesced by [`Out::flush_copies`]).
+    pub copies: Vec<(crate::mr::MrGuard, crate::net::Payload)>,
+}
+
+impl Out {
+    /// Place `payload` at the start of `dst` — deferred when it is registered memory, so that
+    /// consecutive packets of a message become one large copy.
+    pub(crate) fn place(&mut self, dst: crate::mr::MrGuard, payload: crate::net::Payload) {
+        match payload {
+            crate::net::Payload::Mem(_) => self.copies.push((dst, payload)),
+            p => p.copy_to(0, &dst, 0, p.len()),
+        }
+    }
+
+    /// Execute the deferred placements (in order) and release their guards.
+    pub(crate) fn flush_copies(&mut self) {
+        if self.copies.is_empty() {
+            return;
+        }
+        let mut items = Vec::new();
+        for (dst, p) in &self.copies {
+            if let crate::net::Payload::Mem(pieces) = p {
+                let mut doff = 0u64;
+                for (g, goff, glen) in pieces {
+                    items.push((dst, doff, g, *goff, *glen));
+                    doff += *glen as u64;
+                }
+            }
+        }
+        crate::copy::mem_to_mem_batch(&items);
+        drop(items);
+        self.copies.clear();
+    }
+}
+
+/// Packets whose only effect on memory is placing bytes (RDMA WRITE requests, READ
+/// responses): deferred copies may stay pending across them and coalesce; any other packet
+/// flushes them first.
+fn plain_write(op: crate::wire::Opcode) -> bool {
+    use crate::wire::Opcode::*;
+    matches!(
+        op,
+        RdmaWriteFirst
+            | RdmaWriteMiddle
+            | RdmaWriteLast
+            | RdmaWriteOnly
+            | RdmaReadResponseFirst
+            | RdmaReadResponseMiddle
+            | RdmaReadResponseLast
+            | RdmaReadResponseOnly
+    )
 }
 
 pub(crate) struct QpInner {
@@ -363,6 +422,8 @@ pub(crate) struct QpInner {
     pub resp: resp::Responder,
     pub destroyed: bool,
     pub sqd_notified: bool,
+    /// LAST_WQE_REACHED raised for this stay in ERR (SRQ QPs).
+    pub last_wqe_notified: bool,
 }
 
 /// A QP as the device keeps it.
@@ -372,6 +433,9 @@ pub(crate) struct QpObject {
     pub send_cq: Arc<CqObject>,
     pub recv_cq: Arc<CqObject>,
     pub sq_sig_all: bool,
+    /// The SRQ receive WQEs come from (`rq` then only holds the one taken for the next
+    /// message).
+    pub srq: Option<Arc<crate::srq::SrqObject>>,
     pub inbox: Mutex<Vec<Pkt>>,
     pub scheduled: AtomicBool,
     pub inner: Mutex<QpInner>,
@@ -408,6 +472,7 @@ impl QpObject {
             mtu: 128usize << st.attr.path_mtu.clamp(1, 5),
             dest_qpn: st.attr.dest_qp_num,
             dest_node: st.attr.ah_attr.dest_node,
+            dest_ip: st.attr.ah_attr.dgid,
             src_node: ctx.dev.dp.node_id,
             access: st.attr.qp_access_flags,
             max_rd_atomic: st.attr.max_rd_atomic,
@@ -421,15 +486,27 @@ impl QpObject {
             if st.state == QpState::Err || out.error {
                 break; // a QP in ERR drops every incoming packet
             }
+            if !plain_write(p.bth.opcode) {
+                out.flush_copies();
+            }
             if p.bth.opcode.info().is_response() {
                 if matches!(st.state, QpState::Rts | QpState::Sqd) {
                     st.comp
                         .on_response(&q, &mut st.sq, &mut st.req, p, now, &mut out);
                 }
             } else if matches!(st.state, QpState::Rtr | QpState::Rts | QpState::Sqd) {
+                if let Some(srq) = &self.srq {
+                    if st.rq.is_empty() && st.resp.needs_wqe(&p) {
+                        if let Some((w, ev)) = srq.take() {
+                            st.rq.push_back(w);
+                            out.events.extend(ev);
+                        }
+                    }
+                }
                 st.resp.on_request(&q, &mut st.rq, p, &mut out);
             }
         }
+        out.flush_copies();
         if !out.error && matches!(st.state, QpState::Rts | QpState::Sqd) {
             st.comp.tick(&q, &mut st.sq, &mut st.req, now, &mut out);
             st.req.step(&q, &mut st.sq, &mut st.comp, now, &mut out);
@@ -453,6 +530,15 @@ impl QpObject {
             }
             st.sq.cursor = 0;
             st.req.reset_flow();
+            if let Some(srq) = &self.srq {
+                // SRQ WQEs are not flushed: an unused prefetched one goes back.
+                srq.give_back(st.rq.drain(..));
+                if !st.last_wqe_notified {
+                    st.last_wqe_notified = true;
+                    out.events
+                        .push(AsyncEvent::QpLastWqeReached { qpn: self.qpn });
+                }
+            }
             for r in st.rq.drain(..) {
                 out.recv_wcs.push((
                     Wc {
@@ -492,10 +578,16 @@ impl QpObject {
                     let _ = self.send_cq.push(w.flush_wc(self.qpn), false);
                 }
                 st.sq.cursor = 0;
+                if let Some(srq) = &self.srq {
+                    srq.give_back(st.rq.drain(..));
+                    st.last_wqe_notified = true;
+                    out.events
+                        .push(AsyncEvent::QpLastWqeReached { qpn: self.qpn });
+                }
                 st.rq.clear();
             }
         }
-        if st.state == QpState::Sqd && !st.sqd_notified && st.sq.outstanding() == 0 {
+        if st.state == QpState::Sqd && !st.sqd_notified && st.sq.in_flight() == 0 {
             st.sqd_notified = true;
             if st.attr.en_sqd_async_notify {
                 out.events.push(AsyncEvent::SqDrained { qpn: self.qpn });
@@ -533,6 +625,39 @@ impl Context {
     /// SGEs ≤ max_sge, inline ≤ 512), an unknown PD or CQ; ENOMEM when max_qp QPs exist.
     /// Returns the QP number and the actual caps.
     pub fn create_qp(&self, init: QpInitAttr) -> Result<(u32, QpCap)> {
+        self.create_qp_inner(init, None)
+    }
+
+    /// `ibv_create_qp` with `srq` set: receive WQEs come from the shared receive queue `srq`
+    /// (same PD required, EINVAL otherwise); `post_recv` on the QP → EINVAL; entering ERR
+    /// raises `QpLastWqeReached` instead of flushing SRQ WQEs. `max_recv_wr`/`max_recv_sge`
+    /// are ignored (reported as 0).
+    pub fn create_qp_srq(&self, init: QpInitAttr, srq: u32) -> Result<(u32, QpCap)> {
+        let s = self.srq(srq)?;
+        if s.pd.handle != init.pd {
+            return Err(err!(
+                EINVAL,
+                "SRQ {srq} belongs to PD {:#x}, the QP to PD {:#x}",
+                s.pd.handle,
+                init.pd
+            ));
+        }
+        let init = QpInitAttr {
+            cap: QpCap {
+                max_recv_wr: 0,
+                max_recv_sge: 0,
+                ..init.cap
+            },
+            ..init
+        };
+        self.create_qp_inner(init, Some(s))
+    }
+
+    fn create_qp_inner(
+        &self,
+        init: QpInitAttr,
+        srq: Option<Arc<crate::srq::SrqObject>>,
+    ) -> Result<(u32, QpCap)> {
         let a = self.dev.config.attr();
         let c = init.cap;
         if c.max_send_wr > a.max_qp_wr || c.max_recv_wr > a.max_qp_wr {
@@ -574,9 +699,16 @@ impl Context {
         recv_cq.users.fetch_add(1, Ordering::AcqRel);
         let cap = QpCap {
             max_send_wr: c.max_send_wr.max(1),
-            max_recv_wr: c.max_recv_wr.max(1),
+            max_recv_wr: if srq.is_some() {
+                0
+            } else {
+                c.max_recv_wr.max(1)
+            },
             ..c
         };
+        if let Some(s) = &srq {
+            s.users.fetch_add(1, Ordering::AcqRel);
+        }
         let attr = QpAttr {
             cap,
             ..QpAttr::default()
@@ -587,6 +719,7 @@ impl Context {
             send_cq,
             recv_cq,
             sq_sig_all: init.sq_sig_all,
+            srq,
             inbox: Mutex::new(Vec::new()),
             scheduled: AtomicBool::new(false),
             inner: Mutex::new(QpInner {
@@ -599,6 +732,7 @@ impl Context {
                 resp: resp::Responder::default(),
                 destroyed: false,
                 sqd_notified: false,
+                last_wqe_notified: false,
             }),
         });
         dp.qps.write().insert(qpn, obj);
@@ -626,6 +760,9 @@ impl Context {
         q.inbox.lock().clear();
         q.send_cq.users.fetch_sub(1, Ordering::AcqRel);
         q.recv_cq.users.fetch_sub(1, Ordering::AcqRel);
+        if let Some(s) = &q.srq {
+            s.users.fetch_sub(1, Ordering::AcqRel);
+        }
         q.pd.put();
         Ok(())
     }
@@ -792,7 +929,11 @@ impl Context {
         match to {
             QpState::Reset if cur != QpState::Reset => {
                 g.sq = req::SendQueue::default();
+                if let Some(s) = &q.srq {
+                    s.give_back(g.rq.drain(..));
+                }
                 g.rq.clear();
+                g.last_wqe_notified = false;
                 g.req = req::Requester::default();
                 g.comp = comp::Completer::new(Instant::now());
                 g.resp = resp::Responder::default();
@@ -828,6 +969,9 @@ impl Context {
             .qp(qpn)
             .map_err(|error| PostError { bad_wr: 0, error })?;
         let mut g = q.inner.lock();
+        // Inline requester (docs/datapath.md "Latency"): an idle QP in RTS generates and
+        // delivers its packets on the caller's thread instead of waking the progress thread.
+        let inline = g.state == QpState::Rts && g.sq.q.is_empty() && !self.dev.dp.manual();
         let res = (|| {
             for (i, wr) in wrs.iter().enumerate() {
                 let fail = |error| PostError { bad_wr: i, error };
@@ -851,7 +995,11 @@ impl Context {
             Ok(())
         })();
         drop(g);
-        self.dev.dp.schedule(qpn);
+        if inline {
+            self.run_qp_inline(&q);
+        } else {
+            self.dev.dp.schedule(qpn);
+        }
         res
     }
 
@@ -865,6 +1013,12 @@ impl Context {
         let res = (|| {
             for (i, wr) in wrs.iter().enumerate() {
                 let fail = |error| PostError { bad_wr: i, error };
+                if q.srq.is_some() {
+                    return Err(fail(err!(
+                        EINVAL,
+                        "QP {qpn} takes receives from an SRQ; use post_srq_recv"
+                    )));
+                }
                 if g.state == QpState::Reset {
                     return Err(fail(err!(
                         EINVAL,
@@ -986,6 +1140,7 @@ pub fn rc_connect(
         at.ah_attr = AddressVector {
             dest_node: peer_node,
             port_num: 1,
+            ..AddressVector::default()
         };
         at.path_mtu = mtu;
         at.dest_qp_num = peer_qp;

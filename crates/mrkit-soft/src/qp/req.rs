@@ -91,8 +91,13 @@ pub(crate) struct SendQueue {
 }
 
 impl SendQueue {
-    pub(crate) fn outstanding(&self) -> usize {
-        self.q.len()
+    /// WQEs started and not finished (SQD is drained when this is 0: WQEs not yet started
+    /// wait for the return to RTS).
+    pub(crate) fn in_flight(&self) -> usize {
+        self.q
+            .iter()
+            .filter(|w| matches!(w.st, WqeSt::Sending | WqeSt::Wait))
+            .count()
     }
 }
 
@@ -299,6 +304,7 @@ impl Requester {
     fn pkt(&self, q: &QpCtx<'_>, opcode: Opcode, psn: u32) -> Pkt {
         Pkt {
             dst_node: q.dest_node,
+            dst_ip: q.dest_ip,
             src_node: q.src_node,
             src_qpn: q.qpn,
             bth: Bth::new(opcode, q.dest_qpn, psn),

@@ -105,9 +105,26 @@ impl Responder {
         };
     }
 
+    /// Whether `p` is the in-sequence packet of a message that consumes a receive WQE (the
+    /// QP then takes one from its SRQ first).
+    pub(crate) fn needs_wqe(&self, p: &Pkt) -> bool {
+        use Opcode::*;
+        p.bth.psn == self.epsn
+            && matches!(
+                p.bth.opcode,
+                SendFirst
+                    | SendOnly
+                    | SendOnlyWithImmediate
+                    | SendOnlyWithInvalidate
+                    | RdmaWriteLastWithImmediate
+                    | RdmaWriteOnlyWithImmediate
+            )
+    }
+
     fn reply(&self, q: &QpCtx<'_>, opcode: Opcode, psn: u32) -> Pkt {
         Pkt {
             dst_node: q.dest_node,
+            dst_ip: q.dest_ip,
             src_node: q.src_node,
             src_qpn: q.qpn,
             bth: Bth::new(opcode, q.dest_qpn, psn),
@@ -389,7 +406,7 @@ impl Responder {
         }
     }
 
-    fn write(&mut self, q: &QpCtx<'_>, rq: &mut VecDeque<RecvWqe>, p: Pkt, out: &mut Out) {
+    fn write(&mut self, q: &QpCtx<'_>, rq: &mut VecDeque<RecvWqe>, mut p: Pkt, out: &mut Out) {
         let op = p.bth.opcode;
         let psn = p.bth.psn;
         let imm_recv = matches!(
@@ -459,7 +476,7 @@ impl Responder {
                 KeyUse::Remote,
                 q.qpn,
             ) {
-                Ok(g) => p.payload.copy_to(0, &g, 0, n as usize),
+                Ok(g) => out.place(g, std::mem::take(&mut p.payload)),
                 Err(_) => {
                     rkey_fail(self, rq, out);
                     return;

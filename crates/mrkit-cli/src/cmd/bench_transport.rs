@@ -1,0 +1,282 @@
+//! `mrkit bench transport`: two-process RoCEv2/UDP numbers beside their floors, in one run.
+//!
+//! * floor: a raw UDP stream between two threads with the same offloads the device uses
+//!   (60 KiB `UDP_SEGMENT` sends of 4 KiB datagrams, `UDP_GRO` receive), and a spinning raw
+//!   UDP ping-pong of 8 bytes;
+//! * mrkit0: `mrkit perf --server` in a child process and the client here: WRITE and READ
+//!   bandwidth at 4 KiB, 64 KiB and 1 MiB, 8-byte WRITE and SEND round trips;
+//! * UCX: `ucx_perftest` over its tcp transport (put_bw 64 KiB, am_lat 8 B) when installed.
+//!
+//! Ratios: bandwidth ÷ raw stream, latency ÷ raw ping-pong.
+
+use std::net::{SocketAddr, UdpSocket};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use quinn_udp::{RecvMeta, Transmit, UdpSockRef, UdpSocketState};
+use serde_json::json;
+
+use super::perf::{run_client_with, Op};
+use crate::exit;
+
+fn udp_pair(a: &str, b: &str) -> std::io::Result<(UdpSocket, UdpSocket)> {
+    let s = UdpSocket::bind(a)?;
+    let r = UdpSocket::bind(b)?;
+    Ok((s, r))
+}
+
+/// Raw UDP stream: GSO sends of `seg`-byte datagrams, GRO receive; returns MB/s received.
+fn raw_stream(seg: usize, dur: Duration) -> std::io::Result<f64> {
+    let (tx, rx) = udp_pair("127.77.0.1:0", "127.77.0.2:0")?;
+    let dst = rx.local_addr()?;
+    let txs = UdpSocketState::new(UdpSockRef::from(&tx))?;
+    let rxs = UdpSocketState::new(UdpSockRef::from(&rx))?;
+    let _ = rxs.set_recv_buffer_size(UdpSockRef::from(&rx), 8 << 20);
+    rx.set_read_timeout(Some(Duration::from_millis(200)))?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let stop2 = stop.clone();
+    let per = (60 * 1024 / seg).max(1);
+    let sender = std::thread::spawn(move || {
+        let buf = vec![0x5au8; seg * per];
+        while !stop2.load(Ordering::Relaxed) {
+            let t = Transmit {
+                destination: dst,
+                ecn: None,
+                contents: &buf,
+                segment_size: (per > 1).then_some(seg),
+                src_ip: None,
+            };
+            let _ = txs.try_send(UdpSockRef::from(&tx), &t);
+        }
+    });
+    let mut bufs: Vec<Vec<u8>> = (0..8).map(|_| vec![0u8; 64 * 4200]).collect();
+    let mut meta = [RecvMeta::default(); 8];
+    let t0 = Instant::now();
+    let mut bytes = 0u64;
+    while t0.elapsed() < dur {
+        let mut slices: Vec<std::io::IoSliceMut<'_>> = bufs
+            .iter_mut()
+            .map(|b| std::io::IoSliceMut::new(b))
+            .collect();
+        if let Ok(n) = rxs.recv(UdpSockRef::from(&rx), &mut slices, &mut meta) {
+            bytes += meta[..n].iter().map(|m| m.len as u64).sum::<u64>();
+        }
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    stop.store(true, Ordering::Relaxed);
+    let _ = sender.join();
+    Ok(bytes as f64 / secs / 1e6)
+}
+
+/// Spinning raw UDP ping-pong of `size` bytes; returns the median RTT in µs.
+fn raw_pingpong(size: usize, iters: usize) -> std::io::Result<f64> {
+    let (a, b) = udp_pair("127.77.0.3:0", "127.77.0.4:0")?;
+    let (aa, ba) = (a.local_addr()?, b.local_addr()?);
+    a.set_nonblocking(true)?;
+    b.set_nonblocking(true)?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let stop2 = stop.clone();
+    let echo = std::thread::spawn(move || {
+        let mut buf = [0u8; 2048];
+        while !stop2.load(Ordering::Relaxed) {
+            if let Ok((n, _)) = b.recv_from(&mut buf) {
+                let _ = b.send_to(&buf[..n], aa);
+            }
+        }
+    });
+    let msg = vec![1u8; size];
+    let mut buf = [0u8; 2048];
+    let mut rtts = Vec::with_capacity(iters);
+    for _ in 0..iters {
+        let t = Instant::now();
+        a.send_to(&msg, ba)?;
+        loop {
+            if a.recv_from(&mut buf).is_ok() {
+                break;
+            }
+            if t.elapsed() > Duration::from_secs(1) {
+                break; // lost: count as a 1 s sample rather than hang
+            }
+        }
+        rtts.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    stop.store(true, Ordering::Relaxed);
+    let _ = echo.join();
+    rtts.sort_by(|x, y| x.partial_cmp(y).unwrap_or(std::cmp::Ordering::Equal));
+    Ok(rtts[rtts.len() / 2])
+}
+
+/// `ucx_perftest` over tcp, if installed: (test, size) → value reported on its "Final" line.
+fn ucx(test: &str, size: usize, iters: usize) -> Option<f64> {
+    let port = "13337";
+    let mut server = Command::new("ucx_perftest")
+        .env("UCX_TLS", "tcp")
+        .env("UCX_NET_DEVICES", "lo")
+        .args(["-p", port])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .ok()?;
+    std::thread::sleep(Duration::from_millis(300));
+    let out = Command::new("ucx_perftest")
+        .env("UCX_TLS", "tcp")
+        .env("UCX_NET_DEVICES", "lo")
+        .args([
+            "127.0.0.1",
+            "-p",
+            port,
+            "-t",
+            test,
+            "-s",
+            &size.to_string(),
+            "-n",
+            &iters.to_string(),
+        ])
+        .output();
+    let _ = server.kill();
+    let _ = server.wait();
+    let text = String::from_utf8_lossy(&out.ok()?.stdout).into_owned();
+    // The last numeric table row: columns are iterations, latency (typical, avg, overall),
+    // bandwidth MB/s (avg, overall), message rate (avg, overall).
+    let row: Vec<f64> = text
+        .lines()
+        .rev()
+        .find(|l| l.trim_start().starts_with("Final") || l.split_whitespace().count() >= 8)?
+        .split_whitespace()
+        .filter_map(|w| w.parse::<f64>().ok())
+        .collect();
+    match test {
+        t if t.ends_with("_lat") => row.get(2).copied(), // avg latency, µs (1-way)
+        _ => row.get(5).copied().map(|mib| mib * 1.048_576), // overall MB/s → 10^6 B/s
+    }
+}
+
+/// Entry point.
+pub fn run(json_out: bool, quick: bool) -> u8 {
+    match run_inner(quick) {
+        Ok(v) => {
+            if json_out {
+                println!("{}", serde_json::to_string_pretty(&v).expect("json"));
+            } else {
+                print_table(&v);
+            }
+            exit::OK
+        }
+        Err(e) => {
+            eprintln!("mrkit bench transport: {e:#}");
+            exit::VERB_FAILED
+        }
+    }
+}
+
+fn run_inner(quick: bool) -> anyhow::Result<serde_json::Value> {
+    let dur = Duration::from_millis(if quick { 300 } else { 1500 });
+    let stream = raw_stream(4096, dur)?;
+    let pp = raw_pingpong(8, if quick { 2000 } else { 20000 })?;
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+        l.local_addr()?.port()
+    };
+    let server_addr = "127.78.0.1";
+    let exe = std::env::current_exe()?;
+    let sizes: &[u64] = &[4096, 65536, 1 << 20];
+    let runs = sizes.len() * 2 + 2 + 2; // + the start-up probe and the warm-up
+    let mut server = Command::new(exe)
+        .args([
+            "perf",
+            "--server",
+            "--addr",
+            server_addr,
+            "--port",
+            &port.to_string(),
+        ])
+        .args(["--count", &runs.to_string()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()?;
+    let end = Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(SocketAddr::from(([127, 78, 0, 1], port))).is_err() {
+        anyhow::ensure!(Instant::now() < end, "perf server did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // The probe connection above was one of the counted clients: serve it.
+    let mut rows = Vec::new();
+    // Each run opens its own device: give each its own address (a closed device's socket may
+    // linger for a moment).
+    let next = std::cell::Cell::new(2u8);
+    let one = |op: Op, size: u64, iters: u32| -> anyhow::Result<serde_json::Value> {
+        let ip = format!("127.78.0.{}", next.get());
+        next.set(next.get() + 1);
+        let r = run_client_with(server_addr, port, Some(&ip), op, size, iters, 32)?;
+        Ok(serde_json::to_value(r)?)
+    };
+    let _ = one(Op::Write, 8, 20); // warm-up (and the connection the probe consumed)
+    for &op in &[Op::Write, Op::Read] {
+        for &size in sizes {
+            let iters = if quick {
+                (64 << 20) / size.max(1)
+            } else {
+                (512 << 20) / size.max(1)
+            };
+            let v = one(op, size, iters.clamp(200, 20000) as u32)?;
+            rows.push(v);
+        }
+    }
+    let wlat = one(Op::Write, 8, if quick { 2000 } else { 20000 })?;
+    let slat = one(Op::Send, 8, if quick { 2000 } else { 20000 })?;
+    let _ = server.kill();
+    let _ = server.wait();
+    let ucx_bw = ucx("ucp_put_bw", 65536, if quick { 2000 } else { 20000 });
+    let ucx_am_lat = ucx("ucp_am_lat", 8, if quick { 20000 } else { 100000 });
+    Ok(json!({
+        "raw_udp_stream_mbps": stream,
+        "raw_udp_pingpong_rtt_us": pp,
+        "mrkit": rows,
+        "write_lat": wlat,
+        "send_lat": slat,
+        "ucx_tcp_put_bw_64k_mbps": ucx_bw,
+        "ucx_tcp_am_lat_8b_us_one_way": ucx_am_lat,
+    }))
+}
+
+fn print_table(v: &serde_json::Value) {
+    let stream = v["raw_udp_stream_mbps"].as_f64().unwrap_or(0.0);
+    let pp = v["raw_udp_pingpong_rtt_us"].as_f64().unwrap_or(0.0);
+    println!("floor: raw UDP stream (GSO 4 KiB segments) {stream:.0} MB/s; raw UDP ping-pong 8 B RTT {pp:.1} µs");
+    println!(
+        "{:>6} {:>8} | {:>10} {:>8} | {:>10} {:>10}",
+        "op", "size", "MB/s", "÷stream", "RTT p50", "RTT p99"
+    );
+    for r in v["mrkit"].as_array().into_iter().flatten() {
+        let bw = r["bw_mbps"].as_f64().unwrap_or(0.0);
+        println!(
+            "{:>6} {:>8} | {:>10.0} {:>8.2} | {:>8.1}µs {:>8.1}µs",
+            r["op"].as_str().unwrap_or("?"),
+            r["size"],
+            bw,
+            bw / stream.max(1e-9),
+            r["lat_us_p50"].as_f64().unwrap_or(0.0),
+            r["lat_us_p99"].as_f64().unwrap_or(0.0)
+        );
+    }
+    for k in ["write_lat", "send_lat"] {
+        let l = v[k]["lat_us_p50"].as_f64().unwrap_or(0.0);
+        println!(
+            "{k:>10} 8 B RTT p50 {l:.1} µs = {:.2}x raw UDP ping-pong",
+            l / pp.max(1e-9)
+        );
+    }
+    match (
+        v["ucx_tcp_put_bw_64k_mbps"].as_f64(),
+        v["ucx_tcp_am_lat_8b_us_one_way"].as_f64(),
+    ) {
+        (Some(bw), Some(l)) => {
+            println!("UCX tcp: put_bw 64 KiB {bw:.0} MB/s, am_lat 8 B {l:.1} µs one way")
+        }
+        _ => {
+            println!("UCX: ucx_perftest not installed (apt-get install ucx-utils) or not parsable")
+        }
+    }
+}

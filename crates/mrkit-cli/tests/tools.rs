@@ -1,0 +1,679 @@
+//! End-to-end tests of `mrkit devinfo`, `capacity`, `doctor`, `stat`, `bench` and `completions`:
+//! run the built binary, check exit codes, JSON keys and golden text.
+
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+const ENV_VARS: &[&str] = &[
+    "MRKIT_PROFILE",
+    "MRKIT_MAX_MR",
+    "MRKIT_MAX_MR_SIZE",
+    "MRKIT_LOG_NUM_MTT",
+    "MRKIT_MAX_PD",
+    "MRKIT_MAX_MW",
+    "MRKIT_MAX_QP",
+    "MRKIT_MAX_CQ",
+    "MRKIT_MAX_CQE",
+    "MRKIT_MAX_QP_WR",
+    "MRKIT_ODP",
+    "MRKIT_STATUS_MODEL",
+    "MRKIT_DONTFORK",
+    "MRKIT_PIN",
+    "MRKIT_REG_RATIO",
+    "MRKIT_STAT",
+    "MRKIT_STAT_DIR",
+    "MRKIT_STAT_SHARE",
+    "MRKIT_STAT_INTERVAL_MS",
+    "MRKIT_LOG",
+];
+
+/// `mrkit` with a clean MRKIT_* environment.
+fn mrkit() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_mrkit"));
+    for v in ENV_VARS {
+        c.env_remove(v);
+    }
+    c
+}
+
+fn run(c: &mut Command) -> Output {
+    c.output().expect("run mrkit")
+}
+
+fn json_of(o: &Output) -> Value {
+    serde_json::from_slice(&o.stdout).unwrap_or_else(|e| {
+        panic!(
+            "not JSON ({e}):\n{}\nstderr:\n{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        )
+    })
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn golden(name: &str, actual: &str) {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/golden")
+        .join(name);
+    if std::env::var_os("MRKIT_BLESS").is_some() {
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(&path, actual).unwrap();
+    }
+    let want = std::fs::read_to_string(&path)
+        .unwrap_or_else(|_| panic!("missing golden file {}", path.display()));
+    assert_eq!(
+        actual,
+        want,
+        "output differs from {} (MRKIT_BLESS=1 to update)",
+        path.display()
+    );
+}
+
+fn keys(v: &Value) -> Vec<String> {
+    v.as_object().expect("object").keys().cloned().collect()
+}
+
+// ---------------------------------------------------------------------------------------------
+// help, usage, completions
+
+#[test]
+fn every_command_has_help_examples() {
+    for cmd in [
+        vec![],
+        vec!["devinfo"],
+        vec!["capacity"],
+        vec!["doctor"],
+        vec!["doctor", "explain"],
+        vec!["stat"],
+        vec!["bench"],
+        vec!["completions"],
+        vec!["reg"],
+    ] {
+        let mut c = mrkit();
+        c.args(&cmd).arg("--help");
+        let o = run(&mut c);
+        assert!(o.status.success(), "{cmd:?} --help failed");
+        assert!(
+            stdout(&o).contains("Examples:"),
+            "{cmd:?} --help has no examples"
+        );
+    }
+}
+
+#[test]
+fn usage_errors_exit_2() {
+    assert_eq!(
+        run(mrkit().args(["devinfo", "--bogus"])).status.code(),
+        Some(2)
+    );
+    assert_eq!(
+        run(mrkit().args(["completions", "tcsh"])).status.code(),
+        Some(2)
+    );
+    assert_eq!(
+        run(mrkit().args(["capacity", "--ratio", "2"]))
+            .status
+            .code(),
+        Some(2)
+    );
+    assert_eq!(
+        run(mrkit().args(["doctor", "explain", "ENOTANERRNO"]))
+            .status
+            .code(),
+        Some(2)
+    );
+    assert_eq!(
+        run(mrkit().args(["doctor", "explain", "EINVAL", "--access", "bogus"]))
+            .status
+            .code(),
+        Some(2)
+    );
+    assert_eq!(
+        run(mrkit().arg("devinfo").env("MRKIT_MAX_MR", "lots"))
+            .status
+            .code(),
+        Some(2)
+    );
+}
+
+#[test]
+fn completions_for_shells() {
+    for sh in ["bash", "zsh", "fish"] {
+        let o = run(mrkit().args(["completions", sh]));
+        assert!(o.status.success());
+        let s = stdout(&o);
+        assert!(
+            s.contains("mrkit") && s.contains("capacity") && s.contains("doctor"),
+            "{sh}"
+        );
+        assert!(
+            !s.contains("__stat-hold"),
+            "hidden helper leaked into {sh} completions"
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// devinfo
+
+#[test]
+fn devinfo_text_golden() {
+    let o = run(mrkit().arg("devinfo"));
+    assert!(o.status.success());
+    golden("devinfo.txt", &stdout(&o));
+}
+
+#[test]
+fn devinfo_verbose_lists_every_attribute_with_source() {
+    let o = run(mrkit().args(["devinfo", "-v"]).env("MRKIT_MAX_MR", "1000"));
+    assert!(o.status.success());
+    let s = stdout(&o);
+    assert!(
+        s.contains("max_mr:\t\t\t\t1000    (env MRKIT_MAX_MR)"),
+        "{s}"
+    );
+    assert!(s.contains("max_mr_size:\t\t\t0xffffffffffffffff"));
+    assert!(s.contains("MRKIT_MAX_MR=1000"));
+    assert!(s.contains("link_layer:\t\tEthernet"));
+    // -v is the attribute list, not a log level: no INFO lines on stderr.
+    assert!(!String::from_utf8_lossy(&o.stderr).contains("INFO"));
+}
+
+#[test]
+fn devinfo_json_keys_and_env_source() {
+    let o = run(mrkit()
+        .args(["devinfo", "--json"])
+        .env("MRKIT_MAX_MR", "1000"));
+    assert!(o.status.success());
+    let v = json_of(&o);
+    assert_eq!(
+        keys(&v),
+        [
+            "attributes",
+            "device",
+            "device_cap_flags",
+            "dontfork",
+            "dontfork_source",
+            "env",
+            "node_type",
+            "pin_mode",
+            "ports",
+            "profile",
+            "status_model",
+            "status_model_source",
+            "transport"
+        ]
+    );
+    assert_eq!(v["device"], "mrkit0");
+    assert_eq!(v["attributes"]["max_mr"]["value"], 1000);
+    assert_eq!(v["attributes"]["max_mr"]["source"], "env MRKIT_MAX_MR");
+    assert_eq!(v["attributes"]["max_pd"]["source"], "default");
+    assert_eq!(v["attributes"].as_object().unwrap().len(), 34);
+    let port = &v["ports"][0];
+    assert_eq!(port["state"], "PORT_ACTIVE");
+    assert_eq!(port["link_layer"], "Ethernet");
+    assert_eq!(port["active_mtu"], 1024);
+    assert_eq!(port["gids"][0]["placeholder"], true);
+    let env = v["env"].as_array().unwrap();
+    let mr = env.iter().find(|e| e["name"] == "MRKIT_MAX_MR").unwrap();
+    assert_eq!(mr["value"], "1000");
+}
+
+#[test]
+fn devinfo_profile_source() {
+    let o = run(mrkit()
+        .args(["devinfo", "--json"])
+        .env("MRKIT_PROFILE", "connectx5-seed"));
+    let v = json_of(&o);
+    assert_eq!(v["profile"], "connectx5-seed");
+    assert_eq!(v["attributes"]["max_mr"]["value"], 1000);
+    assert_eq!(
+        v["attributes"]["max_mr"]["source"],
+        "profile connectx5-seed"
+    );
+    assert_eq!(v["attributes"]["log_num_mtt"]["value"], 20);
+}
+
+// ---------------------------------------------------------------------------------------------
+// capacity
+
+#[test]
+fn capacity_json_min_and_binding() {
+    let o = run(mrkit().args(["capacity", "--json"]));
+    assert!(o.status.success());
+    let v = json_of(&o);
+    assert_eq!(
+        keys(&v),
+        [
+            "binding",
+            "capacity_bytes",
+            "device",
+            "huge_page_size",
+            "page_size",
+            "ratio",
+            "ratio_source",
+            "terms",
+            "thp"
+        ]
+    );
+    let terms = v["terms"].as_array().unwrap();
+    let names: Vec<&str> = terms.iter().map(|t| t["name"].as_str().unwrap()).collect();
+    assert_eq!(
+        names,
+        [
+            "max_mr_size",
+            "translation_capacity",
+            "free_translation_entries",
+            "ram_ratio",
+            "memlock",
+            "cgroup"
+        ]
+    );
+    let min = terms.iter().filter_map(|t| t["bytes"].as_u64()).min();
+    assert_eq!(v["capacity_bytes"].as_u64(), min);
+    let bind = terms.iter().find(|t| t["name"] == v["binding"]).unwrap();
+    assert_eq!(bind["bytes"].as_u64(), min);
+    assert_eq!(v["ratio"], 0.9);
+    assert_eq!(v["ratio_source"], "default 0.9");
+    for t in terms {
+        assert_eq!(keys(t), ["bytes", "bytes_thp", "detail", "name", "source"]);
+    }
+}
+
+#[test]
+fn capacity_translation_binds_and_thp_lifts_it() {
+    let o = run(mrkit()
+        .args(["capacity", "--json"])
+        .env("MRKIT_LOG_NUM_MTT", "10")
+        .env("MRKIT_REG_RATIO", "0.5"));
+    let v = json_of(&o);
+    assert_eq!(v["binding"], "translation_capacity");
+    assert_eq!(v["capacity_bytes"], 1024 * 4096);
+    assert_eq!(v["ratio_source"], "env MRKIT_REG_RATIO");
+    assert!(v["thp"]["capacity_bytes"].as_u64().unwrap() > 4 << 20);
+    let t = &v["terms"][1];
+    assert_eq!(t["source"], "env MRKIT_LOG_NUM_MTT");
+    assert_eq!(t["bytes_thp"], 1024u64 * (2 << 20));
+    let text = stdout(&run(mrkit().arg("capacity").env("MRKIT_LOG_NUM_MTT", "10")));
+    assert!(
+        text.contains("capacity now: 4 MiB (bound by translation_capacity)"),
+        "{text}"
+    );
+    assert!(text.contains("512x fewer translation entries"));
+}
+
+#[test]
+fn capacity_max_mr_size_from_profile() {
+    let v = json_of(&run(mrkit()
+        .args(["capacity", "--json"])
+        .env("MRKIT_PROFILE", "connectx5-seed")));
+    assert_eq!(v["terms"][0]["bytes"], 512u64 << 20);
+    assert_eq!(v["terms"][0]["source"], "profile connectx5-seed");
+}
+
+// ---------------------------------------------------------------------------------------------
+// doctor
+
+#[test]
+fn doctor_real_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = run(mrkit()
+        .args(["doctor", "--json"])
+        .env("MRKIT_STAT_DIR", dir.path()));
+    let v = json_of(&o);
+    let checks = v["checks"].as_array().unwrap();
+    let ids: Vec<&str> = checks.iter().map(|c| c["id"].as_str().unwrap()).collect();
+    assert_eq!(
+        ids,
+        [
+            "memlock",
+            "cgroup",
+            "thp",
+            "huge_detection",
+            "hugetlb",
+            "max_map_count",
+            "locked_memory",
+            "io_uring",
+            "device_config",
+            "device_limits"
+        ]
+    );
+    let any_fail = checks.iter().any(|c| c["status"] == "fail");
+    for c in checks {
+        assert!(["ok", "warn", "fail"].contains(&c["status"].as_str().unwrap()));
+        assert_eq!(keys(c), ["fix", "id", "message", "status"]);
+        if c["status"] != "ok" {
+            assert!(!c["fix"].as_str().unwrap().is_empty(), "{c}");
+        }
+    }
+    assert_eq!(o.status.code(), Some(if any_fail { 1 } else { 0 }));
+    assert_eq!(
+        v["status"],
+        if any_fail {
+            "fail"
+        } else {
+            v["status"].as_str().unwrap()
+        }
+    );
+    assert!(v["system"]["page_size"].as_u64().unwrap() >= 4096);
+    // Text form.
+    let t = stdout(&run(mrkit()
+        .arg("doctor")
+        .env("MRKIT_STAT_DIR", dir.path())));
+    assert!(t.contains("[ok  ] device_config"), "{t}");
+}
+
+#[test]
+fn doctor_fails_on_malformed_env() {
+    let o = run(mrkit()
+        .args(["doctor", "--json"])
+        .env("MRKIT_MAX_MR", "lots"));
+    assert_eq!(o.status.code(), Some(1));
+    let v = json_of(&o);
+    let c = v["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["id"] == "device_config")
+        .unwrap()
+        .clone();
+    assert_eq!(c["status"], "fail");
+    assert!(c["message"].as_str().unwrap().contains("MRKIT_MAX_MR=lots"));
+}
+
+#[test]
+fn explain_einval_remote_write_golden() {
+    let o = run(mrkit().args(["doctor", "explain", "EINVAL", "--access", "remote-write"]));
+    assert!(o.status.success());
+    golden("explain_einval_remote_write.txt", &stdout(&o));
+}
+
+#[test]
+fn explain_json_and_reproduction() {
+    let o = run(mrkit().args([
+        "doctor",
+        "explain",
+        "EFAULT",
+        "--readonly",
+        "--access",
+        "local-write",
+        "--reproduce",
+        "--json",
+    ]));
+    assert!(o.status.success());
+    let v = json_of(&o);
+    assert_eq!(
+        keys(&v),
+        [
+            "causes",
+            "errno",
+            "errno_value",
+            "parameters",
+            "reproduction"
+        ]
+    );
+    assert_eq!(v["errno_value"], 14);
+    assert_eq!(v["causes"][0]["id"], "readonly_mapping");
+    assert_eq!(v["causes"][0]["fit"], "certain");
+    assert_eq!(v["reproduction"]["attempted"], true);
+    assert_eq!(v["reproduction"]["errno"], "EFAULT");
+
+    // ENOMEM from the translation table, predicted and reproduced.
+    let o = run(mrkit()
+        .args([
+            "doctor",
+            "explain",
+            "12",
+            "--size",
+            "8MiB",
+            "--reproduce",
+            "--json",
+        ])
+        .env("MRKIT_LOG_NUM_MTT", "10"));
+    let v = json_of(&o);
+    assert_eq!(v["errno"], "ENOMEM");
+    let first = &v["causes"][0];
+    assert!(
+        first["id"] == "translation_entries" || first["id"] == "memlock",
+        "{first}"
+    );
+    assert!(v["causes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|c| c["id"] == "translation_entries" && c["fit"] == "certain"));
+    assert_eq!(v["reproduction"]["errno"], "ENOMEM");
+
+    // EOPNOTSUPP: ODP disabled.
+    let v = json_of(&run(mrkit()
+        .args([
+            "doctor",
+            "explain",
+            "EOPNOTSUPP",
+            "--access",
+            "on-demand",
+            "--reproduce",
+            "--json",
+        ])
+        .env("MRKIT_ODP", "0")));
+    assert_eq!(v["causes"][0]["id"], "odp_unsupported");
+    assert_eq!(v["causes"][0]["fit"], "certain");
+    assert_eq!(v["reproduction"]["errno"], "EOPNOTSUPP");
+
+    // A registration that works is reported as such.
+    let v = json_of(&run(mrkit().args([
+        "doctor",
+        "explain",
+        "EINVAL",
+        "--access",
+        "local-write",
+        "--reproduce",
+        "--json",
+    ])));
+    assert_eq!(v["reproduction"]["ok"], true);
+
+    // Every errno a registration reports has causes with fixes.
+    for e in [
+        "EINVAL",
+        "EFAULT",
+        "ENOMEM",
+        "EPERM",
+        "EOPNOTSUPP",
+        "EACCES",
+        "EBUSY",
+        "EOVERFLOW",
+    ] {
+        let v = json_of(&run(mrkit().args(["doctor", "explain", e, "--json"])));
+        let cs = v["causes"].as_array().unwrap();
+        assert!(!cs.is_empty(), "{e}");
+        assert!(
+            cs.iter().all(|c| !c["fix"].as_str().unwrap().is_empty()),
+            "{e}"
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// stat
+
+struct Child(std::process::Child);
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn hold(dir: &Path, share: bool) -> (Child, u32) {
+    let mut c = mrkit();
+    c.args(["__stat-hold", "--seconds", "30", "--regs", "3"])
+        .env("MRKIT_STAT_DIR", dir)
+        .env("MRKIT_STAT_INTERVAL_MS", "50")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null());
+    if share {
+        c.env("MRKIT_STAT_SHARE", "1");
+    }
+    let child = Child(c.spawn().unwrap());
+    let pid = child.0.id();
+    let file = dir.join(format!("{pid}.stat"));
+    let t = Instant::now();
+    while !file.exists() {
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "exporter never wrote {}",
+            file.display()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    (child, pid)
+}
+
+#[test]
+fn stat_reads_a_running_process() {
+    use std::os::unix::fs::MetadataExt;
+    let dir = tempfile::tempdir().unwrap();
+    let (_child, pid) = hold(dir.path(), false);
+    let mode = std::fs::metadata(dir.path().join(format!("{pid}.stat")))
+        .unwrap()
+        .mode()
+        & 0o777;
+    assert_eq!(mode, 0o600);
+    let o = run(mrkit()
+        .args(["stat", "--json", "--pid", &pid.to_string()])
+        .env("MRKIT_STAT_DIR", dir.path()));
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v = json_of(&o);
+    let p = &v["processes"][0];
+    assert_eq!(p["schema"], "mrkit-stat/1");
+    assert_eq!(p["pid"], pid);
+    assert_eq!(p["alive"], true);
+    assert_eq!(p["fresh"], true);
+    assert_eq!(p["mrs_live"], 3);
+    assert_eq!(p["registrations"], 3);
+    assert_eq!(p["failures"]["EINVAL"], 1);
+    assert_eq!(p["pinned_bytes"], 3 * 65536);
+    assert!(p["mtt_used"].as_u64().unwrap() >= 3);
+    assert_eq!(p["latency_ns"]["count"], 3);
+    assert!(p["latency_ns"]["p50"].as_u64().unwrap() > 0);
+    assert!(p["latency_ns"]["p99"].as_u64().unwrap() >= p["latency_ns"]["p50"].as_u64().unwrap());
+    assert_eq!(
+        p["sources"]["hold"]["note"],
+        "mrkit __stat-hold test helper"
+    );
+    assert_eq!(p["device_limits"]["max_mr"], 524287);
+    // Text form (via --dir).
+    let t = stdout(&run(mrkit().args(["stat", "--dir"]).arg(dir.path())));
+    assert!(t.contains(&format!("pid {pid} (mrkit) [running]")), "{t}");
+    assert!(
+        t.contains("mr: live 3  registered 3  deregistered 0  failed EINVAL=1"),
+        "{t}"
+    );
+    // doctor sees it too.
+    let v = json_of(&run(mrkit()
+        .args(["doctor", "--json"])
+        .env("MRKIT_STAT_DIR", dir.path())));
+    let c = v["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["id"] == "device_limits")
+        .unwrap()
+        .clone();
+    assert_eq!(c["status"], "ok");
+    assert!(c["message"]
+        .as_str()
+        .unwrap()
+        .starts_with("1 mrkit process"));
+}
+
+#[test]
+fn stat_share_mode_and_watch() {
+    use std::io::Read;
+    use std::os::unix::fs::MetadataExt;
+    let dir = tempfile::tempdir().unwrap();
+    let (_child, pid) = hold(dir.path(), true);
+    let m = |f: String| std::fs::metadata(dir.path().join(f)).unwrap().mode() & 0o777;
+    assert_eq!(m(format!("{pid}.stat")), 0o644);
+    assert_eq!(m(format!("{pid}.req")), 0o666);
+    let mut w = Child(
+        mrkit()
+            .args(["stat", "--watch", "0.1"])
+            .env("MRKIT_STAT_DIR", dir.path())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    std::thread::sleep(Duration::from_millis(1500));
+    let _ = w.0.kill();
+    let _ = w.0.wait();
+    let mut out = String::new();
+    w.0.stdout.take().unwrap().read_to_string(&mut out).unwrap();
+    assert!(out.matches("\x1b[2J\x1b[H").count() >= 2, "{out}");
+    assert!(out.contains(&format!("pid {pid}")));
+}
+
+#[test]
+fn stat_without_processes() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = run(mrkit()
+        .args(["stat", "--json"])
+        .env("MRKIT_STAT_DIR", dir.path()));
+    assert!(o.status.success());
+    assert_eq!(json_of(&o)["processes"], serde_json::json!([]));
+    let o = run(mrkit()
+        .args(["stat", "--pid", "999999999"])
+        .env("MRKIT_STAT_DIR", dir.path()));
+    assert_eq!(o.status.code(), Some(1));
+}
+
+// ---------------------------------------------------------------------------------------------
+// bench
+
+#[test]
+fn bench_quick_writes_report() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = Instant::now();
+    let o = run(mrkit().args(["bench", "--quick", "--out"]).arg(dir.path()));
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(t.elapsed() < Duration::from_secs(60));
+    for f in [
+        "report.md",
+        "raw.json",
+        "reg_cost.svg",
+        "reg_throughput.svg",
+    ] {
+        assert!(dir.path().join(f).exists(), "{f}");
+    }
+    let raw: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("raw.json")).unwrap())
+            .unwrap();
+    assert_eq!(raw["schema"], "mrkit-bench/1");
+    assert_eq!(raw["quick"], true);
+    let pts = raw["reg_cost"].as_array().unwrap();
+    assert_eq!(pts.len(), 16); // 4 KiB .. 64 MiB, x4, two page kinds
+    assert_eq!(pts.last().unwrap()["size"], 64u64 << 20);
+    assert!(
+        raw["per_message"]["per_message_reg_dereg_ns"]
+            .as_f64()
+            .unwrap()
+            > 0.0
+    );
+    let cache = raw["cache"].as_array().unwrap();
+    assert_eq!(cache.len(), 2);
+    for c in cache {
+        if c["error"].is_null() {
+            assert!(c["hit_rate"].as_f64().unwrap() > 0.0);
+        }
+    }
+    let svg = std::fs::read_to_string(dir.path().join("reg_cost.svg")).unwrap();
+    assert!(svg.starts_with("<svg"));
+    let md = std::fs::read_to_string(dir.path().join("report.md")).unwrap();
+    assert!(md.contains("## Registration cost vs size") && md.contains("## Not measured"));
+}

@@ -1,0 +1,419 @@
+//! RoCEv2 over real UDP sockets between two device instances in one process (each binds its
+//! own 127.x.y.z:4791), with and without injected faults.
+use std::net::IpAddr;
+use std::time::{Duration, Instant};
+
+use mrkit_soft::cq::{Wc, WcOpcode, WcStatus};
+use mrkit_soft::net::fault::FaultConfig;
+use mrkit_soft::qp::connect::{connect_qp, ConnectOpts, RemoteQp};
+use mrkit_soft::qp::{send_flags, QpCap, QpInitAttr, RecvWr, SendWr, Sge, WrOpcode};
+use mrkit_soft::{AccessFlags, Context, DeviceConfig};
+
+struct Host {
+    ctx: Context,
+    pd: u32,
+    cq: u32,
+    qp: u32,
+    buf: Vec<u8>,
+    mr: mrkit_soft::MrInfo,
+}
+
+const LEN: usize = 1 << 20;
+
+fn host(cfg: DeviceConfig) -> Host {
+    let ctx = Context::open(cfg);
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(4096, None).unwrap();
+    let (qp, _) = ctx
+        .create_qp(QpInitAttr {
+            pd,
+            send_cq: cq,
+            recv_cq: cq,
+            cap: QpCap {
+                max_send_wr: 1024,
+                max_recv_wr: 1024,
+                ..QpCap::default()
+            },
+            sq_sig_all: false,
+        })
+        .unwrap();
+    let buf = vec![0u8; LEN];
+    let all = AccessFlags::LOCAL_WRITE
+        | AccessFlags::REMOTE_WRITE
+        | AccessFlags::REMOTE_READ
+        | AccessFlags::REMOTE_ATOMIC;
+    let mr = ctx
+        .reg_mr_va(pd, buf.as_ptr() as u64, LEN as u64, all)
+        .unwrap();
+    Host {
+        ctx,
+        pd,
+        cq,
+        qp,
+        buf,
+        mr,
+    }
+}
+
+fn ip(h: &Host) -> IpAddr {
+    h.ctx.udp_port().unwrap().local_addr().ip()
+}
+
+fn connect(a: &Host, b: &Host, opts: ConnectOpts) {
+    for (x, y) in [(a, b), (b, a)] {
+        connect_qp(
+            &x.ctx,
+            x.qp,
+            RemoteQp {
+                qpn: y.qp,
+                psn: 0,
+                ip: Some(ip(y)),
+                node: 0,
+            },
+            opts,
+        )
+        .unwrap();
+    }
+}
+
+fn poll(h: &Host, n: usize, timeout: Duration) -> Vec<Wc> {
+    let end = Instant::now() + timeout;
+    let mut out = Vec::new();
+    while out.len() < n && Instant::now() < end {
+        let want = n - out.len();
+        h.ctx.poll_cq(h.cq, &mut out, want).unwrap();
+    }
+    out
+}
+
+fn pattern(seed: u8, n: usize) -> Vec<u8> {
+    (0..n)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
+}
+
+fn write(a: &Host, b: &Host, wr_id: u64, off: u64, len: u32) -> SendWr {
+    let mut w = SendWr::new(wr_id, WrOpcode::RdmaWrite);
+    w.sg_list = vec![Sge {
+        addr: a.mr.iova + off,
+        length: len,
+        lkey: a.mr.lkey,
+    }];
+    w.remote_addr = b.mr.iova + off;
+    w.rkey = b.mr.rkey;
+    w
+}
+
+#[test]
+fn write_read_send_atomic_over_udp() {
+    let mut a = host(DeviceConfig::rxe());
+    let b = host(DeviceConfig::rxe());
+    connect(&a, &b, ConnectOpts::default());
+    assert_ne!(ip(&a), ip(&b));
+    let gid = a.ctx.query_gid().unwrap();
+    assert_eq!(&gid[10..12], &[0xff, 0xff], "IPv4-mapped GID");
+
+    // WRITE 256 KiB (64 packets at MTU 4096).
+    let data = pattern(7, 256 << 10);
+    a.buf[..data.len()].copy_from_slice(&data);
+    a.ctx
+        .post_send(a.qp, &[write(&a, &b, 1, 0, data.len() as u32)])
+        .unwrap();
+    let wc = poll(&a, 1, Duration::from_secs(10));
+    assert_eq!(
+        wc.len(),
+        1,
+        "a {:?} {:?} b {:?} {:?}",
+        a.ctx.net_stats(),
+        a.ctx.udp_addr(),
+        b.ctx.net_stats(),
+        b.ctx.udp_addr()
+    );
+    assert_eq!(wc[0].status, WcStatus::Success, "{wc:?}");
+    assert_eq!(&b.buf[..data.len()], &data[..]);
+
+    // READ it back into another part of a's buffer.
+    let mut r = SendWr::new(2, WrOpcode::RdmaRead);
+    r.sg_list = vec![Sge {
+        addr: a.mr.iova + (512 << 10),
+        length: 100_000,
+        lkey: a.mr.lkey,
+    }];
+    r.remote_addr = b.mr.iova;
+    r.rkey = b.mr.rkey;
+    a.ctx.post_send(a.qp, &[r]).unwrap();
+    let wc = poll(&a, 1, Duration::from_secs(10));
+    assert_eq!(wc[0].status, WcStatus::Success, "{wc:?}");
+    assert_eq!(&a.buf[512 << 10..(512 << 10) + 100_000], &data[..100_000]);
+
+    // SEND with immediate into a posted receive.
+    let recv_off = 768u64 << 10;
+    b.ctx
+        .post_recv(
+            b.qp,
+            &[RecvWr {
+                wr_id: 9,
+                sg_list: vec![Sge {
+                    addr: b.mr.iova + recv_off,
+                    length: 8192,
+                    lkey: b.mr.lkey,
+                }],
+            }],
+        )
+        .unwrap();
+    let msg = pattern(3, 5000);
+    a.buf[..5000].copy_from_slice(&msg);
+    let mut s = SendWr::new(3, WrOpcode::SendWithImm);
+    s.sg_list = vec![Sge {
+        addr: a.mr.iova,
+        length: 5000,
+        lkey: a.mr.lkey,
+    }];
+    s.imm_data = 0x1234_5678;
+    s.flags |= send_flags::SOLICITED;
+    a.ctx.post_send(a.qp, &[s]).unwrap();
+    assert_eq!(
+        poll(&a, 1, Duration::from_secs(10))[0].status,
+        WcStatus::Success
+    );
+    let rw = poll(&b, 1, Duration::from_secs(10));
+    assert_eq!(rw[0].status, WcStatus::Success);
+    assert_eq!(rw[0].opcode, WcOpcode::Recv);
+    assert_eq!(rw[0].byte_len, 5000);
+    assert_eq!(rw[0].imm_data, 0x1234_5678);
+    let ro = recv_off as usize;
+    assert_eq!(&b.buf[ro..ro + 5000], &msg[..]);
+
+    // FETCH_AND_ADD on b's first 8 bytes.
+    let before = u64::from_ne_bytes(b.buf[..8].try_into().unwrap());
+    let mut f = SendWr::new(4, WrOpcode::AtomicFetchAndAdd);
+    f.sg_list = vec![Sge {
+        addr: a.mr.iova + 8,
+        length: 8,
+        lkey: a.mr.lkey,
+    }];
+    f.remote_addr = b.mr.iova;
+    f.rkey = b.mr.rkey;
+    f.compare_add = 5;
+    a.ctx.post_send(a.qp, &[f]).unwrap();
+    assert_eq!(
+        poll(&a, 1, Duration::from_secs(10))[0].status,
+        WcStatus::Success
+    );
+    assert_eq!(u64::from_ne_bytes(a.buf[8..16].try_into().unwrap()), before);
+    assert_eq!(
+        u64::from_ne_bytes(b.buf[..8].try_into().unwrap()),
+        before + 5
+    );
+
+    let (na, nb) = (a.ctx.net_stats(), b.ctx.net_stats());
+    assert!(
+        na.tx_datagrams >= 64 && nb.rx_datagrams >= 64,
+        "{na:?} {nb:?}"
+    );
+    assert_eq!(
+        nb.rx_bad_icrc + nb.rx_malformed + na.rx_bad_icrc + na.rx_malformed,
+        0
+    );
+    let _ = (a.pd, b.pd);
+}
+
+#[test]
+fn exactly_once_under_loss_reordering_duplication() {
+    let faults = FaultConfig::parse("loss=10%,reorder=5%,dup=3%,corrupt=1%,seed=11").unwrap();
+    let a = host(DeviceConfig::rxe().faults(faults));
+    let b = host(DeviceConfig::rxe().faults(FaultConfig { seed: 12, ..faults }));
+    connect(
+        &a,
+        &b,
+        ConnectOpts {
+            timeout: 8, // ~1 ms: the loopback round trip is microseconds
+            ..ConnectOpts::default()
+        },
+    );
+    // 32 WRITEs of 16 KiB (4 packets each), signaled, into distinct regions, plus 32 SENDs.
+    let mut a = a;
+    let data = pattern(42, LEN);
+    a.buf.copy_from_slice(&data);
+    let recvs: Vec<RecvWr> = (0..32u64)
+        .map(|i| RecvWr {
+            wr_id: 1000 + i,
+            sg_list: vec![Sge {
+                addr: b.mr.iova + (512 << 10) + i * 4096,
+                length: 4096,
+                lkey: b.mr.lkey,
+            }],
+        })
+        .collect();
+    b.ctx.post_recv(b.qp, &recvs).unwrap();
+    let mut wrs = Vec::new();
+    for i in 0..32u64 {
+        wrs.push(write(&a, &b, i, i * 16384, 16384));
+        let mut s = SendWr::new(100 + i, WrOpcode::Send);
+        s.sg_list = vec![Sge {
+            addr: a.mr.iova + (512 << 10) + i * 4096,
+            length: 4096,
+            lkey: a.mr.lkey,
+        }];
+        wrs.push(s);
+    }
+    a.ctx.post_send(a.qp, &wrs).unwrap();
+    let wcs = poll(&a, 64, Duration::from_secs(60));
+    assert_eq!(wcs.len(), 64, "every WR completes");
+    let mut ids: Vec<u64> = wcs.iter().map(|w| w.wr_id).collect();
+    assert!(wcs.iter().all(|w| w.status == WcStatus::Success), "{wcs:?}");
+    ids.sort_unstable();
+    ids.dedup();
+    assert_eq!(ids.len(), 64, "no duplicate completion");
+    let rwcs = poll(&b, 32, Duration::from_secs(30));
+    assert_eq!(rwcs.len(), 32);
+    let mut rids: Vec<u64> = rwcs.iter().map(|w| w.wr_id).collect();
+    rids.sort_unstable();
+    assert_eq!(
+        rids,
+        (1000..1032).collect::<Vec<_>>(),
+        "each receive completes exactly once, in order"
+    );
+    // No extra completion shows up later.
+    std::thread::sleep(Duration::from_millis(50));
+    let mut extra = Vec::new();
+    a.ctx.poll_cq(a.cq, &mut extra, 16).unwrap();
+    b.ctx.poll_cq(b.cq, &mut extra, 16).unwrap();
+    assert!(extra.is_empty(), "{extra:?}");
+    assert!(
+        b.buf[..512 << 10] == data[..512 << 10],
+        "all written data intact"
+    );
+    let sent = (512 << 10)..(512 << 10) + 32 * 4096;
+    assert!(b.buf[sent.clone()] == data[sent], "all sent data intact");
+    let fa = a.ctx.fault_stats().unwrap();
+    assert!(
+        fa.dropped > 0 && fa.reordered > 0,
+        "faults were injected: {fa:?}"
+    );
+    let nb = b.ctx.net_stats();
+    assert!(
+        nb.rx_bad_icrc > 0 || fa.corrupted == 0,
+        "corrupted packets are caught by the ICRC: {nb:?} {fa:?}"
+    );
+}
+
+#[test]
+fn peer_death_gives_retry_exc_err() {
+    let a = host(DeviceConfig::rxe());
+    let b = host(DeviceConfig::rxe());
+    connect(
+        &a,
+        &b,
+        ConnectOpts {
+            timeout: 10, // 4.2 ms
+            retry_cnt: 3,
+            ..ConnectOpts::default()
+        },
+    );
+    let w = write(&a, &b, 1, 0, 4096);
+    drop(b); // the peer goes away: nothing answers any more
+    let t0 = Instant::now();
+    a.ctx.post_send(a.qp, &[w]).unwrap();
+    let wc = poll(&a, 1, Duration::from_secs(10));
+    let took = t0.elapsed();
+    assert_eq!(wc.len(), 1);
+    assert_eq!(wc[0].status, WcStatus::RetryExcErr, "{wc:?}");
+    // 4 attempts × 4.2 ms plus the 1 ms tick granularity: well under a second.
+    assert!(took < Duration::from_secs(1), "took {took:?}");
+    assert!(
+        took >= Duration::from_millis(12),
+        "gave up too early: {took:?}"
+    );
+}
+
+/// READs and atomics (whose responses carry data, so lost responses must be re-requested,
+/// and duplicated atomics must be answered from the replay cache, never re-executed).
+fn reads_and_atomics(spec: &str, n_ops: u64) {
+    let faults = FaultConfig::parse(spec).unwrap();
+    let a = host(DeviceConfig::rxe().faults(faults));
+    let mut b = host(DeviceConfig::rxe().faults(FaultConfig {
+        seed: faults.seed + 1000,
+        ..faults
+    }));
+    connect(
+        &a,
+        &b,
+        ConnectOpts {
+            timeout: 8,
+            ..ConnectOpts::default()
+        },
+    );
+    let data = pattern(9, LEN);
+    b.buf.copy_from_slice(&data);
+    b.buf[..8].copy_from_slice(&0u64.to_ne_bytes());
+    let mut wrs = Vec::new();
+    for i in 0..n_ops {
+        let mut r = SendWr::new(i, WrOpcode::RdmaRead);
+        r.sg_list = vec![Sge {
+            addr: a.mr.iova + 16384 + i * 16384,
+            length: 16384,
+            lkey: a.mr.lkey,
+        }];
+        r.remote_addr = b.mr.iova + 16384 + i * 16384;
+        r.rkey = b.mr.rkey;
+        wrs.push(r);
+        let mut f = SendWr::new(100 + i, WrOpcode::AtomicFetchAndAdd);
+        f.sg_list = vec![Sge {
+            addr: a.mr.iova + i * 8,
+            length: 8,
+            lkey: a.mr.lkey,
+        }];
+        f.remote_addr = b.mr.iova;
+        f.rkey = b.mr.rkey;
+        f.compare_add = 1;
+        wrs.push(f);
+    }
+    a.ctx.post_send(a.qp, &wrs).unwrap();
+    let n = 2 * n_ops as usize;
+    let wcs = poll(&a, n, Duration::from_secs(20));
+    assert_eq!(
+        wcs.len(),
+        n,
+        "{spec}: every WR completes: {:?} {:?}",
+        a.ctx.net_stats(),
+        a.ctx.fault_stats()
+    );
+    assert!(
+        wcs.iter().all(|w| w.status == WcStatus::Success),
+        "{spec}: {wcs:?}"
+    );
+    let range = 16384..16384 + n_ops as usize * 16384;
+    assert!(
+        a.buf[range.clone()] == data[range],
+        "{spec}: READ data intact"
+    );
+    assert_eq!(
+        u64::from_ne_bytes(b.buf[..8].try_into().unwrap()),
+        n_ops,
+        "{spec}: each atomic executed exactly once"
+    );
+    let mut olds: Vec<u64> = (0..n_ops as usize)
+        .map(|i| u64::from_ne_bytes(a.buf[i * 8..i * 8 + 8].try_into().unwrap()))
+        .collect();
+    olds.sort_unstable();
+    assert_eq!(
+        olds,
+        (0..n_ops).collect::<Vec<_>>(),
+        "{spec}: distinct original values"
+    );
+}
+
+#[test]
+fn reads_and_atomics_under_loss() {
+    for seed in 1..=6 {
+        for spec in [
+            "loss=10%",
+            "reorder=10%",
+            "dup=10%",
+            "loss=10%,reorder=5%,dup=3%,corrupt=1%",
+        ] {
+            reads_and_atomics(&format!("{spec},seed={seed}"), 32);
+        }
+    }
+}

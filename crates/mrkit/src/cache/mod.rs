@@ -1,0 +1,1332 @@
+//! # Registration cache: `get(addr, len, access)` → refcounted registration
+//!
+//! For memory the application owns (not a pool): look up a live registration that covers
+//! the range with at least the requested rights, or register one, and keep it for reuse.
+//!
+//! * **Index**: an interval index of live entries ([`index::IntervalIndex`]) under a
+//!   `RwLock` that is **never held across a device call**.
+//! * **Hit path**: a per-thread last-hit cache (4 entries per cache and thread, holding
+//!   `Weak` references) validated by one load of the cache generation and one of the monitor
+//!   sequence (DPDK's scheme), then `Weak::upgrade` and a check of the entry's `dead` flag.
+//!   It takes no lock and writes no cache-wide line: the only write is the returned entry's
+//!   own reference count (the handle *is* a counted reference; one RMW to take it, one to
+//!   drop it). Hit counters are per-thread, single-writer.
+//! * **Life cycle**: an entry is an `Arc`; the index holds one reference, every handle one.
+//!   Its MR is deregistered in `Drop`, i.e. exactly once and only when nothing can use its
+//!   keys: an entry invalidated while in use leaves the index at once and is retired by its
+//!   last handle. Thread caches never keep a registration alive.
+//! * **Miss path**: shape the range ([`Shape`]), insert a *placeholder* entry under the
+//!   write lock (concurrent misses of the same range find it and wait: single flight),
+//!   register **outside any lock**, then publish under the write lock. A placeholder that was
+//!   invalidated while its registration ran is thrown away and the lookup retried
+//!   (`stale_rejects`): the registration may have pinned the pages of the old mapping.
+//! * **Shapes**: exact, page-rounded, merge with overlapping/adjacent entries up to a cap
+//!   (rights are the union; on failure — e.g. EFAULT because a neighbour needs write rights
+//!   on read-only memory — retried unmerged), whole allocation (the VMA bounds from
+//!   `/proc/self/maps`, capped). Ranges above `max_chunk` (default 1 GiB, never above the
+//!   device's `max_mr_size`) are registered as several MRs; the handle yields the pieces.
+//! * **Limits**: `max_entries` and `max_bytes` are enforced on every insert by evicting
+//!   idle entries (approximate LRU: a handle drop sets a "touched" bit, victim = idle entry
+//!   idle for longest). If the limit cannot be met because everything is in use, the new
+//!   registration is returned *uncached* (private to the handle, deregistered on drop) and
+//!   counted (`uncached`): limits hold for the cache at all times.
+//! * **Idle release**: [`RegCache::scan_idle`] (CLOCK-style: an entry idle in two scans
+//!   spanning `idle_timeout` is released) and an optional background thread
+//!   ([`RegCache::start_idle_scanner`]).
+//! * **Invalidation**: [`RegCache::invalidate`] (explicit) and the userfaultfd monitor
+//!   ([`monitor`]): overlapping entries leave the index at once (new lookups miss); entries in
+//!   use are deregistered when their last handle drops. The monitor queue is bounded and
+//!   coalescing.
+//! * **Fallbacks**: on ENOMEM (max_mr, translation capacity, memlock) evict every idle entry
+//!   and retry; a widened shape that fails is retried with the page-rounded request; then an
+//!   opt-in bounce path through an [`MrPool`] ([`RegCache::get_or_bounce`]). Each counted.
+//!
+//! ## fork
+//!
+//! The device marks every registered page `MADV_DONTFORK` with a per-page count and restores
+//! `MADV_DOFORK` when the last MR over a page is deregistered (`mrkit_soft::mem::fork`), so
+//! the VMA split lasts exactly as long as a registration and the kernel merges the VMAs
+//! back. The cache keeps registrations page-rounded by default (DONTFORK on a partially
+//! used page would hide the rest of the page from a child), and the idle scanner bounds how
+//! long an unused cached range keeps its VMA split. The userfaultfd attach (WP mode) splits
+//! VMAs the same way and is likewise reference counted and undone at deregistration.
+
+pub mod index;
+pub mod monitor;
+
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock, Weak};
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex, RwLock};
+
+use crate::pool::{MrPool, OwnedSlot};
+use crate::verbs::{LocalSlice, ProtectionDomain, RemoteSlice};
+use crate::{AccessFlags, Errno, Error, Result};
+use index::IntervalIndex;
+use monitor::{Monitor, Pending};
+
+/// How a miss decides what to register.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Shape {
+    /// Exactly the requested bytes.
+    Exact,
+    /// The requested bytes rounded out to pages (default).
+    PageRounded,
+    /// Page-rounded, merged with overlapping or adjacent cached entries while the union is
+    /// at most `cap` bytes.
+    Merge {
+        /// Largest merged registration.
+        cap: u64,
+    },
+    /// The whole mapping (VMA) containing the range, if at most `cap` bytes.
+    WholeAllocation {
+        /// Largest registration.
+        cap: u64,
+    },
+}
+
+/// Invalidation source besides explicit [`RegCache::invalidate`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MonitorMode {
+    /// userfaultfd events (UNMAP, REMOVE, REMAP). [`RegCache::new`] fails loudly when
+    /// userfaultfd is unavailable.
+    Userfaultfd,
+    /// Only explicit invalidation: the application promises to call
+    /// [`RegCache::invalidate`] before it unmaps or `MADV_DONTNEED`s cached memory.
+    ExplicitOnly,
+}
+
+/// Cache configuration.
+#[derive(Debug, Clone)]
+pub struct CacheConfig {
+    /// Registration shape.
+    pub shape: Shape,
+    /// Most entries cached at once.
+    pub max_entries: usize,
+    /// Most bytes registered by cached entries at once.
+    pub max_bytes: u64,
+    /// Largest single MR (clamped to the device's `max_mr_size`).
+    pub max_chunk: u64,
+    /// Idle time after which [`RegCache::scan_idle`] releases an entry.
+    pub idle_timeout: Duration,
+    /// Invalidation source.
+    pub monitor: MonitorMode,
+    /// Capacity of the pending-invalidation set (ranges; coalescing when full).
+    pub pending_capacity: usize,
+    /// Opt-in bounce path for [`RegCache::get_or_bounce`].
+    pub bounce: Option<MrPool>,
+}
+
+impl Default for CacheConfig {
+    fn default() -> Self {
+        CacheConfig {
+            shape: Shape::PageRounded,
+            max_entries: 1024,
+            max_bytes: 4 << 30,
+            max_chunk: 1 << 30,
+            idle_timeout: Duration::from_secs(30),
+            monitor: MonitorMode::Userfaultfd,
+            pending_capacity: 256,
+            bounce: None,
+        }
+    }
+}
+
+/// Counters (snapshot).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CacheStats {
+    /// Lookups served by an existing registration (per-thread fast path + shared index).
+    pub hits: u64,
+    /// Of `hits`, served by the per-thread cache.
+    pub fast_hits: u64,
+    /// Lookups that registered.
+    pub misses: u64,
+    /// Lookups that waited for a concurrent miss of the same range.
+    pub single_flight_waits: u64,
+    /// Entries absorbed by a merge.
+    pub merges: u64,
+    /// Registrations split into several MRs.
+    pub splits: u64,
+    /// Idle entries evicted for limits or ENOMEM.
+    pub evictions: u64,
+    /// Idle entries released by the idle scanner.
+    pub idle_releases: u64,
+    /// Entries invalidated (explicit or monitor).
+    pub invalidations: u64,
+    /// Of `invalidations`, entries that were in use (retired at their last drop).
+    pub invalidated_in_use: u64,
+    /// Registrations thrown away because their range was invalidated while registering, and
+    /// hits refused because the entry died under them.
+    pub stale_rejects: u64,
+    /// MRs registered by the cache.
+    pub registrations: u64,
+    /// MRs deregistered by the cache.
+    pub deregistrations: u64,
+    /// Bytes registered now (cached and uncached entries).
+    pub bytes_registered: u64,
+    /// Entries in the index now.
+    pub entries: u64,
+    /// Registrations returned uncached (limits unreachable, monitor could not attach).
+    pub uncached: u64,
+    /// Of `uncached`, because the monitor could not attach the range.
+    pub unmonitored: u64,
+    /// Fallback: evict-all-idle then retry after ENOMEM.
+    pub fallback_evict_retry: u64,
+    /// Fallback: widened shape failed, retried page-rounded.
+    pub fallback_shrink: u64,
+    /// Fallback: served by the bounce pool.
+    pub fallback_bounce: u64,
+    /// Monitor events delivered to this cache.
+    pub monitor_events: u64,
+    /// Pending-set merges forced by its capacity.
+    pub pending_overflow_merges: u64,
+}
+
+/// One MR of a registration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Piece {
+    /// First address (= iova).
+    pub addr: u64,
+    /// Length.
+    pub len: u64,
+    /// Local key.
+    pub lkey: u32,
+    /// Remote key.
+    pub rkey: u32,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    hits_slow: AtomicU64,
+    misses: AtomicU64,
+    single_flight_waits: AtomicU64,
+    merges: AtomicU64,
+    splits: AtomicU64,
+    evictions: AtomicU64,
+    idle_releases: AtomicU64,
+    invalidations: AtomicU64,
+    invalidated_in_use: AtomicU64,
+    stale_rejects: AtomicU64,
+    registrations: AtomicU64,
+    deregistrations: AtomicU64,
+    bytes_registered: AtomicU64,
+    uncached: AtomicU64,
+    unmonitored: AtomicU64,
+    fallback_evict_retry: AtomicU64,
+    fallback_shrink: AtomicU64,
+    fallback_bounce: AtomicU64,
+}
+
+fn inc(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
+/// State entries need after the cache is gone (deregistration).
+#[derive(Debug)]
+struct Shared {
+    pd: ProtectionDomain,
+    monitor: Option<&'static Arc<Monitor>>,
+    c: Counters,
+}
+
+/// A registration. Memory *and* registration lifetime are the `Arc`: the MR is
+/// deregistered in `Drop`, i.e. exactly once, when the index, every handle, the registering
+/// thread and every waiter have let go (thread caches hold only `Weak`s). Hot fields first
+/// (`repr(C)`), next to the `Arc` counts.
+#[derive(Debug)]
+#[repr(C)]
+struct Entry {
+    /// Set by every handle drop (CLOCK bit for LRU / idle scan).
+    touched: AtomicBool,
+    /// Invalidated, evicted or superseded: never handed out again. Set under the index
+    /// write lock; checked by hits after taking their reference.
+    dead: AtomicBool,
+    start: u64,
+    end: u64,
+    access: AccessFlags,
+    id: u64,
+    /// Page-rounded span (what the monitor attaches).
+    span: (u64, u64),
+    /// Set once at publication.
+    pieces: OnceLock<Vec<Piece>>,
+    /// Registration failed (waiters retry).
+    failed: AtomicBool,
+    /// Keys to deregister at drop.
+    regs: Mutex<Vec<u32>>,
+    /// In the index (false: uncached, private to its handles).
+    cached: AtomicBool,
+    /// Attached to the monitor.
+    monitored: AtomicBool,
+    /// Milliseconds (cache clock) when first seen idle.
+    idle_since: AtomicU64,
+    wait_mx: Mutex<()>,
+    wait_cv: Condvar,
+    shared: Arc<Shared>,
+}
+
+impl Entry {
+    fn ready(&self) -> Option<&Vec<Piece>> {
+        self.pieces.get()
+    }
+
+    fn wake(&self) {
+        let _g = self.wait_mx.lock();
+        self.wait_cv.notify_all();
+    }
+
+    /// Wait for publication, failure or death.
+    fn wait(&self) {
+        let mut g = self.wait_mx.lock();
+        while self.pieces.get().is_none()
+            && !self.failed.load(Ordering::Acquire)
+            && !self.dead.load(Ordering::Acquire)
+        {
+            self.wait_cv.wait_for(&mut g, Duration::from_millis(5));
+        }
+    }
+
+    fn is_dead(&self) -> bool {
+        self.dead.load(Ordering::Acquire)
+    }
+
+    /// Idle: referenced by the index alone (callers hold the index lock and one reference
+    /// through it).
+    fn idle_in_index(self: &Arc<Self>) -> bool {
+        Arc::strong_count(self) == 1
+    }
+}
+
+impl Drop for Entry {
+    fn drop(&mut self) {
+        // Last reference gone: nobody can use the keys any more.
+        let keys = std::mem::take(&mut *self.regs.lock());
+        let ctx = self.shared.pd.context();
+        for k in &keys {
+            if let Err(e) = ctx.provider().dereg_mr(*k) {
+                tracing::warn!(error = %e, lkey = k, "cache dereg failed");
+            }
+        }
+        if !keys.is_empty() {
+            let c = &self.shared.c;
+            c.deregistrations
+                .fetch_add(keys.len() as u64, Ordering::Relaxed);
+            c.bytes_registered
+                .fetch_sub(self.end - self.start, Ordering::Relaxed);
+        }
+        if self.monitored.load(Ordering::Acquire) {
+            if let Some(m) = self.shared.monitor {
+                m.detach(self.span.0, self.span.1 - self.span.0);
+            }
+        }
+    }
+}
+
+/// A counted reference to a registration. While it lives the MR stays registered (even if
+/// its range is invalidated meanwhile: it is then deregistered at the last drop).
+#[derive(Debug)]
+pub struct RegHandle {
+    entry: Arc<Entry>,
+}
+
+impl RegHandle {
+    /// The MRs, in address order (one unless the range was split).
+    pub fn pieces(&self) -> &[Piece] {
+        self.entry.ready().map(Vec::as_slice).unwrap_or(&[])
+    }
+    /// Registered range (may be larger than requested: page rounding, merging).
+    pub fn range(&self) -> (u64, u64) {
+        (self.entry.start, self.entry.end)
+    }
+    /// Rights of the registration (a superset of the requested ones).
+    pub fn access(&self) -> AccessFlags {
+        self.entry.access
+    }
+    /// lkey of the piece holding `addr`.
+    pub fn lkey_for(&self, addr: u64) -> Option<u32> {
+        self.piece_for(addr).map(|p| p.lkey)
+    }
+    /// rkey of the piece holding `addr`.
+    pub fn rkey_for(&self, addr: u64) -> Option<u32> {
+        self.piece_for(addr).map(|p| p.rkey)
+    }
+    fn piece_for(&self, addr: u64) -> Option<&Piece> {
+        self.pieces()
+            .iter()
+            .find(|p| addr >= p.addr && addr - p.addr < p.len)
+    }
+    /// lkey (first piece).
+    pub fn lkey(&self) -> u32 {
+        self.pieces().first().map(|p| p.lkey).unwrap_or(0)
+    }
+    /// rkey (first piece).
+    pub fn rkey(&self) -> u32 {
+        self.pieces().first().map(|p| p.rkey).unwrap_or(0)
+    }
+    /// SGEs covering `[addr, addr+len)` (split at piece boundaries and at 4 GiB - 1 per SGE).
+    /// `None` when the range is not inside the registration.
+    pub fn sges(&self, addr: u64, len: u64) -> Option<Vec<LocalSlice>> {
+        self.split(addr, len, |a, l, p| LocalSlice {
+            addr: a,
+            len: l as u32,
+            lkey: p.lkey,
+        })
+    }
+    /// Remote descriptors covering `[addr, addr+len)`.
+    pub fn remotes(&self, addr: u64, len: u64) -> Option<Vec<RemoteSlice>> {
+        self.split(addr, len, |a, l, p| RemoteSlice {
+            addr: a,
+            len: l,
+            rkey: p.rkey,
+        })
+    }
+    fn split<T>(&self, addr: u64, len: u64, f: impl Fn(u64, u64, &Piece) -> T) -> Option<Vec<T>> {
+        let end = addr.checked_add(len)?;
+        if addr < self.entry.start || end > self.entry.end {
+            return None;
+        }
+        let mut out = Vec::new();
+        let mut a = addr;
+        while a < end {
+            let p = self.piece_for(a)?;
+            let l = (p.addr + p.len).min(end) - a;
+            let l = l.min(u64::from(u32::MAX));
+            out.push(f(a, l, p));
+            a += l;
+        }
+        Some(out)
+    }
+    /// Whether the registration is still in the cache (false after invalidation/eviction,
+    /// or for an uncached registration).
+    pub fn is_cached(&self) -> bool {
+        self.entry.cached.load(Ordering::Acquire) && !self.entry.is_dead()
+    }
+}
+
+impl Clone for RegHandle {
+    fn clone(&self) -> Self {
+        RegHandle {
+            entry: self.entry.clone(),
+        }
+    }
+}
+
+impl Drop for RegHandle {
+    #[inline]
+    fn drop(&mut self) {
+        // A plain store next to the Arc counts; the last drop deregisters (Entry::drop).
+        self.entry.touched.store(true, Ordering::Relaxed);
+    }
+}
+
+/// A registration or, when registration was impossible, a bounce buffer from the pool.
+#[derive(Debug)]
+pub enum Registration {
+    /// The memory itself is registered.
+    Mr(RegHandle),
+    /// Copy through these pool slots instead.
+    Bounce(BounceBuffer),
+}
+
+/// Pool slots standing in for memory that could not be registered.
+#[derive(Debug)]
+pub struct BounceBuffer {
+    slots: Vec<OwnedSlot>,
+    len: u64,
+}
+
+impl BounceBuffer {
+    /// Bytes covered.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// SGEs over the bounce slots (post these instead of the original memory).
+    pub fn sges(&self) -> Vec<LocalSlice> {
+        let mut left = self.len;
+        self.slots
+            .iter()
+            .map(|s| {
+                let l = left.min(s.len() as u64);
+                left -= l;
+                s.local(l as u32)
+            })
+            .collect()
+    }
+    /// Copy `src` into the bounce slots (before a send/write).
+    pub fn copy_in(&mut self, src: &[u8]) {
+        let mut off = 0;
+        for s in &mut self.slots {
+            let n = (src.len() - off).min(s.len());
+            s.as_mut_slice()[..n].copy_from_slice(&src[off..off + n]);
+            off += n;
+        }
+    }
+    /// Copy the bounce slots out to `dst` (after a receive/read).
+    pub fn copy_out(&self, dst: &mut [u8]) {
+        let mut off = 0;
+        for s in &self.slots {
+            let n = (dst.len() - off).min(s.len());
+            dst[off..off + n].copy_from_slice(&s.as_slice()[..n]);
+            off += n;
+        }
+    }
+}
+
+/// Per-thread counters, written by their owner only.
+#[derive(Debug, Default)]
+struct ThreadStats {
+    hits: AtomicU64,
+}
+
+struct TlsSlot {
+    start: u64,
+    end: u64,
+    access: AccessFlags,
+    /// Weak: a thread cache never keeps a registration alive.
+    entry: Weak<Entry>,
+}
+
+struct TlsCache {
+    cache_id: u64,
+    alive: Weak<Inner>,
+    gen: u64,
+    mseq: u64,
+    slots: [Option<TlsSlot>; TLS_SLOTS],
+    next: usize,
+    stats: Arc<ThreadStats>,
+}
+
+const TLS_SLOTS: usize = 4;
+
+thread_local! {
+    static TLS: RefCell<Vec<TlsCache>> = const { RefCell::new(Vec::new()) };
+}
+
+static NEXT_CACHE_ID: AtomicU64 = AtomicU64::new(1);
+
+#[derive(Debug)]
+struct Inner {
+    id: u64,
+    shared: Arc<Shared>,
+    cfg: CacheConfig,
+    max_chunk: u64,
+    page: u64,
+    /// Bumped by 2 (stays even) after every removal from the index, under the write lock.
+    /// Guards the per-thread caches: a thread's cached entries are valid only while the
+    /// generation it recorded is current.
+    gen: AtomicU64,
+    index: RwLock<IntervalIndex<Arc<Entry>>>,
+    pending: Arc<Pending>,
+    next_id: AtomicU64,
+    epoch: Instant,
+    threads: Mutex<Vec<Arc<ThreadStats>>>,
+}
+
+/// The registration cache. Cheap to clone (shared).
+#[derive(Debug, Clone)]
+pub struct RegCache {
+    inner: Arc<Inner>,
+}
+
+fn page_span(page: u64, a: u64, b: u64) -> (u64, u64) {
+    (a & !(page - 1), (b + page - 1) & !(page - 1))
+}
+
+enum Lookup {
+    Hit(RegHandle),
+    Wait(Arc<Entry>),
+    Miss,
+}
+
+impl RegCache {
+    /// A cache over `pd`.
+    pub fn new(pd: &ProtectionDomain, cfg: CacheConfig) -> Result<RegCache> {
+        let monitor = match cfg.monitor {
+            MonitorMode::Userfaultfd => Some(monitor::global().map_err(|e| {
+                Error::new(
+                    Errno::EOPNOTSUPP,
+                    format!(
+                        "{e}; the cache cannot see munmap/madvise without it. Allow userfaultfd \
+                         (root, CAP_SYS_PTRACE, vm.unprivileged_userfaultfd=1 or access to \
+                         /dev/userfaultfd) or choose MonitorMode::ExplicitOnly and call \
+                         invalidate() before freeing cached memory"
+                    ),
+                )
+            })?),
+            MonitorMode::ExplicitOnly => None,
+        };
+        let page = rustix::param::page_size() as u64;
+        let max_mr = pd.context().query_device().max_mr_size;
+        let max_chunk = (cfg.max_chunk.min(max_mr) & !(page - 1)).max(page);
+        let pending = Arc::new(Pending::new(cfg.pending_capacity));
+        if let Some(m) = monitor {
+            m.subscribe(pending.clone());
+        }
+        Ok(RegCache {
+            inner: Arc::new(Inner {
+                id: NEXT_CACHE_ID.fetch_add(1, Ordering::Relaxed),
+                shared: Arc::new(Shared {
+                    pd: pd.clone(),
+                    monitor,
+                    c: Counters::default(),
+                }),
+                cfg,
+                max_chunk,
+                page,
+                gen: AtomicU64::new(0),
+                index: RwLock::new(IntervalIndex::default()),
+                pending,
+                next_id: AtomicU64::new(1),
+                epoch: Instant::now(),
+                threads: Mutex::new(Vec::new()),
+            }),
+        })
+    }
+
+    /// A registration covering `[addr, addr+len)` with at least `access`.
+    ///
+    /// The caller guarantees the range is mapped memory it may register; the cache guarantees
+    /// the returned keys translate to the pages mapped at the time of the call (not to pages
+    /// of an earlier mapping at the same address).
+    #[inline]
+    pub fn get(&self, addr: u64, len: u64, access: AccessFlags) -> Result<RegHandle> {
+        if let Some(h) = self.fast_hit(addr, len, access) {
+            return Ok(h);
+        }
+        self.get_slow(addr, len, access, false).map_err(|(e, _)| e)
+    }
+
+    /// Like [`get`](Self::get), but when the memory cannot be registered (device limits
+    /// after eviction) and a bounce pool is configured, return pool slots to copy through.
+    pub fn get_or_bounce(&self, addr: u64, len: u64, access: AccessFlags) -> Result<Registration> {
+        if let Some(h) = self.fast_hit(addr, len, access) {
+            return Ok(Registration::Mr(h));
+        }
+        match self.get_slow(addr, len, access, false) {
+            Ok(h) => Ok(Registration::Mr(h)),
+            Err((e, device_limit)) => {
+                let Some(pool) = self.inner.cfg.bounce.as_ref().filter(|_| device_limit) else {
+                    return Err(e);
+                };
+                let n = len.div_ceil(pool.slot_size() as u64);
+                let mut slots = Vec::with_capacity(n as usize);
+                for _ in 0..n {
+                    slots.push(pool.alloc_owned()?);
+                }
+                inc(&self.inner.shared.c.fallback_bounce);
+                Ok(Registration::Bounce(BounceBuffer { slots, len }))
+            }
+        }
+    }
+
+    #[inline]
+    fn fast_hit(&self, addr: u64, len: u64, access: AccessFlags) -> Option<RegHandle> {
+        let inner = &*self.inner;
+        let end = addr.checked_add(len)?;
+        TLS.try_with(|t| {
+            let t = t.borrow();
+            let rec = t.iter().rev().find(|r| r.cache_id == inner.id)?;
+            if rec.gen != inner.gen.load(Ordering::Acquire) || rec.mseq != monitor::seq() {
+                return None;
+            }
+            for s in rec.slots.iter().flatten() {
+                if s.start <= addr && end <= s.end && s.access.contains(access) {
+                    // One RMW on the entry's own count; fails if the entry is gone.
+                    let e = s.entry.upgrade()?;
+                    // Invalidated before our reference: miss (a reference taken before the
+                    // invalidation is a handle obtained before it, which is allowed).
+                    if e.is_dead() {
+                        return None;
+                    }
+                    let h = &rec.stats.hits;
+                    h.store(h.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+                    return Some(RegHandle { entry: e });
+                }
+            }
+            None
+        })
+        .ok()
+        .flatten()
+    }
+
+    fn tls_insert(&self, e: &Arc<Entry>, gen: u64, mseq: u64) {
+        let inner = &self.inner;
+        let dropped = TLS.try_with(|t| {
+            let mut t = t.borrow_mut();
+            let pos = match t.iter().rposition(|r| r.cache_id == inner.id) {
+                Some(p) => p,
+                None => {
+                    t.retain(|r| r.alive.strong_count() > 0);
+                    let stats = Arc::new(ThreadStats::default());
+                    inner.threads.lock().push(stats.clone());
+                    t.push(TlsCache {
+                        cache_id: inner.id,
+                        alive: Arc::downgrade(inner),
+                        gen,
+                        mseq,
+                        slots: Default::default(),
+                        next: 0,
+                        stats,
+                    });
+                    t.len() - 1
+                }
+            };
+            let rec = &mut t[pos];
+            let mut old: Vec<TlsSlot> = Vec::new();
+            if rec.gen != gen || rec.mseq != mseq {
+                old.extend(rec.slots.iter_mut().filter_map(Option::take));
+                rec.gen = gen;
+                rec.mseq = mseq;
+            }
+            let i = rec.next % TLS_SLOTS;
+            rec.next = rec.next.wrapping_add(1);
+            if let Some(o) = rec.slots[i].replace(TlsSlot {
+                start: e.start,
+                end: e.end,
+                access: e.access,
+                entry: Arc::downgrade(e),
+            }) {
+                old.push(o);
+            }
+            old
+        });
+        // Entry references released outside the thread-local borrow.
+        drop(dropped);
+    }
+
+    fn tick(&self, now: Instant) -> u64 {
+        now.saturating_duration_since(self.inner.epoch).as_millis() as u64
+    }
+
+    /// Apply queued monitor invalidations; wait out an event being delivered.
+    fn sync_monitor(&self) {
+        if self.inner.shared.monitor.is_none() {
+            return;
+        }
+        if !monitor::wait_quiescent(Duration::from_secs(1)) {
+            tracing::warn!("userfaultfd monitor stalled for 1 s; dropping every cached entry");
+            self.invalidate(0, u64::MAX);
+        }
+        if self.inner.pending.is_nonempty() {
+            // Drain and apply under one write lock (see `invalidate_locked`).
+            let dead = {
+                let mut ix = self.inner.index.write();
+                let ranges = self.inner.pending.drain();
+                self.invalidate_locked(&mut ix, &ranges)
+            };
+            self.finish_invalidation(dead);
+        }
+    }
+
+    fn lookup(&self, addr: u64, end: u64, access: AccessFlags) -> Lookup {
+        let ix = self.inner.index.read();
+        let mut wait = None;
+        for (_, _, _, e) in ix.containing(addr, end) {
+            if !e.access.contains(access) || e.is_dead() || e.failed.load(Ordering::Acquire) {
+                continue;
+            }
+            if e.ready().is_some() {
+                // In the index under the read lock: not dead (death is set under the write lock).
+                return Lookup::Hit(RegHandle { entry: e.clone() });
+            } else if wait.is_none() {
+                wait = Some(e.clone());
+            }
+        }
+        match wait {
+            Some(e) => Lookup::Wait(e),
+            None => Lookup::Miss,
+        }
+    }
+
+    /// Err carries whether the failure was a device/resource limit (bounce candidate).
+    fn get_slow(
+        &self,
+        addr: u64,
+        len: u64,
+        access: AccessFlags,
+        mut no_widen: bool,
+    ) -> std::result::Result<RegHandle, (Error, bool)> {
+        let inner = &*self.inner;
+        let c = &inner.shared.c;
+        if len == 0 {
+            return Err((
+                Error::new(Errno::EINVAL, "length 0: nothing to register"),
+                false,
+            ));
+        }
+        let end = addr
+            .checked_add(len)
+            .filter(|e| *e <= u64::MAX - inner.page)
+            .ok_or_else(|| {
+                (
+                    Error::new(Errno::EINVAL, "addr + len wraps the address space"),
+                    false,
+                )
+            })?;
+        let mut evicted_for_enomem = false;
+        for _attempt in 0..64 {
+            self.sync_monitor();
+            let gen = inner.gen.load(Ordering::Acquire);
+            let mseq = monitor::seq();
+            match self.lookup(addr, end, access) {
+                Lookup::Hit(h) => {
+                    inc(&c.hits_slow);
+                    if mseq & 1 == 0 {
+                        self.tls_insert(&h.entry, gen, mseq);
+                    }
+                    return Ok(h);
+                }
+                Lookup::Wait(e) => {
+                    inc(&c.single_flight_waits);
+                    e.wait();
+                    continue;
+                }
+                Lookup::Miss => {}
+            }
+            // --- miss: shape outside the lock ---
+            let (mut s, mut e) = self.shape(addr, end, no_widen);
+            let mut acc = access;
+            let placeholder;
+            let mut superseded: Vec<Arc<Entry>> = Vec::new();
+            let mut victims: Vec<Arc<Entry>> = Vec::new();
+            {
+                let mut ix = inner.index.write();
+                // Someone may have inserted a covering entry (or placeholder) meanwhile.
+                if ix.containing(addr, end).any(|(_, _, _, x)| {
+                    x.access.contains(access) && !x.is_dead() && !x.failed.load(Ordering::Acquire)
+                }) {
+                    continue;
+                }
+                if let (Shape::Merge { cap }, false) = (inner.cfg.shape, no_widen) {
+                    for _ in 0..3 {
+                        let near: Vec<(u64, u64, AccessFlags)> = ix
+                            .overlapping(s, e, true)
+                            .filter(|(_, _, _, x)| x.ready().is_some() && !x.is_dead())
+                            .map(|(a, b, _, x)| (a, b, x.access))
+                            .collect();
+                        let ns = near.iter().map(|n| n.0).min().unwrap_or(s).min(s);
+                        let ne = near.iter().map(|n| n.1).max().unwrap_or(e).max(e);
+                        if (ns, ne) == (s, e) || ne - ns > cap {
+                            break;
+                        }
+                        s = ns;
+                        e = ne;
+                        for n in &near {
+                            acc |= n.2;
+                        }
+                    }
+                    // Supersede every ready entry inside the merged range.
+                    let ids: Vec<(u64, u64)> = ix
+                        .overlapping(s, e, false)
+                        .filter(|(a, b, _, x)| {
+                            *a >= s && *b <= e && x.ready().is_some() && !x.is_dead()
+                        })
+                        .map(|(a, _, id, _)| (a, id))
+                        .collect();
+                    for (a, id) in ids {
+                        if let Some(x) = ix.remove(a, id) {
+                            x.cached.store(false, Ordering::Release);
+                            x.dead.store(true, Ordering::Release);
+                            inc(&c.merges);
+                            superseded.push(x);
+                        }
+                    }
+                }
+                // Limits: evict idle entries (approximate LRU) until the new one fits.
+                let fits = self.make_room(&mut ix, e - s, &mut victims);
+                placeholder = Arc::new(Entry {
+                    id: inner.next_id.fetch_add(1, Ordering::Relaxed),
+                    start: s,
+                    end: e,
+                    span: page_span(inner.page, s, e),
+                    access: acc,
+                    dead: AtomicBool::new(false),
+                    pieces: OnceLock::new(),
+                    failed: AtomicBool::new(false),
+                    regs: Mutex::new(Vec::new()),
+                    cached: AtomicBool::new(fits),
+                    monitored: AtomicBool::new(false),
+                    touched: AtomicBool::new(false),
+                    idle_since: AtomicU64::new(self.tick(Instant::now())),
+                    wait_mx: Mutex::new(()),
+                    wait_cv: Condvar::new(),
+                    shared: inner.shared.clone(),
+                });
+                if fits {
+                    ix.insert(s, e, placeholder.id, placeholder.clone());
+                } else {
+                    inc(&c.uncached);
+                }
+                if !superseded.is_empty() || !victims.is_empty() {
+                    inner.gen.fetch_add(2, Ordering::AcqRel);
+                }
+            }
+            inc(&c.misses);
+            // Superseded and evicted entries were marked dead under the lock; each is
+            // deregistered when its last reference (maybe this one) goes.
+            drop(superseded);
+            drop(victims);
+            // --- attach to the monitor BEFORE pinning (see monitor docs) ---
+            if let Some(m) = inner.shared.monitor {
+                if placeholder.cached.load(Ordering::Acquire) {
+                    let (ps, pe) = placeholder.span;
+                    match m.attach(ps, pe - ps) {
+                        Ok(()) => placeholder.monitored.store(true, Ordering::Release),
+                        Err(err) => {
+                            tracing::debug!(error = %err, "monitor cannot attach; registration uncached");
+                            self.unindex(&placeholder);
+                            placeholder.cached.store(false, Ordering::Release);
+                            inc(&c.uncached);
+                            inc(&c.unmonitored);
+                        }
+                    }
+                }
+            }
+            // --- register outside any lock ---
+            match self.register_pieces(s, e, acc) {
+                Ok(pieces) => {
+                    if pieces.len() > 1 {
+                        inc(&c.splits);
+                    }
+                    // Owned by the entry from now on: deregistered when its last reference goes.
+                    placeholder
+                        .regs
+                        .lock()
+                        .extend(pieces.iter().map(|p| p.lkey));
+                    // Publish: first apply invalidations that arrived while we registered.
+                    self.sync_monitor();
+                    let published = {
+                        let _ix = inner.index.write();
+                        if placeholder.is_dead() {
+                            false
+                        } else {
+                            let _ = placeholder.pieces.set(pieces);
+                            true
+                        }
+                    };
+                    placeholder.wake();
+                    if !published {
+                        // Invalidated while we pinned: the pages may be those of the old mapping.
+                        inc(&c.stale_rejects);
+                        placeholder.failed.store(true, Ordering::Release);
+                        self.unindex(&placeholder);
+                        continue;
+                    }
+                    let h = RegHandle {
+                        entry: placeholder.clone(),
+                    };
+                    let mseq2 = monitor::seq();
+                    if placeholder.cached.load(Ordering::Acquire) && mseq2 & 1 == 0 {
+                        self.tls_insert(&placeholder, inner.gen.load(Ordering::Acquire), mseq2);
+                    }
+                    return Ok(h);
+                }
+                Err(err) => {
+                    placeholder.failed.store(true, Ordering::Release);
+                    self.unindex(&placeholder);
+                    placeholder.wake();
+                    drop(placeholder);
+                    let limit = matches!(err.errno(), Errno::ENOMEM | Errno::EAGAIN);
+                    if limit && !evicted_for_enomem {
+                        evicted_for_enomem = true;
+                        inc(&c.fallback_evict_retry);
+                        self.evict_idle(usize::MAX, None);
+                        continue;
+                    }
+                    let (rs, re) = page_span(inner.page, addr, end);
+                    if !no_widen && (s, e) != (rs, re) && (s, e) != (addr, end) {
+                        no_widen = true;
+                        inc(&c.fallback_shrink);
+                        continue;
+                    }
+                    return Err((err, limit));
+                }
+            }
+        }
+        Err((
+            Error::new(
+                Errno::EAGAIN,
+                "the range kept being invalidated while it was registered (64 attempts); the \
+                 application is unmapping it concurrently",
+            ),
+            false,
+        ))
+    }
+
+    fn unindex(&self, e: &Arc<Entry>) {
+        let mut ix = self.inner.index.write();
+        if ix.remove(e.start, e.id).is_some() {
+            self.inner.gen.fetch_add(2, Ordering::AcqRel);
+        }
+    }
+
+    fn shape(&self, addr: u64, end: u64, no_widen: bool) -> (u64, u64) {
+        let page = self.inner.page;
+        let rounded = page_span(page, addr, end);
+        match self.inner.cfg.shape {
+            Shape::Exact => (addr, end),
+            Shape::PageRounded | Shape::Merge { .. } => rounded,
+            Shape::WholeAllocation { cap } => {
+                if no_widen {
+                    return rounded;
+                }
+                match vma_bounds(addr, end) {
+                    Some((s, e)) if e - s <= cap => (s, e),
+                    _ => rounded,
+                }
+            }
+        }
+    }
+
+    fn register_pieces(&self, s: u64, e: u64, access: AccessFlags) -> Result<Vec<Piece>> {
+        let sh = &self.inner.shared;
+        let ctx = sh.pd.context();
+        let mut out: Vec<Piece> = Vec::new();
+        let mut a = s;
+        while a < e {
+            let l = (e - a).min(self.inner.max_chunk);
+            match ctx.provider().reg_mr(sh.pd.handle(), a, l, a, access) {
+                Ok(info) => out.push(Piece {
+                    addr: a,
+                    len: l,
+                    lkey: info.lkey,
+                    rkey: info.rkey,
+                }),
+                Err(err) => {
+                    for p in &out {
+                        let _ = ctx.provider().dereg_mr(p.lkey);
+                    }
+                    return Err(err);
+                }
+            }
+            a += l;
+        }
+        sh.c.registrations
+            .fetch_add(out.len() as u64, Ordering::Relaxed);
+        sh.c.bytes_registered.fetch_add(e - s, Ordering::Relaxed);
+        Ok(out)
+    }
+
+    /// Evict idle entries (LRU first) until `extra` more bytes and one more entry fit.
+    /// Returns whether they fit. Caller holds the write lock; victims are deregistered by the
+    /// caller after unlocking.
+    fn make_room(
+        &self,
+        ix: &mut IntervalIndex<Arc<Entry>>,
+        extra: u64,
+        victims: &mut Vec<Arc<Entry>>,
+    ) -> bool {
+        let cfg = &self.inner.cfg;
+        let fits = |ix: &IntervalIndex<Arc<Entry>>| {
+            ix.len() < cfg.max_entries && ix.bytes() + extra <= cfg.max_bytes
+        };
+        if fits(ix) {
+            return true;
+        }
+        if extra > cfg.max_bytes || cfg.max_entries == 0 {
+            return false;
+        }
+        let now = self.tick(Instant::now());
+        let mut cands: Vec<(u64, u64, u64)> = ix
+            .iter()
+            .filter(|(_, _, _, x)| x.ready().is_some() && x.idle_in_index() && !x.is_dead())
+            .map(|(s, _, id, x)| {
+                if x.touched.swap(false, Ordering::Relaxed) {
+                    x.idle_since.store(now, Ordering::Relaxed);
+                }
+                (x.idle_since.load(Ordering::Relaxed), s, id)
+            })
+            .collect();
+        cands.sort_unstable();
+        for (_, s, id) in cands {
+            if fits(ix) {
+                break;
+            }
+            let ok = ix
+                .containing(s, s)
+                .find(|(_, _, i, _)| *i == id)
+                .map(|(_, _, _, x)| x.idle_in_index())
+                .unwrap_or(false);
+            if ok {
+                if let Some(x) = ix.remove(s, id) {
+                    x.cached.store(false, Ordering::Release);
+                    x.dead.store(true, Ordering::Release);
+                    inc(&self.inner.shared.c.evictions);
+                    victims.push(x);
+                }
+            }
+        }
+        fits(ix)
+    }
+
+    /// Evict up to `max` idle entries (all with `usize::MAX`); with `older_than`, only those
+    /// idle since before that cache-clock tick (the idle scanner). Returns how many.
+    fn evict_idle(&self, max: usize, older_than: Option<u64>) -> usize {
+        let mut victims = Vec::new();
+        {
+            let mut ix = self.inner.index.write();
+            let cand: Vec<(u64, u64)> = ix
+                .iter()
+                .filter(|(_, _, _, x)| x.ready().is_some() && x.idle_in_index() && !x.is_dead())
+                .filter(|(_, _, _, x)| match older_than {
+                    None => true,
+                    Some(cut) => x.idle_since.load(Ordering::Relaxed) <= cut,
+                })
+                .map(|(s, _, id, _)| (s, id))
+                .take(max)
+                .collect();
+            for (s, id) in cand {
+                let ok = ix
+                    .containing(s, s)
+                    .find(|(_, _, i, _)| *i == id)
+                    .map(|(_, _, _, x)| x.idle_in_index())
+                    .unwrap_or(false);
+                if ok {
+                    if let Some(x) = ix.remove(s, id) {
+                        x.cached.store(false, Ordering::Release);
+                        x.dead.store(true, Ordering::Release);
+                        victims.push(x);
+                    }
+                }
+            }
+            if !victims.is_empty() {
+                self.inner.gen.fetch_add(2, Ordering::AcqRel);
+            }
+        }
+        let n = victims.len();
+        let c = &self.inner.shared.c;
+        let counter = if older_than.is_some() {
+            &c.idle_releases
+        } else {
+            &c.evictions
+        };
+        counter.fetch_add(n as u64, Ordering::Relaxed);
+        drop(victims);
+        n
+    }
+
+    /// Invalidate every entry overlapping `[addr, addr+len)`: they leave the cache at once;
+    /// entries in use are deregistered when their last handle drops. Returns how many.
+    pub fn invalidate(&self, addr: u64, len: u64) -> usize {
+        let end = addr.saturating_add(len);
+        let dead = {
+            let mut ix = self.inner.index.write();
+            self.invalidate_locked(&mut ix, &[(addr, end)])
+        };
+        self.finish_invalidation(dead)
+    }
+
+    /// Remove and kill every entry overlapping one of `ranges`. Runs under the write lock so
+    /// a lookup never sees a range as "no longer pending" before its entries are dead.
+    fn invalidate_locked(
+        &self,
+        ix: &mut IntervalIndex<Arc<Entry>>,
+        ranges: &[(u64, u64)],
+    ) -> Vec<Arc<Entry>> {
+        let mut dead = Vec::new();
+        for &(addr, end) in ranges {
+            let ids: Vec<(u64, u64)> = ix
+                .overlapping(addr, end, false)
+                .map(|(s, _, id, _)| (s, id))
+                .collect();
+            for (s, id) in ids {
+                if let Some(x) = ix.remove(s, id) {
+                    x.cached.store(false, Ordering::Release);
+                    // Dead under the lock: a publisher (which checks under the lock) and every
+                    // hit (which checks after taking its reference) see it.
+                    x.dead.store(true, Ordering::Release);
+                    if Arc::strong_count(&x) > 1 {
+                        inc(&self.inner.shared.c.invalidated_in_use);
+                    }
+                    dead.push(x);
+                }
+            }
+        }
+        if !dead.is_empty() {
+            self.inner.gen.fetch_add(2, Ordering::AcqRel);
+        }
+        dead
+    }
+
+    /// Wake waiters; drop the index's references outside the lock (idle entries are
+    /// deregistered here, entries in use at their last handle drop).
+    fn finish_invalidation(&self, dead: Vec<Arc<Entry>>) -> usize {
+        let n = dead.len();
+        self.inner
+            .shared
+            .c
+            .invalidations
+            .fetch_add(n as u64, Ordering::Relaxed);
+        for x in &dead {
+            x.wake();
+        }
+        drop(dead);
+        n
+    }
+
+    /// Release entries idle for longer than the configured `idle_timeout` at `now`
+    /// (CLOCK-style: an entry used since the previous scan starts a new idle period).
+    pub fn scan_idle(&self, now: Instant) -> usize {
+        let t = self.tick(now);
+        {
+            let ix = self.inner.index.read();
+            for (_, _, _, x) in ix.iter() {
+                if x.touched.swap(false, Ordering::Relaxed) {
+                    x.idle_since.store(t, Ordering::Relaxed);
+                }
+            }
+        }
+        let timeout = self.inner.cfg.idle_timeout.as_millis() as u64;
+        match t.checked_sub(timeout) {
+            Some(cut) => self.evict_idle(usize::MAX, Some(cut)),
+            None => 0,
+        }
+    }
+
+    /// Start a background thread calling [`scan_idle`](Self::scan_idle) every `interval`; it
+    /// stops when the returned guard or the cache is dropped.
+    pub fn start_idle_scanner(&self, interval: Duration) -> IdleScanner {
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let weak = Arc::downgrade(&self.inner);
+        let th = std::thread::Builder::new()
+            .name("mrkit-cache-idle".into())
+            .spawn(move || loop {
+                match rx.recv_timeout(interval) {
+                    Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+                    _ => return,
+                }
+                let Some(inner) = weak.upgrade() else { return };
+                RegCache { inner }.scan_idle(Instant::now());
+            })
+            .expect("spawn idle scanner");
+        IdleScanner {
+            stop: Some(tx),
+            thread: Some(th),
+        }
+    }
+
+    /// Evict every idle entry now.
+    pub fn flush_idle(&self) -> usize {
+        self.evict_idle(usize::MAX, None)
+    }
+
+    /// Entries in the index.
+    pub fn len(&self) -> usize {
+        self.inner.index.read().len()
+    }
+
+    /// True when no entry is cached.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// `(start, end, access, users)` of every cached entry (debug dump).
+    pub fn entries(&self) -> Vec<(u64, u64, AccessFlags, u64)> {
+        self.inner
+            .index
+            .read()
+            .iter()
+            .map(|(s, e, _, x)| (s, e, x.access, Arc::strong_count(x) as u64 - 1))
+            .collect()
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> CacheStats {
+        let c = &self.inner.shared.c;
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let fast: u64 = self.inner.threads.lock().iter().map(|t| l(&t.hits)).sum();
+        let ix = self.inner.index.read();
+        CacheStats {
+            hits: fast + l(&c.hits_slow),
+            fast_hits: fast,
+            misses: l(&c.misses),
+            single_flight_waits: l(&c.single_flight_waits),
+            merges: l(&c.merges),
+            splits: l(&c.splits),
+            evictions: l(&c.evictions),
+            idle_releases: l(&c.idle_releases),
+            invalidations: l(&c.invalidations),
+            invalidated_in_use: l(&c.invalidated_in_use),
+            stale_rejects: l(&c.stale_rejects),
+            registrations: l(&c.registrations),
+            deregistrations: l(&c.deregistrations),
+            bytes_registered: l(&c.bytes_registered),
+            entries: ix.len() as u64,
+            uncached: l(&c.uncached),
+            unmonitored: l(&c.unmonitored),
+            fallback_evict_retry: l(&c.fallback_evict_retry),
+            fallback_shrink: l(&c.fallback_shrink),
+            fallback_bounce: l(&c.fallback_bounce),
+            monitor_events: l(&self.inner.pending.events),
+            pending_overflow_merges: l(&self.inner.pending.overflow_merges),
+        }
+    }
+
+    /// Whether a userfaultfd monitor feeds this cache.
+    pub fn is_monitored(&self) -> bool {
+        self.inner.shared.monitor.is_some()
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        if let Some(m) = self.shared.monitor {
+            m.unsubscribe(&self.pending);
+        }
+        // Kill every entry; idle ones are deregistered as `ix` drops (thread caches hold only
+        // weak references), in-use ones at their last handle drop.
+        let ix = std::mem::take(&mut *self.index.write());
+        for (_, _, _, x) in ix.iter() {
+            x.cached.store(false, Ordering::Release);
+            x.dead.store(true, Ordering::Release);
+        }
+        drop(ix);
+    }
+}
+
+/// Stops the idle scanner thread on drop.
+#[derive(Debug)]
+pub struct IdleScanner {
+    stop: Option<std::sync::mpsc::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for IdleScanner {
+    fn drop(&mut self) {
+        drop(self.stop.take());
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Bounds of the mapping(s) containing `[a, b)` from `/proc/self/maps` (contiguous VMAs
+/// with equal permissions), or `None`.
+pub fn vma_bounds(a: u64, b: u64) -> Option<(u64, u64)> {
+    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+    let mut vmas = maps.lines().filter_map(|l| {
+        let mut it = l.split_whitespace();
+        let range = it.next()?;
+        let perms = it.next()?.to_string();
+        let (s, e) = range.split_once('-')?;
+        Some((
+            u64::from_str_radix(s, 16).ok()?,
+            u64::from_str_radix(e, 16).ok()?,
+            perms,
+        ))
+    });
+    let (s, mut e, perms) = vmas.by_ref().find(|(s, e, _)| *s <= a && a < *e)?;
+    while e < b {
+        let (ns, ne, np) = vmas.next()?;
+        if ns != e || np != perms {
+            return None;
+        }
+        e = ne;
+    }
+    Some((s, e))
+}

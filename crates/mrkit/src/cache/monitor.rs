@@ -1,0 +1,553 @@
+//! userfaultfd memory monitor: the kernel tells us when a cached range is unmapped
+//! (`munmap`, `brk` shrink), has its pages dropped (`madvise(MADV_DONTNEED/REMOVE)`) or is
+//! moved (`mremap`), so the cache can invalidate before it ever serves a stale translation.
+//!
+//! # Registration mode: WP, not MISSING
+//!
+//! Non-cooperative events (`UFFD_FEATURE_EVENT_UNMAP | EVENT_REMOVE | EVENT_REMAP`) are
+//! delivered for every VMA registered with the userfaultfd, whatever the mode. The mode only
+//! decides which *page faults* are sent to us:
+//!
+//! * `UFFDIO_REGISTER_MODE_MISSING` (what libfabric uses) forwards every fault on a missing
+//!   page: after `MADV_DONTNEED` of a cached buffer, the application's next touch would sleep
+//!   until this thread answers with `UFFDIO_ZEROPAGE`/`UFFDIO_COPY` — a latency hazard, and a
+//!   deadlock if the monitor is itself blocked (ofiwg/libfabric#5554).
+//! * `UFFDIO_REGISTER_MODE_WP` forwards only write faults on pages *write-protected through
+//!   `UFFDIO_WRITEPROTECT`*. We never write-protect anything, so **no fault ever blocks**; the
+//!   mode exists here only to attach the VMA to our userfaultfd and get the events.
+//!
+//! Registration fails on mappings userfaultfd cannot track (some file/device mappings, or a
+//! VMA already registered with another userfaultfd): the cache then returns an *uncached*
+//! registration for that range and counts it (`unmonitored`), never a cached one it cannot
+//! invalidate.
+//!
+//! # Ordering guarantee (the "unmap returns before the cache forgets" gap)
+//!
+//! The kernel blocks the unmapping thread until the monitor has *read* the event. The
+//! monitor makes the global sequence [`seq`] odd *before* reading and even again only after
+//! the ranges are queued on every subscribed cache. A lookup started after `munmap` returned
+//! therefore sees an odd sequence (and waits) or a changed even one with the pending range
+//! queued (and drains it first): a freed-and-remapped address never gets the old
+//! registration.
+//!
+//! # Deadlock rules
+//!
+//! The monitor thread reads events before taking any lock, never blocks on the subscriber
+//! list (try-lock, retried after the next read), never registers or deregisters memory, and
+//! never frees memory in its loop (buffers are reused). Pending queues are bounded and
+//! coalescing ([`Pending`]).
+//!
+//! This is the only module of the cache with `unsafe`: raw syscalls and ioctls.
+
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use mrkit_soft::mem::range_count::RangeCounter;
+use parking_lot::Mutex;
+
+const UFFD_API: u64 = 0xAA;
+const UFFDIO_API: libc::c_ulong = 0xc018_aa3f;
+const UFFDIO_REGISTER: libc::c_ulong = 0xc020_aa00;
+const UFFDIO_UNREGISTER: libc::c_ulong = 0x8010_aa01;
+const USERFAULTFD_IOC_NEW: libc::c_ulong = 0xaa00;
+const UFFD_USER_MODE_ONLY: libc::c_int = 1;
+
+/// `UFFD_FEATURE_EVENT_REMAP`.
+pub const FEATURE_EVENT_REMAP: u64 = 1 << 2;
+/// `UFFD_FEATURE_EVENT_REMOVE`.
+pub const FEATURE_EVENT_REMOVE: u64 = 1 << 3;
+/// `UFFD_FEATURE_EVENT_UNMAP`.
+pub const FEATURE_EVENT_UNMAP: u64 = 1 << 6;
+
+const MODE_WP: u64 = 2;
+
+const EVENT_REMAP: u8 = 0x14;
+const EVENT_REMOVE: u8 = 0x15;
+const EVENT_UNMAP: u8 = 0x16;
+
+#[repr(C)]
+struct UffdioApi {
+    api: u64,
+    features: u64,
+    ioctls: u64,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct UffdioRange {
+    start: u64,
+    len: u64,
+}
+
+#[repr(C)]
+struct UffdioRegister {
+    range: UffdioRange,
+    mode: u64,
+    ioctls: u64,
+}
+
+/// `struct uffd_msg` (32 bytes, packed: the union starts at offset 8).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct UffdMsg {
+    event: u8,
+    _r1: u8,
+    _r2: u16,
+    _r3: u32,
+    arg: [u64; 3],
+}
+
+/// An address-space change reported by the kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Event {
+    /// `[start, end)` unmapped.
+    Unmap(u64, u64),
+    /// `[start, end)` pages dropped (`MADV_DONTNEED`/`MADV_REMOVE`).
+    Remove(u64, u64),
+    /// `mremap`: `len` bytes moved from `from` to `to`.
+    Remap {
+        /// Old address.
+        from: u64,
+        /// New address.
+        to: u64,
+        /// Length.
+        len: u64,
+    },
+}
+
+impl Event {
+    /// The range whose old translation is now invalid.
+    pub fn stale_range(self) -> (u64, u64) {
+        match self {
+            Event::Unmap(s, e) | Event::Remove(s, e) => (s, e),
+            Event::Remap { from, len, .. } => (from, from.saturating_add(len)),
+        }
+    }
+}
+
+/// A userfaultfd with the non-cooperative events enabled.
+#[derive(Debug)]
+pub struct Uffd {
+    fd: OwnedFd,
+    features: u64,
+}
+
+fn last_err() -> io::Error {
+    io::Error::last_os_error()
+}
+
+impl Uffd {
+    /// Open a userfaultfd (syscall, then `/dev/userfaultfd`) and enable UNMAP, REMOVE and
+    /// REMAP events. Fails with the reason when userfaultfd is unavailable (seccomp in
+    /// containers, `vm.unprivileged_userfaultfd = 0` without privileges).
+    pub fn open() -> io::Result<Uffd> {
+        let fd = Self::raw_open()?;
+        let want = FEATURE_EVENT_UNMAP | FEATURE_EVENT_REMOVE | FEATURE_EVENT_REMAP;
+        let mut api = UffdioApi {
+            api: UFFD_API,
+            features: want,
+            ioctls: 0,
+        };
+        // SAFETY: UFFDIO_API reads and writes one `struct uffdio_api` we own.
+        let rc = unsafe { libc::ioctl(fd.as_raw_fd(), UFFDIO_API, &mut api as *mut UffdioApi) };
+        if rc != 0 {
+            return Err(last_err());
+        }
+        Ok(Uffd {
+            fd,
+            features: api.features,
+        })
+    }
+
+    fn raw_open() -> io::Result<OwnedFd> {
+        let flags = libc::O_CLOEXEC | libc::O_NONBLOCK;
+        for extra in [0, UFFD_USER_MODE_ONLY] {
+            // SAFETY: the userfaultfd syscall takes only flags and returns a new fd or -1.
+            let fd = unsafe { libc::syscall(libc::SYS_userfaultfd, flags | extra) };
+            if fd >= 0 {
+                // SAFETY: the kernel just returned this fd to us; we own it.
+                return Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) });
+            }
+        }
+        let dev = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open("/dev/userfaultfd")?;
+        // SAFETY: USERFAULTFD_IOC_NEW takes the flags by value and returns a new fd or -1.
+        let fd = unsafe { libc::ioctl(dev.as_raw_fd(), USERFAULTFD_IOC_NEW, flags) };
+        if fd < 0 {
+            return Err(last_err());
+        }
+        // SAFETY: fresh fd from the kernel, owned by us.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+
+    /// Features the kernel granted.
+    pub fn features(&self) -> u64 {
+        self.features
+    }
+
+    /// Attach `[start, start+len)` (page aligned, mapped) in WP mode: events only, no fault
+    /// is ever forwarded (nothing is write-protected). Idempotent for already attached pages.
+    pub fn register(&self, start: u64, len: u64) -> io::Result<()> {
+        let mut reg = UffdioRegister {
+            range: UffdioRange { start, len },
+            mode: MODE_WP,
+            ioctls: 0,
+        };
+        // SAFETY: UFFDIO_REGISTER reads/writes one struct we own; it changes only VMA flags of
+        // the given range (no page contents, no mapping layout).
+        let rc = unsafe {
+            libc::ioctl(
+                self.fd.as_raw_fd(),
+                UFFDIO_REGISTER,
+                &mut reg as *mut UffdioRegister,
+            )
+        };
+        if rc != 0 {
+            return Err(last_err());
+        }
+        Ok(())
+    }
+
+    /// Detach `[start, start+len)`. Errors (range already unmapped) are returned but harmless.
+    pub fn unregister(&self, start: u64, len: u64) -> io::Result<()> {
+        let r = UffdioRange { start, len };
+        // SAFETY: UFFDIO_UNREGISTER reads one struct we own and clears VMA flags only.
+        let rc = unsafe {
+            libc::ioctl(
+                self.fd.as_raw_fd(),
+                UFFDIO_UNREGISTER,
+                &r as *const UffdioRange,
+            )
+        };
+        if rc != 0 {
+            return Err(last_err());
+        }
+        Ok(())
+    }
+
+    /// Wait up to `timeout_ms` (-1: forever) for events.
+    pub fn wait(&self, timeout_ms: i32) -> io::Result<bool> {
+        let mut p = libc::pollfd {
+            fd: self.fd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one pollfd we own.
+        let rc = unsafe { libc::poll(&mut p, 1, timeout_ms) };
+        if rc < 0 {
+            let e = last_err();
+            if e.kind() == io::ErrorKind::Interrupted {
+                return Ok(false);
+            }
+            return Err(e);
+        }
+        Ok(rc > 0)
+    }
+
+    /// Read every queued event without blocking; appends to `out`, returns how many.
+    pub fn read_events(&self, out: &mut Vec<Event>) -> io::Result<usize> {
+        let mut n = 0;
+        let mut buf = [UffdMsg::default(); 32];
+        loop {
+            // SAFETY: reading into a buffer of `size_of_val(&buf)` bytes we own; uffd_msg is
+            // plain data.
+            let rc = unsafe {
+                libc::read(
+                    self.fd.as_raw_fd(),
+                    buf.as_mut_ptr().cast(),
+                    std::mem::size_of_val(&buf),
+                )
+            };
+            if rc < 0 {
+                let e = last_err();
+                return match e.kind() {
+                    io::ErrorKind::WouldBlock => Ok(n),
+                    io::ErrorKind::Interrupted => continue,
+                    _ => Err(e),
+                };
+            }
+            let k = rc as usize / std::mem::size_of::<UffdMsg>();
+            for m in &buf[..k] {
+                let a = m.arg;
+                let ev = match m.event {
+                    EVENT_UNMAP => Event::Unmap(a[0], a[1]),
+                    EVENT_REMOVE => Event::Remove(a[0], a[1]),
+                    EVENT_REMAP => Event::Remap {
+                        from: a[0],
+                        to: a[1],
+                        len: a[2],
+                    },
+                    _ => continue,
+                };
+                out.push(ev);
+                n += 1;
+            }
+            if k < buf.len() {
+                return Ok(n);
+            }
+        }
+    }
+}
+
+/// A bounded, coalescing set of ranges waiting to be invalidated by one cache.
+///
+/// Capacity is fixed at creation (no allocation or free while locked, so holding the lock
+/// can never trigger an unmap event). When full, the two closest ranges are merged: the set
+/// over-approximates (invalidating more is safe, forgetting a range is not).
+#[derive(Debug)]
+pub struct Pending {
+    ranges: Mutex<Vec<(u64, u64)>>,
+    cap: usize,
+    /// Set (Release) after a push, cleared under the lock by the drainer; the cache's slow
+    /// path checks it (Acquire) before looking anything up.
+    nonempty: AtomicBool,
+    /// Ranges merged because the set was full.
+    pub(crate) overflow_merges: AtomicU64,
+    /// Events delivered to this cache.
+    pub(crate) events: AtomicU64,
+}
+
+impl Pending {
+    /// Empty set of at most `cap` ranges.
+    pub fn new(cap: usize) -> Pending {
+        let cap = cap.max(2);
+        Pending {
+            ranges: Mutex::new(Vec::with_capacity(cap)),
+            cap,
+            nonempty: AtomicBool::new(false),
+            overflow_merges: AtomicU64::new(0),
+            events: AtomicU64::new(0),
+        }
+    }
+
+    fn push_locked(&self, v: &mut Vec<(u64, u64)>, (s, e): (u64, u64)) {
+        // Coalesce with any overlapping/adjacent range.
+        let mut s = s;
+        let mut e = e;
+        let mut i = 0;
+        while i < v.len() {
+            let (a, b) = v[i];
+            if a <= e && s <= b {
+                s = s.min(a);
+                e = e.max(b);
+                v.swap_remove(i);
+            } else {
+                i += 1;
+            }
+        }
+        if v.len() == self.cap {
+            // Merge the closest pair (by gap) to make room; no allocation.
+            v.sort_unstable();
+            let mut best = 0;
+            let mut gap = u64::MAX;
+            for k in 0..v.len() - 1 {
+                let g = v[k + 1].0.saturating_sub(v[k].1);
+                if g < gap {
+                    gap = g;
+                    best = k;
+                }
+            }
+            let (a, _) = v[best];
+            let (_, d) = v[best + 1];
+            v[best] = (a, d.max(v[best].1));
+            v.remove(best + 1);
+            self.overflow_merges.fetch_add(1, Ordering::Relaxed);
+        }
+        v.push((s, e));
+    }
+
+    /// Queue ranges (blocking lock; the holders never free memory while holding it).
+    pub fn push(&self, ranges: &[(u64, u64)]) {
+        let mut v = self.ranges.lock();
+        for &r in ranges {
+            self.push_locked(&mut v, r);
+        }
+        self.events
+            .fetch_add(ranges.len() as u64, Ordering::Relaxed);
+        self.nonempty.store(true, Ordering::Release);
+    }
+
+    /// Whether ranges are queued.
+    pub fn is_nonempty(&self) -> bool {
+        self.nonempty.load(Ordering::Acquire)
+    }
+
+    /// Take every queued range. The replacement buffer is allocated before locking and the
+    /// old one freed after unlocking.
+    pub fn drain(&self) -> Vec<(u64, u64)> {
+        let fresh = Vec::with_capacity(self.cap);
+        let mut v = self.ranges.lock();
+        let out = std::mem::replace(&mut *v, fresh);
+        self.nonempty.store(false, Ordering::Release);
+        drop(v);
+        out
+    }
+}
+
+/// Process-wide monitor: one userfaultfd (a VMA can belong to one userfaultfd only, so every
+/// cache of the process shares it), one thread, per-page attach counts.
+#[derive(Debug)]
+pub struct Monitor {
+    uffd: Uffd,
+    /// Caches to notify.
+    subs: Mutex<Vec<Arc<Pending>>>,
+    /// Per-page attach counts: UFFDIO_UNREGISTER only where the count goes 1 -> 0 (held across
+    /// the ioctls, like the device's DONTFORK marks). Registration is issued unconditionally
+    /// (idempotent) so a page whose old mapping vanished while counted is re-attached.
+    counts: Mutex<RangeCounter>,
+    /// Odd while events are read but not yet queued on every subscriber.
+    seq: AtomicU64,
+    /// Events read.
+    events: AtomicU64,
+}
+
+static MONITOR: OnceLock<Result<Arc<Monitor>, String>> = OnceLock::new();
+/// Sequence used when no monitor exists (always even, never changes).
+static NO_SEQ: AtomicU64 = AtomicU64::new(0);
+
+/// The process monitor, started on first use. `Err` says why userfaultfd is unavailable.
+pub fn global() -> Result<&'static Arc<Monitor>, String> {
+    MONITOR
+        .get_or_init(|| {
+            let uffd = Uffd::open().map_err(|e| format!("userfaultfd unavailable: {e}"))?;
+            let m = Arc::new(Monitor {
+                uffd,
+                subs: Mutex::new(Vec::new()),
+                counts: Mutex::new(RangeCounter::new()),
+                seq: AtomicU64::new(0),
+                events: AtomicU64::new(0),
+            });
+            let t = m.clone();
+            std::thread::Builder::new()
+                .name("mrkit-uffd".into())
+                .spawn(move || t.run())
+                .map_err(|e| format!("cannot start the monitor thread: {e}"))?;
+            Ok(m)
+        })
+        .as_ref()
+        .map_err(Clone::clone)
+}
+
+/// The monitor sequence (odd while events are being delivered). Constant 0 without monitor.
+#[inline]
+pub fn seq() -> u64 {
+    match MONITOR.get() {
+        Some(Ok(m)) => m.seq.load(Ordering::Acquire),
+        _ => NO_SEQ.load(Ordering::Relaxed),
+    }
+}
+
+/// Wait until no event is being delivered (bounded by `limit`); `false` on timeout.
+pub fn wait_quiescent(limit: Duration) -> bool {
+    let t0 = std::time::Instant::now();
+    let mut spins = 0u32;
+    while seq() & 1 == 1 {
+        if t0.elapsed() > limit {
+            return false;
+        }
+        spins += 1;
+        if spins < 64 {
+            std::hint::spin_loop();
+        } else {
+            std::thread::yield_now();
+        }
+    }
+    true
+}
+
+impl Monitor {
+    /// Subscribe a cache's pending set.
+    pub fn subscribe(&self, p: Arc<Pending>) {
+        self.subs.lock().push(p);
+    }
+
+    /// Unsubscribe (the removed `Arc` is dropped after unlocking).
+    pub fn unsubscribe(&self, p: &Arc<Pending>) {
+        let removed = {
+            let mut s = self.subs.lock();
+            s.iter()
+                .position(|x| Arc::ptr_eq(x, p))
+                .map(|i| s.swap_remove(i))
+        };
+        drop(removed);
+    }
+
+    /// Attach a page-aligned range (counted).
+    pub fn attach(&self, start: u64, len: u64) -> io::Result<()> {
+        let mut c = self.counts.lock();
+        self.uffd.register(start, len)?;
+        let _ = c.inc(start, start + len);
+        Ok(())
+    }
+
+    /// Drop one attach count over the range; detach pages that reach 0.
+    pub fn detach(&self, start: u64, len: u64) {
+        let mut c = self.counts.lock();
+        for (s, e) in c.dec(start, start + len) {
+            let _ = self.uffd.unregister(s, e - s);
+        }
+    }
+
+    /// Events read so far.
+    pub fn events(&self) -> u64 {
+        self.events.load(Ordering::Relaxed)
+    }
+
+    fn run(&self) {
+        let mut evs: Vec<Event> = Vec::with_capacity(256);
+        let mut ranges: Vec<(u64, u64)> = Vec::with_capacity(256);
+        loop {
+            let timeout = if ranges.is_empty() { -1 } else { 1 };
+            match self.uffd.wait(timeout) {
+                Ok(_) => {}
+                Err(e) => {
+                    tracing::error!(error = %e, "userfaultfd poll failed; monitor stops");
+                    return;
+                }
+            }
+            // Odd before reading: the unmapping thread is released by the read below, and
+            // any lookup after that sees odd (waits) until the range is queued.
+            if self.seq.load(Ordering::Relaxed) & 1 == 0 {
+                self.seq.fetch_add(1, Ordering::AcqRel);
+            }
+            evs.clear();
+            match self.uffd.read_events(&mut evs) {
+                Ok(n) => {
+                    self.events.fetch_add(n as u64, Ordering::Relaxed);
+                }
+                Err(e) => tracing::warn!(error = %e, "userfaultfd read failed"),
+            }
+            for ev in &evs {
+                let r = ev.stale_range();
+                if ranges.len() == ranges.capacity() {
+                    // Bounded local buffer: widen the last range instead of growing.
+                    let last = ranges.len() - 1;
+                    ranges[last] = (ranges[last].0.min(r.0), ranges[last].1.max(r.1));
+                } else {
+                    ranges.push(r);
+                }
+            }
+            if ranges.is_empty() {
+                if self.seq.load(Ordering::Relaxed) & 1 == 1 {
+                    self.seq.fetch_add(1, Ordering::AcqRel);
+                }
+                continue;
+            }
+            // Never block on the subscriber list: a holder might be waiting for us to read.
+            if let Some(subs) = self.subs.try_lock() {
+                for p in subs.iter() {
+                    p.push(&ranges);
+                }
+                drop(subs);
+                ranges.clear();
+                // Even: every subscriber has the ranges queued (Release pairs with seq()).
+                self.seq.fetch_add(1, Ordering::AcqRel);
+            }
+        }
+    }
+}

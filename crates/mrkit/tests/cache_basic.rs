@@ -1,0 +1,371 @@
+//! Registration cache: hits, misses, shapes, limits, fallbacks, invalidation (explicit and
+//! userfaultfd), verified against the device (`check_access`, frame numbers).
+
+mod cache_util;
+
+use std::time::{Duration, Instant};
+
+use cache_util::*;
+use mrkit::cache::{CacheConfig, MonitorMode, RegCache, Registration, Shape};
+use mrkit::pool::{MrPool, PoolConfig};
+use mrkit::{AccessFlags, Context, DeviceConfig};
+
+const RW: AccessFlags = AccessFlags::LOCAL_WRITE;
+
+fn explicit() -> CacheConfig {
+    CacheConfig {
+        monitor: MonitorMode::ExplicitOnly,
+        ..CacheConfig::default()
+    }
+}
+
+#[test]
+fn hit_after_miss_is_thread_local_and_same_keys() {
+    let (ctx, pd) = open();
+    let cache = RegCache::new(&pd, explicit()).unwrap();
+    let m = Map::new(64 << 10);
+    let h1 = cache.get(m.addr + 100, 1000, RW).unwrap();
+    let h2 = cache.get(m.addr + 200, 500, RW).unwrap();
+    assert_eq!(h1.lkey(), h2.lkey());
+    assert_eq!(h1.range(), (m.addr, m.addr + 4096));
+    let s = cache.stats();
+    assert_eq!(
+        (s.misses, s.hits, s.fast_hits, s.registrations),
+        (1, 1, 1, 1)
+    );
+    // Rights: a request for more rights is a miss with a new MR.
+    let h3 = cache
+        .get(m.addr + 200, 500, RW | AccessFlags::REMOTE_READ)
+        .unwrap();
+    assert_ne!(h3.lkey(), h1.lkey());
+    // And the old one still serves the weaker request.
+    let h4 = cache.get(m.addr, 10, AccessFlags::empty()).unwrap();
+    assert!(h4.access().contains(AccessFlags::empty()));
+    assert_translates(&ctx, &pd, &h1, m.addr + 100, 1000);
+    drop((h1, h2, h3, h4));
+    assert_eq!(cache.len(), 2);
+    assert_eq!(cache.flush_idle(), 2);
+    assert_eq!(cache.stats().bytes_registered, 0);
+    assert_eq!(live_mrs(&ctx), 0);
+}
+
+#[test]
+fn explicit_invalidate_retires_in_use_entry_at_last_drop() {
+    let (ctx, pd) = open();
+    let cache = RegCache::new(&pd, explicit()).unwrap();
+    let m = Map::new(16 << 10);
+    let h = cache.get(m.addr, 8192, RW).unwrap();
+    let old = h.lkey();
+    assert_eq!(cache.invalidate(m.addr + 4096, 1), 1);
+    assert!(!h.is_cached());
+    // Still registered while held.
+    assert_translates(&ctx, &pd, &h, m.addr, 8192);
+    let h2 = cache.get(m.addr, 8192, RW).unwrap();
+    assert_ne!(h2.lkey(), old, "invalidated entry served again");
+    drop(h);
+    assert!(
+        !key_valid(&ctx, &pd, old, m.addr),
+        "retired MR not deregistered at last drop"
+    );
+    let s = cache.stats();
+    assert_eq!((s.invalidations, s.invalidated_in_use), (1, 1));
+    drop(h2);
+}
+
+#[test]
+fn split_above_max_mr_size() {
+    let ctx = Context::open(DeviceConfig::rxe().max_mr_size(64 << 10));
+    let pd = ctx.alloc_pd().unwrap();
+    let cache = RegCache::new(&pd, explicit()).unwrap();
+    let m = Map::new(256 << 10);
+    let h = cache.get(m.addr, 256 << 10, RW).unwrap();
+    assert_eq!(h.pieces().len(), 4);
+    let sges = h.sges(m.addr + (60 << 10), 10 << 10).unwrap();
+    assert_eq!(sges.len(), 2);
+    assert_eq!(sges[0].len + sges[1].len, 10 << 10);
+    assert_ne!(sges[0].lkey, sges[1].lkey);
+    for p in h.pieces() {
+        assert_translates_key(&ctx, &pd, p.lkey, p.addr, p.len);
+    }
+    assert_eq!(cache.stats().splits, 1);
+}
+
+#[test]
+fn merge_with_neighbours_up_to_cap() {
+    let (_ctx, pd) = open();
+    let cfg = CacheConfig {
+        shape: Shape::Merge { cap: 12 << 10 },
+        ..explicit()
+    };
+    let cache = RegCache::new(&pd, cfg).unwrap();
+    let m = Map::new(64 << 10);
+    drop(cache.get(m.addr, 4096, RW).unwrap());
+    let h = cache
+        .get(m.addr + 4096, 4096, AccessFlags::REMOTE_READ)
+        .unwrap();
+    assert_eq!(h.range(), (m.addr, m.addr + 8192));
+    assert!(h.access().contains(RW | AccessFlags::REMOTE_READ));
+    assert_eq!(cache.stats().merges, 1);
+    assert_eq!(cache.len(), 1);
+    drop(h);
+    drop(cache.get(m.addr + 8192, 4096, RW).unwrap());
+    // 12 KiB: still within the cap.
+    assert_eq!(cache.entries()[0].0, m.addr);
+    assert_eq!(cache.entries()[0].1, m.addr + 12288);
+    drop(cache.get(m.addr + 12288, 4096, RW).unwrap());
+    // Would be 16 KiB > cap: not merged.
+    assert_eq!(cache.len(), 2);
+}
+
+#[test]
+fn whole_allocation_shape() {
+    let (_ctx, pd) = open();
+    let cfg = CacheConfig {
+        shape: Shape::WholeAllocation { cap: 1 << 30 },
+        ..explicit()
+    };
+    let cache = RegCache::new(&pd, cfg).unwrap();
+    let m = Map::new(64 << 10);
+    let h = cache.get(m.addr + 5000, 100, RW).unwrap();
+    let (s, e) = h.range();
+    assert!(
+        s <= m.addr && e >= m.addr + (64 << 10),
+        "{s:#x}..{e:#x} vs {:#x}",
+        m.addr
+    );
+    // Any other part of the allocation now hits.
+    drop(cache.get(m.addr + 60000, 4000, RW).unwrap());
+    assert_eq!(cache.stats().misses, 1);
+}
+
+#[test]
+fn limits_hold_on_every_insert() {
+    let (_ctx, pd) = open();
+    let cfg = CacheConfig {
+        max_entries: 4,
+        max_bytes: 6 * 4096,
+        ..explicit()
+    };
+    let cache = RegCache::new(&pd, cfg).unwrap();
+    let m = Map::new(64 << 10);
+    for i in 0..12u64 {
+        drop(cache.get(m.addr + i * 4096, 4096, RW).unwrap());
+        let s = cache.stats();
+        assert!(s.entries <= 4);
+    }
+    assert_eq!(cache.stats().evictions, 8);
+    // Everything in use: new registrations are uncached, limits still hold.
+    let held: Vec<_> = (0..4u64)
+        .map(|i| cache.get(m.addr + i * 4096, 4096, RW).unwrap())
+        .collect();
+    let extra = cache.get(m.addr + 10 * 4096, 4096, RW).unwrap();
+    assert!(!extra.is_cached());
+    assert!(cache.stats().entries <= 4);
+    assert!(cache.stats().uncached >= 1);
+    drop(extra);
+    drop(held);
+    // A range larger than max_bytes is never cached.
+    let big = cache.get(m.addr, 8 * 4096, RW).unwrap();
+    assert!(!big.is_cached());
+}
+
+#[test]
+fn idle_scanner_releases_old_entries() {
+    let (ctx, pd) = open();
+    let cfg = CacheConfig {
+        idle_timeout: Duration::from_secs(10),
+        ..explicit()
+    };
+    let cache = RegCache::new(&pd, cfg).unwrap();
+    let m = Map::new(16 << 10);
+    drop(cache.get(m.addr, 4096, RW).unwrap());
+    let held = cache.get(m.addr + 4096, 4096, RW).unwrap();
+    let t0 = Instant::now();
+    assert_eq!(cache.scan_idle(t0), 0);
+    assert_eq!(cache.scan_idle(t0 + Duration::from_secs(5)), 0);
+    assert_eq!(cache.scan_idle(t0 + Duration::from_secs(11)), 1);
+    assert_eq!(cache.len(), 1, "in-use entry released");
+    drop(held);
+    assert_eq!(
+        cache.scan_idle(t0 + Duration::from_secs(12)),
+        0,
+        "just used: new idle period"
+    );
+    assert_eq!(cache.scan_idle(t0 + Duration::from_secs(23)), 1);
+    assert_eq!(cache.stats().idle_releases, 2);
+    assert_eq!(live_mrs(&ctx), 0);
+    // Background thread variant.
+    let cfg = CacheConfig {
+        idle_timeout: Duration::from_millis(1),
+        ..explicit()
+    };
+    let cache = RegCache::new(&pd, cfg).unwrap();
+    drop(cache.get(m.addr, 4096, RW).unwrap());
+    let _scanner = cache.start_idle_scanner(Duration::from_millis(5));
+    let t = Instant::now();
+    while !cache.is_empty() && t.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(cache.is_empty());
+}
+
+#[test]
+fn enomem_evicts_idle_then_bounces() {
+    // max_mr 3: one for the bounce pool, two for the cache.
+    let ctx = Context::open(DeviceConfig::rxe().max_mr(3));
+    let pd = ctx.alloc_pd().unwrap();
+    let pool = MrPool::new(
+        &pd,
+        PoolConfig {
+            chunk_size: 64 << 10,
+            max_chunks: 1,
+            thp: false,
+            ..PoolConfig::default()
+        },
+    )
+    .unwrap();
+    let cfg = CacheConfig {
+        bounce: Some(pool),
+        ..explicit()
+    };
+    let cache = RegCache::new(&pd, cfg).unwrap();
+    let m = Map::new(64 << 10);
+    drop(cache.get(m.addr, 4096, RW).unwrap());
+    drop(cache.get(m.addr + 8192, 4096, RW).unwrap());
+    // Device full; both idle: evicted, retried.
+    let a = cache.get(m.addr + 16384, 4096, RW).unwrap();
+    assert_eq!(cache.stats().fallback_evict_retry, 1);
+    let b = cache.get(m.addr + 24576, 4096, RW).unwrap();
+    // Now both in use: no registration possible.
+    assert!(cache.get(m.addr + 32768, 4096, RW).is_err());
+    match cache.get_or_bounce(m.addr + 32768, 6000, RW).unwrap() {
+        Registration::Bounce(mut bb) => {
+            let data: Vec<u8> = (0..6000).map(|i| i as u8).collect();
+            bb.copy_in(&data);
+            let sges = bb.sges();
+            assert_eq!(sges.len(), 2);
+            let mut back = vec![0u8; 6000];
+            bb.copy_out(&mut back);
+            assert_eq!(back, data);
+        }
+        Registration::Mr(_) => panic!("expected a bounce buffer"),
+    }
+    assert_eq!(cache.stats().fallback_bounce, 1);
+    drop((a, b));
+}
+
+#[test]
+fn concurrent_misses_register_once() {
+    let (_ctx, pd) = open();
+    let cache = RegCache::new(&pd, explicit()).unwrap();
+    let m = Map::new(1 << 20);
+    std::thread::scope(|s| {
+        for _ in 0..8 {
+            s.spawn(|| {
+                let h = cache.get(m.addr, 1 << 20, RW).unwrap();
+                std::thread::sleep(Duration::from_millis(2));
+                drop(h);
+            });
+        }
+    });
+    let st = cache.stats();
+    assert_eq!(st.registrations, 1, "{st:?}");
+    assert_eq!(st.misses, 1);
+}
+
+#[test]
+fn userfaultfd_unmap_and_remap_never_serves_old_pages() {
+    let Some(cfg) = monitored_config() else {
+        return;
+    };
+    let (ctx, pd) = open();
+    let cache = RegCache::new(&pd, cfg).unwrap();
+    assert!(cache.is_monitored());
+    let len = 64 << 10;
+    let mut m = Map::new(len);
+    m.fill(0xAA);
+    let h = cache.get(m.addr, len as u64, RW).unwrap();
+    let old = h.lkey();
+    assert_pfns_current(&ctx, old, m.addr, len as u64);
+    drop(h);
+    let addr = m.addr;
+    m.remap_fixed();
+    m.fill(0x55);
+    let h = cache.get(addr, len as u64, RW).unwrap();
+    assert_ne!(h.lkey(), old, "stale registration served after munmap+mmap");
+    assert_pfns_current(&ctx, h.lkey(), addr, len as u64);
+    assert!(!key_valid(&ctx, &pd, old, addr), "old MR not deregistered");
+    assert!(cache.stats().monitor_events >= 1);
+    assert_eq!(
+        read_through_key(&ctx, &pd, h.lkey(), addr, 16),
+        vec![0x55; 16]
+    );
+    // MADV_DONTNEED drops the pages: invalidated too.
+    drop(h);
+    m.dontneed();
+    let h2 = cache.get(addr, len as u64, RW).unwrap();
+    assert_pfns_current(&ctx, h2.lkey(), addr, len as u64);
+    assert!(cache.stats().invalidations >= 2, "{:?}", cache.stats());
+}
+
+#[test]
+fn handles_are_send_and_sync() {
+    fn check<T: Send + Sync>() {}
+    check::<RegCache>();
+    check::<mrkit::cache::RegHandle>();
+    check::<MrPool>();
+    check::<mrkit::pool::Slot<'static>>();
+    check::<mrkit::pool::InFlight<'static>>();
+    check::<mrkit::pool::OwnedSlot>();
+}
+
+/// VMAs of /proc/self/maps that intersect `[a, b)`.
+fn vmas_in(a: u64, b: u64) -> usize {
+    std::fs::read_to_string("/proc/self/maps")
+        .unwrap()
+        .lines()
+        .filter_map(|l| {
+            let (s, e) = l.split_whitespace().next()?.split_once('-')?;
+            Some((
+                u64::from_str_radix(s, 16).ok()?,
+                u64::from_str_radix(e, 16).ok()?,
+            ))
+        })
+        .filter(|&(s, e)| s < b && e > a)
+        .count()
+}
+
+#[test]
+fn vma_split_lasts_only_as_long_as_the_registration() {
+    // DONTFORK (device, refcounted per page) and the userfaultfd attach (cache, refcounted
+    // per page) split the VMA around a cached range; both are undone at deregistration so the
+    // kernel merges the VMA back (no creeping vm.max_map_count exhaustion).
+    let cfg = monitored_config().unwrap_or_else(explicit);
+    let (_ctx, pd) = open();
+    let cache = RegCache::new(&pd, cfg).unwrap();
+    let m = Map::new(64 << 10);
+    let (a, b) = (m.addr, m.addr + (64 << 10));
+    assert_eq!(vmas_in(a, b), 1);
+    let h = cache.get(m.addr + 16384, 8192, RW).unwrap();
+    assert_eq!(
+        vmas_in(a, b),
+        3,
+        "cached range should carry its own VMA flags"
+    );
+    let h2 = cache
+        .get(m.addr + 20480, 4096, RW | AccessFlags::REMOTE_READ)
+        .unwrap();
+    drop(h);
+    assert_eq!(cache.flush_idle(), 1);
+    assert!(
+        vmas_in(a, b) >= 3,
+        "page still registered by the second entry"
+    );
+    drop(h2);
+    cache.flush_idle();
+    assert_eq!(
+        vmas_in(a, b),
+        1,
+        "VMA left split after the last deregistration"
+    );
+}

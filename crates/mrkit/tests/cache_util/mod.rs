@@ -1,0 +1,192 @@
+//! Helpers shared by the pool/cache tests: anonymous mappings, device-side checks.
+#![allow(dead_code)]
+
+use std::os::unix::fs::FileExt;
+
+use mrkit::cache::RegHandle;
+use mrkit::{AccessFlags, Context, ProtectionDomain};
+use mrkit_soft::mr::KeyUse;
+
+pub fn open() -> (Context, ProtectionDomain) {
+    let ctx = Context::open(mrkit::DeviceConfig::rxe());
+    let pd = ctx.alloc_pd().unwrap();
+    (ctx, pd)
+}
+
+pub fn live_mrs(ctx: &Context) -> u64 {
+    ctx.soft().unwrap().stats().mrs_live
+}
+
+/// An anonymous mapping we can unmap and remap at the same address.
+pub struct Map {
+    pub addr: u64,
+    pub len: usize,
+}
+
+impl Map {
+    pub fn new(len: usize) -> Map {
+        // SAFETY: fresh anonymous mapping at a kernel-chosen address.
+        let p = unsafe {
+            rustix::mm::mmap_anonymous(
+                std::ptr::null_mut(),
+                len,
+                rustix::mm::ProtFlags::READ | rustix::mm::ProtFlags::WRITE,
+                rustix::mm::MapFlags::PRIVATE,
+            )
+        }
+        .unwrap();
+        let m = Map {
+            addr: p as u64,
+            len,
+        };
+        m.fill(0);
+        m
+    }
+    pub fn fill(&self, b: u8) {
+        // SAFETY: our own mapping.
+        unsafe { std::ptr::write_bytes(self.addr as *mut u8, b, self.len) };
+    }
+    pub fn bytes(&self) -> &[u8] {
+        // SAFETY: our own mapping, alive while self lives.
+        unsafe { std::slice::from_raw_parts(self.addr as *const u8, self.len) }
+    }
+    /// munmap, then mmap(MAP_FIXED) fresh anonymous memory at the same address.
+    pub fn remap_fixed(&mut self) {
+        // SAFETY: our own mapping; nothing borrows it.
+        unsafe {
+            rustix::mm::munmap(self.addr as *mut _, self.len).unwrap();
+            let p = rustix::mm::mmap_anonymous(
+                self.addr as *mut _,
+                self.len,
+                rustix::mm::ProtFlags::READ | rustix::mm::ProtFlags::WRITE,
+                rustix::mm::MapFlags::PRIVATE | rustix::mm::MapFlags::FIXED,
+            )
+            .unwrap();
+            assert_eq!(p as u64, self.addr);
+        }
+        self.fill(0);
+    }
+    pub fn dontneed(&self) {
+        // SAFETY: drops the pages of our own mapping (they read back as zero).
+        unsafe {
+            rustix::mm::madvise(
+                self.addr as *mut _,
+                self.len,
+                rustix::mm::Advice::LinuxDontNeed,
+            )
+            .unwrap()
+        };
+        self.fill(0);
+    }
+}
+
+impl Drop for Map {
+    fn drop(&mut self) {
+        // SAFETY: our own mapping.
+        let _ = unsafe { rustix::mm::munmap(self.addr as *mut _, self.len) };
+    }
+}
+
+pub fn key_valid(ctx: &Context, pd: &ProtectionDomain, key: u32, addr: u64) -> bool {
+    ctx.soft()
+        .unwrap()
+        .check_access(
+            key,
+            pd.handle(),
+            AccessFlags::empty(),
+            addr,
+            1,
+            KeyUse::Local,
+            0,
+        )
+        .is_ok()
+}
+
+pub fn assert_translates_key(ctx: &Context, pd: &ProtectionDomain, key: u32, addr: u64, len: u64) {
+    let g = ctx
+        .soft()
+        .unwrap()
+        .check_access(
+            key,
+            pd.handle(),
+            AccessFlags::empty(),
+            addr,
+            len,
+            KeyUse::Local,
+            0,
+        )
+        .unwrap_or_else(|e| panic!("key {key:#x} refuses {addr:#x}+{len}: {e:?}"));
+    assert_eq!(g.va, addr);
+}
+
+pub fn assert_translates(ctx: &Context, pd: &ProtectionDomain, h: &RegHandle, addr: u64, len: u64) {
+    for s in h.sges(addr, len).unwrap() {
+        assert_translates_key(ctx, pd, s.lkey, s.addr, u64::from(s.len));
+    }
+}
+
+/// Bytes the device reads through `key` at `addr` (the translated VA of `check_access`).
+pub fn read_through_key(
+    ctx: &Context,
+    pd: &ProtectionDomain,
+    key: u32,
+    addr: u64,
+    len: u64,
+) -> Vec<u8> {
+    let g = ctx
+        .soft()
+        .unwrap()
+        .check_access(
+            key,
+            pd.handle(),
+            AccessFlags::empty(),
+            addr,
+            len,
+            KeyUse::Local,
+            0,
+        )
+        .unwrap();
+    // SAFETY: the guard keeps the MR (and its pinned pages) registered; the VA is mapped.
+    unsafe { std::slice::from_raw_parts(g.va as *const u8, len as usize) }.to_vec()
+}
+
+/// Current frame numbers of the pages of `[addr, addr+len)` (empty without CAP_SYS_ADMIN).
+pub fn current_pfns(addr: u64, len: u64) -> Vec<u64> {
+    let f = std::fs::File::open("/proc/self/pagemap").unwrap();
+    let ps = 4096u64;
+    let first = addr / ps;
+    let last = (addr + len - 1) / ps;
+    let mut buf = vec![0u8; ((last - first + 1) * 8) as usize];
+    f.read_exact_at(&mut buf, first * 8).unwrap();
+    buf.chunks(8)
+        .map(|c| u64::from_le_bytes(c.try_into().unwrap()) & ((1 << 55) - 1))
+        .collect()
+}
+
+/// The MR's recorded frames equal the frames mapped now (the UCX CHECK_PFN test): a stale
+/// registration pins the frames of an old mapping.
+pub fn assert_pfns_current(ctx: &Context, key: u32, addr: u64, len: u64) {
+    let mr = ctx.soft().unwrap().mr_object(key).expect("MR exists");
+    let pf = mr.pfns();
+    if pf.is_empty() {
+        return; // frame numbers not readable (no CAP_SYS_ADMIN): key checks only
+    }
+    let cur = current_pfns(mr.iova(), mr.length());
+    assert_eq!(
+        pf, cur,
+        "MR {key:#x} pins frames that are no longer mapped at {addr:#x}+{len}"
+    );
+}
+
+/// The default (userfaultfd) cache configuration, or `None` with a note when userfaultfd is
+/// not available here (seccomp in containers, no privilege).
+pub fn monitored_config() -> Option<mrkit::cache::CacheConfig> {
+    let (_ctx, pd) = open();
+    match mrkit::cache::RegCache::new(&pd, mrkit::cache::CacheConfig::default()) {
+        Ok(_) => Some(mrkit::cache::CacheConfig::default()),
+        Err(e) => {
+            eprintln!("userfaultfd unavailable, monitor part skipped: {e}");
+            None
+        }
+    }
+}
