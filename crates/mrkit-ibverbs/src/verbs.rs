@@ -1,0 +1,548 @@
+//! PD, MR, MW, fork support and the `ibv_*_str` helpers, implemented over `mrkit_soft`.
+//!
+//! errno values are mrkit-soft's (the kernel's): the C API reports them the way libibverbs
+//! does — NULL + errno for constructors, the errno value as the return code for
+//! `ibv_dealloc_pd` / `ibv_dereg_mr` / `ibv_dealloc_mw`, and `enum ibv_rereg_mr_err_code` with
+//! errno for `ibv_rereg_mr`.
+
+use std::ffi::{c_char, c_int, c_uint, c_void};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use mrkit_soft::{AccessFlags, MwType, ReregFlags};
+
+use crate::abi::*;
+use crate::device::mctx;
+use crate::ffi::{guard, set_errno};
+
+fn fail_null<T>(e: c_int) -> *mut T {
+    set_errno(e);
+    std::ptr::null_mut()
+}
+
+fn soft_errno(e: &mrkit_soft::Error) -> c_int {
+    e.errno().raw()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Protection domains.
+
+/// `struct ibv_pd *ibv_alloc_pd(struct ibv_context *)`: ENOMEM at max_pd.
+///
+/// # Safety
+/// `ctx` must be NULL or an open context.
+pub(crate) unsafe extern "C" fn ibv_alloc_pd(ctx: *mut ibv_context) -> *mut ibv_pd {
+    // SAFETY: caller contract.
+    let Some(m) = (unsafe { mctx(ctx) }) else {
+        return fail_null(libc::EINVAL);
+    };
+    guard(std::ptr::null_mut(), || match m.soft.alloc_pd() {
+        Ok(handle) => Box::into_raw(Box::new(ibv_pd {
+            context: ctx,
+            handle,
+        })),
+        Err(e) => fail_null(soft_errno(&e)),
+    })
+}
+
+/// `int ibv_dealloc_pd(struct ibv_pd *)`: 0, or the errno value (EBUSY while MRs/MWs use it;
+/// the PD stays valid then).
+///
+/// # Safety
+/// `pd` must be NULL or a PD from [`ibv_alloc_pd`] not yet deallocated.
+pub(crate) unsafe extern "C" fn ibv_dealloc_pd(pd: *mut ibv_pd) -> c_int {
+    if pd.is_null() {
+        set_errno(libc::EINVAL);
+        return libc::EINVAL;
+    }
+    // SAFETY: pd is a live PD (caller contract), its context is open.
+    let (ctx, handle) = unsafe { ((*pd).context, (*pd).handle) };
+    // SAFETY: the PD's context is open (caller contract).
+    let Some(m) = (unsafe { mctx(ctx) }) else {
+        set_errno(libc::EINVAL);
+        return libc::EINVAL;
+    };
+    guard(libc::EIO, || match m.soft.dealloc_pd(handle) {
+        Ok(()) => {
+            // SAFETY: allocated by Box in ibv_alloc_pd; freed once (caller contract).
+            drop(unsafe { Box::from_raw(pd) });
+            0
+        }
+        Err(e) => {
+            set_errno(soft_errno(&e));
+            soft_errno(&e)
+        }
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Memory regions.
+
+/// Set once the process registered an MR (`ibv_fork_init` after that is EINVAL, as in
+/// libibverbs).
+static REGISTERED_ONCE: AtomicBool = AtomicBool::new(false);
+/// `ibv_fork_init` was called (or RDMAV_FORK_SAFE / IBV_FORK_SAFE is set).
+static FORK_INIT: AtomicBool = AtomicBool::new(false);
+
+/// # Safety
+/// `pd` must be NULL or a live PD.
+unsafe fn reg_common(
+    pd: *mut ibv_pd,
+    addr: *mut c_void,
+    len: usize,
+    iova: u64,
+    access: u32,
+) -> *mut ibv_mr {
+    if pd.is_null() {
+        return fail_null(libc::EINVAL);
+    }
+    // SAFETY: pd is a live PD (caller contract).
+    let (ctx, handle) = unsafe { ((*pd).context, (*pd).handle) };
+    // SAFETY: the PD's context is open.
+    let Some(m) = (unsafe { mctx(ctx) }) else {
+        return fail_null(libc::EINVAL);
+    };
+    guard(std::ptr::null_mut(), || {
+        let access = AccessFlags::from_bits_retain(access);
+        match m.soft.reg_mr(handle, addr as u64, len as u64, iova, access) {
+            Ok(info) => {
+                REGISTERED_ONCE.store(true, Ordering::Relaxed);
+                Box::into_raw(Box::new(ibv_mr {
+                    context: ctx,
+                    pd,
+                    addr,
+                    length: len,
+                    handle: info.lkey,
+                    lkey: info.lkey,
+                    rkey: info.rkey,
+                }))
+            }
+            Err(e) => fail_null(soft_errno(&e)),
+        }
+    })
+}
+
+/// `struct ibv_mr *ibv_reg_mr(pd, void *addr, size_t length, int access)` (iova = addr).
+///
+/// # Safety
+/// `pd` must be NULL or a live PD; `[addr, addr+length)` is only pinned, never dereferenced
+/// through a Rust reference.
+pub(crate) unsafe extern "C" fn ibv_reg_mr(
+    pd: *mut ibv_pd,
+    addr: *mut c_void,
+    length: usize,
+    access: c_int,
+) -> *mut ibv_mr {
+    // SAFETY: forwarded contract.
+    unsafe { reg_common(pd, addr, length, addr as u64, access as u32) }
+}
+
+/// `struct ibv_mr *ibv_reg_mr_iova(pd, void *addr, size_t length, uint64_t iova, int access)`.
+///
+/// # Safety
+/// As [`ibv_reg_mr`].
+pub(crate) unsafe extern "C" fn ibv_reg_mr_iova(
+    pd: *mut ibv_pd,
+    addr: *mut c_void,
+    length: usize,
+    iova: u64,
+    access: c_int,
+) -> *mut ibv_mr {
+    // SAFETY: forwarded contract.
+    unsafe { reg_common(pd, addr, length, iova, access as u32) }
+}
+
+/// `struct ibv_mr *ibv_reg_mr_iova2(pd, void *addr, size_t length, uint64_t iova,
+/// unsigned int access)`: optional-range bits (RELAXED_ORDERING ...) are ignored.
+///
+/// # Safety
+/// As [`ibv_reg_mr`].
+pub(crate) unsafe extern "C" fn ibv_reg_mr_iova2(
+    pd: *mut ibv_pd,
+    addr: *mut c_void,
+    length: usize,
+    iova: u64,
+    access: c_uint,
+) -> *mut ibv_mr {
+    // SAFETY: forwarded contract.
+    unsafe { reg_common(pd, addr, length, iova, access) }
+}
+
+/// `int ibv_dereg_mr(struct ibv_mr *)`: 0 (the struct is freed), or the errno value (EINVAL
+/// while memory windows are bound; the MR stays valid).
+///
+/// # Safety
+/// `mr` must be NULL or a live MR from this library; it must not be used after success.
+pub(crate) unsafe extern "C" fn ibv_dereg_mr(mr: *mut ibv_mr) -> c_int {
+    if mr.is_null() {
+        set_errno(libc::EINVAL);
+        return libc::EINVAL;
+    }
+    // SAFETY: mr is a live MR (caller contract).
+    let (ctx, lkey) = unsafe { ((*mr).context, (*mr).lkey) };
+    // SAFETY: the MR's context is open.
+    let Some(m) = (unsafe { mctx(ctx) }) else {
+        set_errno(libc::EINVAL);
+        return libc::EINVAL;
+    };
+    guard(libc::EIO, || match m.soft.dereg_mr(lkey) {
+        Ok(()) => {
+            // SAFETY: allocated by Box in reg_common; freed once (caller contract).
+            drop(unsafe { Box::from_raw(mr) });
+            0
+        }
+        Err(e) => {
+            set_errno(soft_errno(&e));
+            soft_errno(&e)
+        }
+    })
+}
+
+/// `int ibv_rereg_mr(struct ibv_mr *mr, int flags, struct ibv_pd *pd, void *addr,
+/// size_t length, int access)`.
+///
+/// Library checks first (→ `IBV_REREG_MR_ERR_INPUT`, errno EINVAL, MR unchanged): unknown
+/// flags, CHANGE_TRANSLATION with NULL address or length 0, access without CHANGE_ACCESS. Then
+/// the device (→ `IBV_REREG_MR_ERR_CMD` with its errno: flags 0 EINVAL, access rules, unknown
+/// PD, EACCES for upgrading a read-only pin to writable). On ERR_CMD the old MR is in fact still
+/// valid here (mrkit-soft fails atomically) and must still be deregistered. On success the
+/// struct is updated (CHANGE_TRANSLATION gives new keys; iova = the new address).
+///
+/// # Safety
+/// `mr` NULL or a live MR; `pd` NULL or a live PD of the same context.
+pub(crate) unsafe extern "C" fn ibv_rereg_mr(
+    mr: *mut ibv_mr,
+    flags: c_int,
+    pd: *mut ibv_pd,
+    addr: *mut c_void,
+    length: usize,
+    access: c_int,
+) -> c_int {
+    let input_err = || {
+        set_errno(libc::EINVAL);
+        IBV_REREG_MR_ERR_INPUT
+    };
+    let flags = flags as u32;
+    if mr.is_null() || flags & !ReregFlags::SUPPORTED != 0 {
+        return input_err();
+    }
+    if flags & ReregFlags::CHANGE_TRANSLATION != 0 && (addr.is_null() || length == 0) {
+        return input_err();
+    }
+    if access != 0 && flags & ReregFlags::CHANGE_ACCESS == 0 {
+        return input_err();
+    }
+    // SAFETY: mr is a live MR (caller contract).
+    let (ctx, lkey) = unsafe { ((*mr).context, (*mr).lkey) };
+    // SAFETY: the MR's context is open.
+    let Some(m) = (unsafe { mctx(ctx) }) else {
+        return input_err();
+    };
+    let new_pd = if flags & ReregFlags::CHANGE_PD != 0 {
+        if pd.is_null() {
+            set_errno(libc::EINVAL);
+            return IBV_REREG_MR_ERR_CMD;
+        }
+        // SAFETY: pd is a live PD (caller contract).
+        unsafe { (*pd).handle }
+    } else {
+        0
+    };
+    guard(IBV_REREG_MR_ERR_CMD, || {
+        let r = m.soft.rereg_mr(
+            lkey,
+            flags,
+            new_pd,
+            addr as u64,
+            length as u64,
+            addr as u64,
+            AccessFlags::from_bits_retain(access as u32),
+        );
+        match r {
+            Ok(info) => {
+                // SAFETY: mr is a live MR we own the layout of (caller contract).
+                let mr = unsafe { &mut *mr };
+                mr.lkey = info.lkey;
+                mr.rkey = info.rkey;
+                mr.handle = info.lkey;
+                if flags & ReregFlags::CHANGE_PD != 0 {
+                    mr.pd = pd;
+                }
+                if flags & ReregFlags::CHANGE_TRANSLATION != 0 {
+                    mr.addr = addr;
+                    mr.length = length;
+                }
+                0
+            }
+            Err(e) => {
+                set_errno(soft_errno(&e));
+                IBV_REREG_MR_ERR_CMD
+            }
+        }
+    })
+}
+
+/// `verbs_context.advise_mr` (`ibv_advise_mr`): ODP prefetch through mrkit-soft.
+///
+/// # Safety
+/// `pd` a live PD; `sg` valid for `num_sge` entries.
+pub(crate) unsafe extern "C" fn vctx_advise_mr(
+    pd: *mut ibv_pd,
+    advice: u32,
+    flags: u32,
+    sg: *mut ibv_sge,
+    num_sge: u32,
+) -> c_int {
+    if pd.is_null() || (sg.is_null() && num_sge != 0) {
+        set_errno(libc::EINVAL);
+        return libc::EINVAL;
+    }
+    // SAFETY: pd is live (caller contract).
+    let (ctx, handle) = unsafe { ((*pd).context, (*pd).handle) };
+    // SAFETY: the PD's context is open.
+    let Some(m) = (unsafe { mctx(ctx) }) else {
+        set_errno(libc::EINVAL);
+        return libc::EINVAL;
+    };
+    let sges: Vec<(u32, u64, u32)> = if num_sge == 0 {
+        Vec::new()
+    } else {
+        // SAFETY: sg valid for num_sge entries (caller contract).
+        unsafe { std::slice::from_raw_parts(sg, num_sge as usize) }
+            .iter()
+            .map(|s| (s.lkey, s.addr, s.length))
+            .collect()
+    };
+    guard(libc::EIO, || {
+        match m.soft.advise_mr(handle, advice, flags, &sges) {
+            Ok(()) => 0,
+            Err(e) => {
+                set_errno(soft_errno(&e));
+                soft_errno(&e)
+            }
+        }
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Memory windows (through ctx->ops, as the inline ibv_alloc_mw / ibv_dealloc_mw call them).
+
+/// `ops.alloc_mw(pd, type)`: type 1 or 2; ENOMEM at max_mw.
+///
+/// # Safety
+/// `pd` NULL or a live PD.
+pub(crate) unsafe extern "C" fn op_alloc_mw(pd: *mut ibv_pd, ty: c_int) -> *mut ibv_mw {
+    if pd.is_null() {
+        return fail_null(libc::EINVAL);
+    }
+    let mw_type = match ty {
+        1 => MwType::Type1,
+        2 => MwType::Type2,
+        _ => return fail_null(libc::EINVAL),
+    };
+    // SAFETY: pd is live (caller contract).
+    let (ctx, handle) = unsafe { ((*pd).context, (*pd).handle) };
+    // SAFETY: the PD's context is open.
+    let Some(m) = (unsafe { mctx(ctx) }) else {
+        return fail_null(libc::EINVAL);
+    };
+    guard(std::ptr::null_mut(), || {
+        match m.soft.alloc_mw(handle, mw_type) {
+            Ok(rkey) => Box::into_raw(Box::new(ibv_mw {
+                context: ctx,
+                pd,
+                rkey,
+                handle: rkey,
+                type_: ty,
+            })),
+            Err(e) => fail_null(soft_errno(&e)),
+        }
+    })
+}
+
+/// `ops.dealloc_mw(mw)`: 0 (freed) or the errno value.
+///
+/// # Safety
+/// `mw` NULL or a live MW from [`op_alloc_mw`]; not used after success.
+pub(crate) unsafe extern "C" fn op_dealloc_mw(mw: *mut ibv_mw) -> c_int {
+    if mw.is_null() {
+        set_errno(libc::EINVAL);
+        return libc::EINVAL;
+    }
+    // SAFETY: mw is live (caller contract).
+    let (ctx, handle) = unsafe { ((*mw).context, (*mw).handle) };
+    // SAFETY: the MW's context is open.
+    let Some(m) = (unsafe { mctx(ctx) }) else {
+        set_errno(libc::EINVAL);
+        return libc::EINVAL;
+    };
+    guard(libc::EIO, || match m.soft.dealloc_mw(handle) {
+        Ok(()) => {
+            // SAFETY: allocated by Box in op_alloc_mw; freed once.
+            drop(unsafe { Box::from_raw(mw) });
+            0
+        }
+        Err(e) => {
+            set_errno(soft_errno(&e));
+            soft_errno(&e)
+        }
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Fork support.
+
+fn env_fork_safe() -> bool {
+    ["RDMAV_FORK_SAFE", "IBV_FORK_SAFE"]
+        .iter()
+        .any(|k| std::env::var_os(k).is_some())
+}
+
+/// Whether contexts opened from now on must mark registrations MADV_DONTFORK even when
+/// `MRKIT_DONTFORK=0` (ibv_fork_init was called, or RDMAV_FORK_SAFE/IBV_FORK_SAFE is set).
+pub(crate) fn fork_protection_requested() -> bool {
+    FORK_INIT.load(Ordering::Relaxed) || env_fork_safe()
+}
+
+fn device_dontfork_default() -> bool {
+    mrkit_soft::DeviceConfig::from_env()
+        .map(|c| c.uses_dontfork())
+        .unwrap_or(true)
+}
+
+/// `int ibv_fork_init(void)`. mrkit0 marks registered pages MADV_DONTFORK by itself
+/// (default; `MRKIT_DONTFORK=0` turns that off), so this returns 0. With the device's marking
+/// off it turns it on for contexts opened afterwards; after a registration it is too late:
+/// EINVAL (libibverbs' rule).
+///
+/// # Safety
+/// No pointers involved.
+pub(crate) unsafe extern "C" fn ibv_fork_init() -> c_int {
+    if device_dontfork_default() || FORK_INIT.load(Ordering::Relaxed) {
+        FORK_INIT.store(true, Ordering::Relaxed);
+        return 0;
+    }
+    if REGISTERED_ONCE.load(Ordering::Relaxed) {
+        return libc::EINVAL;
+    }
+    FORK_INIT.store(true, Ordering::Relaxed);
+    0
+}
+
+/// `enum ibv_fork_status ibv_is_fork_initialized(void)`: ENABLED when registrations are marked
+/// DONTFORK (device default, ibv_fork_init, RDMAV_FORK_SAFE), DISABLED otherwise.
+///
+/// # Safety
+/// No pointers involved.
+pub(crate) unsafe extern "C" fn ibv_is_fork_initialized() -> c_int {
+    if device_dontfork_default() || fork_protection_requested() {
+        IBV_FORK_ENABLED
+    } else {
+        IBV_FORK_DISABLED
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// String helpers (rdma-core's texts).
+
+macro_rules! cstr {
+    ($s:literal) => {
+        concat!($s, "\0").as_ptr().cast::<c_char>()
+    };
+}
+
+/// `const char *ibv_wc_status_str(enum ibv_wc_status)`.
+///
+/// # Safety
+/// No pointers involved; returns a static string.
+pub(crate) unsafe extern "C" fn ibv_wc_status_str(status: c_int) -> *const c_char {
+    match status {
+        0 => cstr!("success"),
+        1 => cstr!("local length error"),
+        2 => cstr!("local QP operation error"),
+        3 => cstr!("local EE context operation error"),
+        4 => cstr!("local protection error"),
+        5 => cstr!("Work Request Flushed Error"),
+        6 => cstr!("memory management operation error"),
+        7 => cstr!("bad response error"),
+        8 => cstr!("local access error"),
+        9 => cstr!("remote invalid request error"),
+        10 => cstr!("remote access error"),
+        11 => cstr!("remote operation error"),
+        12 => cstr!("transport retry counter exceeded"),
+        13 => cstr!("RNR retry counter exceeded"),
+        14 => cstr!("local RDD violation error"),
+        15 => cstr!("remote invalid RD request"),
+        16 => cstr!("aborted error"),
+        17 => cstr!("invalid EE context number"),
+        18 => cstr!("invalid EE context state"),
+        19 => cstr!("fatal error"),
+        20 => cstr!("response timeout error"),
+        21 => cstr!("general error"),
+        22 => cstr!("TM error"),
+        23 => cstr!("TM software rendezvous"),
+        _ => cstr!("unknown"),
+    }
+}
+
+/// `const char *ibv_node_type_str(enum ibv_node_type)`.
+///
+/// # Safety
+/// No pointers involved; returns a static string.
+pub(crate) unsafe extern "C" fn ibv_node_type_str(t: c_int) -> *const c_char {
+    match t {
+        1 => cstr!("InfiniBand channel adapter"),
+        2 => cstr!("InfiniBand switch"),
+        3 => cstr!("InfiniBand router"),
+        4 => cstr!("iWARP NIC"),
+        5 => cstr!("usNIC"),
+        6 => cstr!("usNIC UDP"),
+        7 => cstr!("unspecified"),
+        _ => cstr!("unknown"),
+    }
+}
+
+/// `const char *ibv_port_state_str(enum ibv_port_state)`.
+///
+/// # Safety
+/// No pointers involved; returns a static string.
+pub(crate) unsafe extern "C" fn ibv_port_state_str(s: c_int) -> *const c_char {
+    match s {
+        0 => cstr!("no state change (NOP)"),
+        1 => cstr!("down"),
+        2 => cstr!("init"),
+        3 => cstr!("armed"),
+        4 => cstr!("active"),
+        5 => cstr!("active defer"),
+        _ => cstr!("unknown"),
+    }
+}
+
+/// `const char *ibv_event_type_str(enum ibv_event_type)`.
+///
+/// # Safety
+/// No pointers involved; returns a static string.
+pub(crate) unsafe extern "C" fn ibv_event_type_str(e: c_int) -> *const c_char {
+    match e {
+        0 => cstr!("CQ error"),
+        1 => cstr!("local work queue catastrophic error"),
+        2 => cstr!("invalid request local work queue error"),
+        3 => cstr!("local access violation work queue error"),
+        4 => cstr!("communication established"),
+        5 => cstr!("send queue drained"),
+        6 => cstr!("path migrated"),
+        7 => cstr!("path migration request error"),
+        8 => cstr!("local catastrophic error"),
+        9 => cstr!("port active"),
+        10 => cstr!("port error"),
+        11 => cstr!("LID change"),
+        12 => cstr!("P_Key change"),
+        13 => cstr!("SM change"),
+        14 => cstr!("SRQ catastrophic error"),
+        15 => cstr!("SRQ limit reached"),
+        16 => cstr!("last WQE reached"),
+        17 => cstr!("client reregistration"),
+        18 => cstr!("GID table change"),
+        19 => cstr!("WQ fatal"),
+        _ => cstr!("unknown"),
+    }
+}
