@@ -409,10 +409,12 @@ impl Context {
         if length > attr.max_mr_size {
             return Err(err!(
                 EINVAL,
-                "length {} exceeds max_mr_size {}; split the buffer into several MRs \
-                 (e.g. 1 GiB each) or raise MRKIT_MAX_MR_SIZE",
+                "length {} exceeds max_mr_size {}; split the buffer into several MRs of at \
+                 most {} each (the registration cache does this for you) or raise \
+                 MRKIT_MAX_MR_SIZE",
                 human(length),
-                human(attr.max_mr_size)
+                human(attr.max_mr_size),
+                human(attr.max_mr_size.min(1 << 30))
             ));
         }
         let odp = access.contains(AccessFlags::ON_DEMAND);

@@ -10,6 +10,7 @@
 #![forbid(unsafe_code)]
 
 pub mod fault;
+pub mod fuzz;
 pub mod loopback;
 pub mod udp;
 

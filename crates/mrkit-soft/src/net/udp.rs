@@ -282,11 +282,7 @@ impl UdpPort {
     ) -> io::Result<usize> {
         let mut total = 0;
         loop {
-            for b in bufs.bufs.iter_mut() {
-                if std::sync::Arc::get_mut(b).is_none() {
-                    *b = std::sync::Arc::new(vec![0u8; RECV_BUF]);
-                }
-            }
+            bufs.refill();
             let mut meta = [RecvMeta::default(); RECV_BATCH];
             let r = {
                 let mut slices: Vec<IoSliceMut<'_>> = bufs
@@ -329,9 +325,42 @@ impl UdpPort {
 /// Datagram batches per `recvmmsg`.
 const RECV_BATCH: usize = 8;
 
+/// Spare receive buffers kept for reuse (each [`RECV_BUF`] bytes).
+const SPARE_BUFS: usize = 64;
+
 /// Receive buffers, shared with the packets that point into them and recycled when free.
+///
+/// A buffer still referenced by packets (queued in a QP's inbox, or a deferred WRITE copy) is
+/// swapped for a free one from `spare` rather than replaced by a fresh allocation: a fresh
+/// 262 KiB zeroed buffer per `recvmmsg` slot costs an mmap, ~64 page faults, a memset and an
+/// munmap, and made the receive path slower the more data was queued (large windows).
 pub struct RecvBufs {
     bufs: Vec<std::sync::Arc<Vec<u8>>>,
+    spare: Vec<std::sync::Arc<Vec<u8>>>,
+}
+
+impl RecvBufs {
+    /// Make every receive slot a buffer no packet refers to.
+    fn refill(&mut self) {
+        use std::sync::Arc;
+        for i in 0..self.bufs.len() {
+            if Arc::get_mut(&mut self.bufs[i]).is_some() {
+                continue;
+            }
+            let free = self
+                .spare
+                .iter_mut()
+                .position(|b| Arc::get_mut(b).is_some());
+            let fresh = match free {
+                Some(j) => self.spare.swap_remove(j),
+                None => Arc::new(vec![0u8; RECV_BUF]),
+            };
+            let busy = std::mem::replace(&mut self.bufs[i], fresh);
+            if self.spare.len() < SPARE_BUFS {
+                self.spare.push(busy);
+            }
+        }
+    }
 }
 
 impl std::fmt::Debug for RecvBufs {
@@ -348,6 +377,7 @@ impl Default for RecvBufs {
             bufs: (0..RECV_BATCH)
                 .map(|_| std::sync::Arc::new(vec![0u8; RECV_BUF]))
                 .collect(),
+            spare: Vec::new(),
         }
     }
 }
