@@ -143,6 +143,8 @@ pub fn req_path(dir: &Path, pid: u32) -> PathBuf {
 
 struct Exporter {
     opts: ExportOptions,
+    /// Set by `shutdown` while it holds the exporter lock; the thread re-checks it under the
+    /// same lock before each write, so no snapshot lands after the files were removed.
     stop: AtomicBool,
 }
 
@@ -263,6 +265,12 @@ fn run(e: &'static Exporter) {
             })
             .is_some_and(|age| age <= ACTIVE_WINDOW);
         if wanted {
+            // Write under the exporter lock and re-check `stop` there, so a snapshot can never
+            // land after `shutdown` removed the file.
+            let _g = exporter().lock().unwrap_or_else(|p| p.into_inner());
+            if e.stop.load(Ordering::Relaxed) {
+                break;
+            }
             if let Err(err) = write_snapshot(&e.opts) {
                 tracing::debug!(error = %err, "stat export write failed");
             }

@@ -319,53 +319,34 @@ fn handles_are_send_and_sync() {
     check::<mrkit::pool::OwnedSlot>();
 }
 
-/// VMAs of /proc/self/maps that intersect `[a, b)`.
-fn vmas_in(a: u64, b: u64) -> usize {
-    std::fs::read_to_string("/proc/self/maps")
-        .unwrap()
-        .lines()
-        .filter_map(|l| {
-            let (s, e) = l.split_whitespace().next()?.split_once('-')?;
-            Some((
-                u64::from_str_radix(s, 16).ok()?,
-                u64::from_str_radix(e, 16).ok()?,
-            ))
-        })
-        .filter(|&(s, e)| s < b && e > a)
-        .count()
-}
-
 #[test]
-fn vma_split_lasts_only_as_long_as_the_registration() {
-    // DONTFORK (device, refcounted per page) and the userfaultfd attach (cache, refcounted
-    // per page) split the VMA around a cached range; both are undone at deregistration so the
-    // kernel merges the VMA back (no creeping vm.max_map_count exhaustion).
-    let cfg = monitored_config().unwrap_or_else(explicit);
+fn cache_counters_are_exported_to_mrkit_stat() {
     let (_ctx, pd) = open();
-    let cache = RegCache::new(&pd, cfg).unwrap();
-    let m = Map::new(64 << 10);
-    let (a, b) = (m.addr, m.addr + (64 << 10));
-    assert_eq!(vmas_in(a, b), 1);
-    let h = cache.get(m.addr + 16384, 8192, RW).unwrap();
+    let cache = RegCache::new(&pd, explicit()).unwrap();
+    let find = |id: u64| {
+        let snap = mrkit::stat_export::snapshot();
+        snap["sources"]["cache"]["caches"]
+            .as_array()
+            .expect("cache section registered")
+            .iter()
+            .find(|c| c["id"] == id)
+            .cloned()
+    };
+    let m = Map::new(16 << 10);
+    let h1 = cache.get(m.addr, 4096, RW).unwrap();
+    let h2 = cache.get(m.addr, 4096, RW).unwrap();
+    let c = find(cache.id()).expect("live cache listed");
     assert_eq!(
-        vmas_in(a, b),
-        3,
-        "cached range should carry its own VMA flags"
+        (c["misses"].as_u64(), c["hits"].as_u64()),
+        (Some(1), Some(1))
     );
-    let h2 = cache
-        .get(m.addr + 20480, 4096, RW | AccessFlags::REMOTE_READ)
-        .unwrap();
-    drop(h);
-    assert_eq!(cache.flush_idle(), 1);
-    assert!(
-        vmas_in(a, b) >= 3,
-        "page still registered by the second entry"
-    );
-    drop(h2);
-    cache.flush_idle();
-    assert_eq!(
-        vmas_in(a, b),
-        1,
-        "VMA left split after the last deregistration"
-    );
+    assert_eq!(c["entries"], 1);
+    assert_eq!(c["bytes_registered"], 4096);
+    assert_eq!(c["monitored"], false);
+    drop((h1, h2));
+    assert_eq!(cache.invalidate(m.addr, 4096), 1);
+    assert_eq!(find(cache.id()).unwrap()["invalidations"], 1);
+    let id = cache.id();
+    drop(cache);
+    assert!(find(id).is_none(), "dropped cache still exported");
 }

@@ -223,3 +223,30 @@ fn seed_scenario_16384_messages_per_message_vs_pool() {
     // Timing is the benchmark's business (`mrkit bench pool-cache`, release build); this
     // test checks data and that the pool registered nothing per message.
 }
+
+#[test]
+fn pool_counters_are_exported_to_mrkit_stat() {
+    let (_ctx, pd) = open();
+    let pool = MrPool::new(&pd, small(1)).unwrap();
+    let find = |id: u64| {
+        let snap = mrkit::stat_export::snapshot();
+        snap["sources"]["pool"]["pools"]
+            .as_array()
+            .expect("pool section registered")
+            .iter()
+            .find(|p| p["id"] == id)
+            .cloned()
+    };
+    let slot = pool.alloc().unwrap();
+    let p = find(pool.id()).expect("live pool listed");
+    let s = pool.stats();
+    assert_eq!(p["total"], s.total);
+    assert_eq!(p["in_use"], 1);
+    assert_eq!(p["chunks"], s.chunks);
+    assert_eq!(p["slot_size"], pool.slot_size() as u64);
+    drop(slot);
+    assert_eq!(find(pool.id()).unwrap()["in_use"], 0);
+    let id = pool.id();
+    drop(pool);
+    assert!(find(id).is_none(), "dropped pool still exported");
+}

@@ -5,16 +5,24 @@
 //!
 //! * **Index**: an interval index of live entries ([`index::IntervalIndex`]) under a
 //!   `RwLock` that is **never held across a device call**.
-//! * **Hit path**: a per-thread last-hit cache (4 entries per cache and thread, holding
-//!   `Weak` references) validated by one load of the cache generation and one of the monitor
-//!   sequence (DPDK's scheme), then `Weak::upgrade` and a check of the entry's `dead` flag.
-//!   It takes no lock and writes no cache-wide line: the only write is the returned entry's
-//!   own reference count (the handle *is* a counted reference; one RMW to take it, one to
-//!   drop it). Hit counters are per-thread, single-writer.
-//! * **Life cycle**: an entry is an `Arc`; the index holds one reference, every handle one.
-//!   Its MR is deregistered in `Drop`, i.e. exactly once and only when nothing can use its
-//!   keys: an entry invalidated while in use leaves the index at once and is retired by its
-//!   last handle. Thread caches never keep a registration alive.
+//! * **Hit path**: a per-thread last-hit cache (4 entries per cache and thread, each holding
+//!   the thread's *lease* on the entry) validated by one load of the cache generation and one
+//!   of the monitor sequence (DPDK's scheme). A hit increments the lease's counter — a
+//!   cache line (padded) only this thread writes — then checks the entry's `dead` flag
+//!   (read-only), and clones the lease `Arc` (also thread-private). It takes no lock and
+//!   writes **no shared cache line**: two threads hitting the same entry never bounce a
+//!   line. The handle drop decrements the same counter and sets the CLOCK bit only when it
+//!   is clear. Hit counters are per-thread, single-writer.
+//! * **Life cycle**: an entry's *memory* is an `Arc` (index, leases, waiters); its
+//!   *registration* is retired ([`Entry::try_retire`]) once it is dead (invalidated,
+//!   evicted, superseded, cache dropped) and the sum of its lease counters is 0. Protocol
+//!   (all SeqCst, Dekker-style): a hit increments its counter, then checks `dead`; a release
+//!   decrements, then checks `dead` and retires if the sum is 0; a killer sets `dead`, then
+//!   retires if the sum is 0. Either the killer sees the count or the hitter sees `dead`,
+//!   so the MR is deregistered exactly once, and never while a handle exists; an entry
+//!   invalidated while in use leaves the index at once and is retired by its last handle.
+//!   Thread caches keep an entry's memory until their next lookup, never its registration.
+//!   Model-checked in `tests/loom_cache.rs`.
 //! * **Miss path**: shape the range ([`Shape`]), insert a *placeholder* entry under the
 //!   write lock (concurrent misses of the same range find it and wait: single flight),
 //!   register **outside any lock**, then publish under the write lock. A placeholder that was
@@ -57,6 +65,8 @@ pub mod monitor;
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
+
+use crossbeam_utils::CachePadded;
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex, RwLock};
@@ -231,10 +241,9 @@ struct Shared {
     c: Counters,
 }
 
-/// A registration. Memory *and* registration lifetime are the `Arc`: the MR is
-/// deregistered in `Drop`, i.e. exactly once, when the index, every handle, the registering
-/// thread and every waiter have let go (thread caches hold only `Weak`s). Hot fields first
-/// (`repr(C)`), next to the `Arc` counts.
+/// A registration. Its memory is the `Arc` (index, leases, waiters); its MR is deregistered
+/// by [`Entry::retire`] when it is dead and unused (or, at the latest, in `Drop`). Hot
+/// fields first (`repr(C)`).
 #[derive(Debug)]
 #[repr(C)]
 struct Entry {
@@ -264,6 +273,53 @@ struct Entry {
     wait_mx: Mutex<()>,
     wait_cv: Condvar,
     shared: Arc<Shared>,
+    /// One counter per [`Lease`] (per thread, cache-line padded): the number of handles
+    /// taken through it. The sum is the number of users. Pushed under this lock (cold path);
+    /// counters whose lease is gone are pruned there.
+    counts: Mutex<Vec<Arc<CachePadded<AtomicU64>>>>,
+    /// The monitor attach has been released (once, by [`Entry::retire`]; keys are taken
+    /// and deregistered at every call).
+    retired: AtomicBool,
+}
+
+/// One thread's hold on an entry: handles taken by that thread count on `n`, a cache line
+/// only that thread writes (except for a handle dropped on another thread). The thread
+/// cache keeps the lease, so a hit writes only thread-private lines. A lease keeps the
+/// entry's *memory* alive, never its registration: that is retired (deregistered) as soon
+/// as the entry is dead and the sum of its lease counters is 0.
+#[derive(Debug)]
+struct Lease {
+    n: Arc<CachePadded<AtomicU64>>,
+    entry: Arc<Entry>,
+}
+
+impl Lease {
+    /// A new lease on `e` holding one handle's count. Callers guarantee `e` cannot be
+    /// retired meanwhile (index lock held and `e` not dead, or `e` private to the caller).
+    fn new(e: &Arc<Entry>) -> Arc<Lease> {
+        let n = Arc::new(CachePadded::new(AtomicU64::new(1)));
+        {
+            let mut v = e.counts.lock();
+            // A counter only the entry still references belongs to a dropped lease (count 0).
+            v.retain(|c| Arc::strong_count(c) > 1);
+            v.push(n.clone());
+        }
+        Arc::new(Lease {
+            n,
+            entry: e.clone(),
+        })
+    }
+
+    /// Give back one handle's count; retire the entry if it is dead and this was the last.
+    #[inline]
+    fn release(&self) {
+        self.n.fetch_sub(1, Ordering::SeqCst);
+        // SeqCst against `kill`: either the killer sees our decrement in its sum, or we
+        // see it dead here and retire it ourselves.
+        if self.entry.is_dead_sc() {
+            self.entry.try_retire();
+        }
+    }
 }
 
 impl Entry {
@@ -291,16 +347,54 @@ impl Entry {
         self.dead.load(Ordering::Acquire)
     }
 
-    /// Idle: referenced by the index alone (callers hold the index lock and one reference
-    /// through it).
-    fn idle_in_index(self: &Arc<Self>) -> bool {
-        Arc::strong_count(self) == 1
+    /// Dead, or private to its handles (uncached: no index, no thread cache can hand it
+    /// out again). SeqCst: pairs with the counter updates (see [`Lease::release`]).
+    #[inline]
+    fn is_dead_sc(&self) -> bool {
+        self.dead.load(Ordering::SeqCst) || !self.cached.load(Ordering::SeqCst)
     }
-}
 
-impl Drop for Entry {
-    fn drop(&mut self) {
-        // Last reference gone: nobody can use the keys any more.
+    /// Handles alive (sum of the lease counters).
+    fn users(&self) -> u64 {
+        self.counts
+            .lock()
+            .iter()
+            .map(|c| c.load(Ordering::SeqCst))
+            .sum()
+    }
+
+    /// Idle: no handle (callers hold the index lock).
+    fn idle_in_index(self: &Arc<Self>) -> bool {
+        self.users() == 0
+    }
+
+    /// Mark dead (SeqCst; callers hold the index write lock or own the entry). Follow with
+    /// [`try_retire`](Self::try_retire) once the lock is released.
+    fn kill(&self) {
+        self.cached.store(false, Ordering::SeqCst);
+        self.dead.store(true, Ordering::SeqCst);
+    }
+
+    /// Deregister now if the entry is dead and has no user. Safe to call any number of times
+    /// from any thread: a hit increments its counter *before* checking `dead` and a release
+    /// decrements *before* checking it (all SeqCst), so a sum of 0 seen after `dead` was set
+    /// means no handle exists and none can be taken any more.
+    fn try_retire(&self) {
+        if !self.is_dead_sc() {
+            return;
+        }
+        // Cold path: an explicit fence between reading `dead` and the counters (the loom
+        // model states the SeqCst handshake with fences; this keeps code and model alike).
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if self.users() == 0 {
+            self.retire();
+        }
+    }
+
+    /// Deregister the MR and detach the monitor, exactly once.
+    fn retire(&self) {
+        // Keys are taken at every call: a dead placeholder may be retired while its
+        // registration still runs; the keys it adds later go at Entry::drop.
         let keys = std::mem::take(&mut *self.regs.lock());
         let ctx = self.shared.pd.context();
         for k in &keys {
@@ -315,7 +409,7 @@ impl Drop for Entry {
             c.bytes_registered
                 .fetch_sub(self.end - self.start, Ordering::Relaxed);
         }
-        if self.monitored.load(Ordering::Acquire) {
+        if self.monitored.load(Ordering::Acquire) && !self.retired.swap(true, Ordering::AcqRel) {
             if let Some(m) = self.shared.monitor {
                 m.detach(self.span.0, self.span.1 - self.span.0);
             }
@@ -323,25 +417,45 @@ impl Drop for Entry {
     }
 }
 
+/// Kill-and-retire helper for entries removed from the index: deregister those without
+/// users now (thread caches may still hold their memory), the others at their last release.
+fn retire_all(v: Vec<Arc<Entry>>) {
+    for x in &v {
+        x.try_retire();
+    }
+    drop(v);
+}
+
+impl Drop for Entry {
+    fn drop(&mut self) {
+        // Last reference to the memory gone (index, leases, waiters): nobody can use the keys.
+        self.retire();
+    }
+}
+
 /// A counted reference to a registration. While it lives the MR stays registered (even if
 /// its range is invalidated meanwhile: it is then deregistered at the last drop).
 #[derive(Debug)]
 pub struct RegHandle {
-    entry: Arc<Entry>,
+    lease: Arc<Lease>,
 }
 
 impl RegHandle {
+    #[inline]
+    fn e(&self) -> &Entry {
+        &self.lease.entry
+    }
     /// The MRs, in address order (one unless the range was split).
     pub fn pieces(&self) -> &[Piece] {
-        self.entry.ready().map(Vec::as_slice).unwrap_or(&[])
+        self.e().ready().map(Vec::as_slice).unwrap_or(&[])
     }
     /// Registered range (may be larger than requested: page rounding, merging).
     pub fn range(&self) -> (u64, u64) {
-        (self.entry.start, self.entry.end)
+        (self.e().start, self.e().end)
     }
     /// Rights of the registration (a superset of the requested ones).
     pub fn access(&self) -> AccessFlags {
-        self.entry.access
+        self.e().access
     }
     /// lkey of the piece holding `addr`.
     pub fn lkey_for(&self, addr: u64) -> Option<u32> {
@@ -383,7 +497,7 @@ impl RegHandle {
     }
     fn split<T>(&self, addr: u64, len: u64, f: impl Fn(u64, u64, &Piece) -> T) -> Option<Vec<T>> {
         let end = addr.checked_add(len)?;
-        if addr < self.entry.start || end > self.entry.end {
+        if addr < self.e().start || end > self.e().end {
             return None;
         }
         let mut out = Vec::new();
@@ -400,14 +514,16 @@ impl RegHandle {
     /// Whether the registration is still in the cache (false after invalidation/eviction,
     /// or for an uncached registration).
     pub fn is_cached(&self) -> bool {
-        self.entry.cached.load(Ordering::Acquire) && !self.entry.is_dead()
+        self.e().cached.load(Ordering::Acquire) && !self.e().is_dead()
     }
 }
 
 impl Clone for RegHandle {
     fn clone(&self) -> Self {
+        // Same lease (same counter): a live handle keeps its counter above 0 throughout.
+        self.lease.n.fetch_add(1, Ordering::SeqCst);
         RegHandle {
-            entry: self.entry.clone(),
+            lease: self.lease.clone(),
         }
     }
 }
@@ -415,8 +531,14 @@ impl Clone for RegHandle {
 impl Drop for RegHandle {
     #[inline]
     fn drop(&mut self) {
-        // A plain store next to the Arc counts; the last drop deregisters (Entry::drop).
-        self.entry.touched.store(true, Ordering::Relaxed);
+        // CLOCK bit: written only when clear (once per scan period), so a steady stream of
+        // hits only reads the entry's line.
+        let t = &self.e().touched;
+        if !t.load(Ordering::Relaxed) {
+            t.store(true, Ordering::Relaxed);
+        }
+        // The last release of a dead entry deregisters it (Entry::try_retire).
+        self.lease.release();
     }
 }
 
@@ -487,8 +609,8 @@ struct TlsSlot {
     start: u64,
     end: u64,
     access: AccessFlags,
-    /// Weak: a thread cache never keeps a registration alive.
-    entry: Weak<Entry>,
+    /// This thread's lease: keeps the entry's memory, never its registration, alive.
+    lease: Arc<Lease>,
 }
 
 struct TlsCache {
@@ -567,7 +689,7 @@ impl RegCache {
         if let Some(m) = monitor {
             m.subscribe(pending.clone());
         }
-        Ok(RegCache {
+        let cache = RegCache {
             inner: Arc::new(Inner {
                 id: NEXT_CACHE_ID.fetch_add(1, Ordering::Relaxed),
                 shared: Arc::new(Shared {
@@ -585,7 +707,15 @@ impl RegCache {
                 epoch: Instant::now(),
                 threads: Mutex::new(Vec::new()),
             }),
-        })
+        };
+        export::add(&cache.inner);
+        Ok(cache)
+    }
+
+    /// Process-unique id of this cache (as in the `"cache"` section of
+    /// [`stat_export::snapshot`](crate::stat_export::snapshot)).
+    pub fn id(&self) -> u64 {
+        self.inner.id
     }
 
     /// A registration covering `[addr, addr+len)` with at least `access`.
@@ -636,16 +766,20 @@ impl RegCache {
             }
             for s in rec.slots.iter().flatten() {
                 if s.start <= addr && end <= s.end && s.access.contains(access) {
-                    // One RMW on the entry's own count; fails if the entry is gone.
-                    let e = s.entry.upgrade()?;
-                    // Invalidated before our reference: miss (a reference taken before the
-                    // invalidation is a handle obtained before it, which is allowed).
-                    if e.is_dead() {
+                    // Count on this thread's own line, then check death (SeqCst, see
+                    // Entry::try_retire). Dead: miss (a count taken before the kill is a
+                    // handle obtained before it, which is allowed).
+                    s.lease.n.fetch_add(1, Ordering::SeqCst);
+                    if s.lease.entry.is_dead_sc() {
+                        s.lease.release();
                         return None;
                     }
                     let h = &rec.stats.hits;
                     h.store(h.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
-                    return Some(RegHandle { entry: e });
+                    // Refcount of the lease: thread-private too.
+                    return Some(RegHandle {
+                        lease: s.lease.clone(),
+                    });
                 }
             }
             None
@@ -654,7 +788,8 @@ impl RegCache {
         .flatten()
     }
 
-    fn tls_insert(&self, e: &Arc<Entry>, gen: u64, mseq: u64) {
+    fn tls_insert(&self, lease: &Arc<Lease>, gen: u64, mseq: u64) {
+        let e = &lease.entry;
         let inner = &self.inner;
         let dropped = TLS.try_with(|t| {
             let mut t = t.borrow_mut();
@@ -689,7 +824,7 @@ impl RegCache {
                 start: e.start,
                 end: e.end,
                 access: e.access,
-                entry: Arc::downgrade(e),
+                lease: lease.clone(),
             }) {
                 old.push(o);
             }
@@ -732,7 +867,9 @@ impl RegCache {
             }
             if e.ready().is_some() {
                 // In the index under the read lock: not dead (death is set under the write lock).
-                return Lookup::Hit(RegHandle { entry: e.clone() });
+                return Lookup::Hit(RegHandle {
+                    lease: Lease::new(e),
+                });
             } else if wait.is_none() {
                 wait = Some(e.clone());
             }
@@ -777,7 +914,7 @@ impl RegCache {
                 Lookup::Hit(h) => {
                     inc(&c.hits_slow);
                     if mseq & 1 == 0 {
-                        self.tls_insert(&h.entry, gen, mseq);
+                        self.tls_insert(&h.lease, gen, mseq);
                     }
                     return Ok(h);
                 }
@@ -830,8 +967,7 @@ impl RegCache {
                         .collect();
                     for (a, id) in ids {
                         if let Some(x) = ix.remove(a, id) {
-                            x.cached.store(false, Ordering::Release);
-                            x.dead.store(true, Ordering::Release);
+                            x.kill();
                             inc(&c.merges);
                             superseded.push(x);
                         }
@@ -856,6 +992,8 @@ impl RegCache {
                     wait_mx: Mutex::new(()),
                     wait_cv: Condvar::new(),
                     shared: inner.shared.clone(),
+                    counts: Mutex::new(Vec::new()),
+                    retired: AtomicBool::new(false),
                 });
                 if fits {
                     ix.insert(s, e, placeholder.id, placeholder.clone());
@@ -869,8 +1007,8 @@ impl RegCache {
             inc(&c.misses);
             // Superseded and evicted entries were marked dead under the lock; each is
             // deregistered when its last reference (maybe this one) goes.
-            drop(superseded);
-            drop(victims);
+            retire_all(superseded);
+            retire_all(victims);
             // --- attach to the monitor BEFORE pinning (see monitor docs) ---
             if let Some(m) = inner.shared.monitor {
                 if placeholder.cached.load(Ordering::Acquire) {
@@ -900,30 +1038,30 @@ impl RegCache {
                         .extend(pieces.iter().map(|p| p.lkey));
                     // Publish: first apply invalidations that arrived while we registered.
                     self.sync_monitor();
+                    // The handle's lease is counted under the same lock: an invalidation after
+                    // publication then finds a user and leaves the MR to our last release.
                     let published = {
                         let _ix = inner.index.write();
                         if placeholder.is_dead() {
-                            false
+                            None
                         } else {
                             let _ = placeholder.pieces.set(pieces);
-                            true
+                            Some(Lease::new(&placeholder))
                         }
                     };
                     placeholder.wake();
-                    if !published {
+                    let Some(lease) = published else {
                         // Invalidated while we pinned: the pages may be those of the old mapping.
                         inc(&c.stale_rejects);
                         placeholder.failed.store(true, Ordering::Release);
                         self.unindex(&placeholder);
                         continue;
-                    }
-                    let h = RegHandle {
-                        entry: placeholder.clone(),
                     };
                     let mseq2 = monitor::seq();
                     if placeholder.cached.load(Ordering::Acquire) && mseq2 & 1 == 0 {
-                        self.tls_insert(&placeholder, inner.gen.load(Ordering::Acquire), mseq2);
+                        self.tls_insert(&lease, inner.gen.load(Ordering::Acquire), mseq2);
                     }
+                    let h = RegHandle { lease };
                     return Ok(h);
                 }
                 Err(err) => {
@@ -1054,8 +1192,7 @@ impl RegCache {
                 .unwrap_or(false);
             if ok {
                 if let Some(x) = ix.remove(s, id) {
-                    x.cached.store(false, Ordering::Release);
-                    x.dead.store(true, Ordering::Release);
+                    x.kill();
                     inc(&self.inner.shared.c.evictions);
                     victims.push(x);
                 }
@@ -1088,8 +1225,7 @@ impl RegCache {
                     .unwrap_or(false);
                 if ok {
                     if let Some(x) = ix.remove(s, id) {
-                        x.cached.store(false, Ordering::Release);
-                        x.dead.store(true, Ordering::Release);
+                        x.kill();
                         victims.push(x);
                     }
                 }
@@ -1106,7 +1242,7 @@ impl RegCache {
             &c.evictions
         };
         counter.fetch_add(n as u64, Ordering::Relaxed);
-        drop(victims);
+        retire_all(victims);
         n
     }
 
@@ -1136,11 +1272,10 @@ impl RegCache {
                 .collect();
             for (s, id) in ids {
                 if let Some(x) = ix.remove(s, id) {
-                    x.cached.store(false, Ordering::Release);
                     // Dead under the lock: a publisher (which checks under the lock) and every
-                    // hit (which checks after taking its reference) see it.
-                    x.dead.store(true, Ordering::Release);
-                    if Arc::strong_count(&x) > 1 {
+                    // hit (which checks after taking its count) see it.
+                    x.kill();
+                    if x.users() > 0 {
                         inc(&self.inner.shared.c.invalidated_in_use);
                     }
                     dead.push(x);
@@ -1165,7 +1300,7 @@ impl RegCache {
         for x in &dead {
             x.wake();
         }
-        drop(dead);
+        retire_all(dead);
         n
     }
 
@@ -1231,7 +1366,7 @@ impl RegCache {
             .index
             .read()
             .iter()
-            .map(|(s, e, _, x)| (s, e, x.access, Arc::strong_count(x) as u64 - 1))
+            .map(|(s, e, _, x)| (s, e, x.access, x.users()))
             .collect()
     }
 
@@ -1278,14 +1413,29 @@ impl Drop for Inner {
         if let Some(m) = self.shared.monitor {
             m.unsubscribe(&self.pending);
         }
-        // Kill every entry; idle ones are deregistered as `ix` drops (thread caches hold only
-        // weak references), in-use ones at their last handle drop.
+        // This thread's cache records: their leases hold entry memory (and, through it, the
+        // PD). Other threads' records go at their next lookup or exit (never registrations:
+        // those are retired below or at their last handle drop).
+        let id = self.id;
+        let mine = TLS
+            .try_with(|t| {
+                let mut t = t.borrow_mut();
+                let (mine, rest): (Vec<TlsCache>, Vec<TlsCache>) =
+                    t.drain(..).partition(|r| r.cache_id == id);
+                *t = rest;
+                mine
+            })
+            .unwrap_or_default();
+        drop(mine);
+        // Kill every entry; idle ones are retired here (other threads' caches may still hold
+        // their memory), in-use ones at their last handle drop.
         let ix = std::mem::take(&mut *self.index.write());
-        for (_, _, _, x) in ix.iter() {
-            x.cached.store(false, Ordering::Release);
-            x.dead.store(true, Ordering::Release);
+        let all: Vec<Arc<Entry>> = ix.iter().map(|(_, _, _, x)| x.clone()).collect();
+        for x in &all {
+            x.kill();
         }
         drop(ix);
+        retire_all(all);
     }
 }
 
@@ -1307,7 +1457,15 @@ impl Drop for IdleScanner {
 
 /// Bounds of the mapping(s) containing `[a, b)` from `/proc/self/maps` (contiguous VMAs
 /// with equal permissions), or `None`.
+///
+/// A read of `/proc/self/maps` is not atomic: while another thread maps or unmaps, the
+/// kernel can skip a VMA between two `read` chunks. A miss is therefore retried a few
+/// times before the caller falls back to the page-rounded shape.
 pub fn vma_bounds(a: u64, b: u64) -> Option<(u64, u64)> {
+    (0..4).find_map(|_| vma_bounds_once(a, b))
+}
+
+fn vma_bounds_once(a: u64, b: u64) -> Option<(u64, u64)> {
     let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
     let mut vmas = maps.lines().filter_map(|l| {
         let mut it = l.split_whitespace();
@@ -1329,4 +1487,71 @@ pub fn vma_bounds(a: u64, b: u64) -> Option<(u64, u64)> {
         e = ne;
     }
     Some((s, e))
+}
+
+/// `mrkit stat` section `"cache"`: `{"caches": [{"id", "monitored", <CacheStats fields>},
+/// ...]}` for every live cache of the process, listed through weak references (the exporter
+/// never keeps a cache, or its registrations, alive).
+mod export {
+    use std::sync::{Arc, Weak};
+
+    use parking_lot::Mutex;
+    use serde_json::{json, Value};
+
+    use super::{Inner, RegCache};
+
+    static LIVE: Mutex<Vec<Weak<Inner>>> = Mutex::new(Vec::new());
+
+    pub(super) fn add(c: &Arc<Inner>) {
+        {
+            let mut l = LIVE.lock();
+            l.retain(|w| w.strong_count() > 0);
+            l.push(Arc::downgrade(c));
+        }
+        crate::stat_export::register_source("cache", source);
+    }
+
+    fn source() -> Value {
+        let live: Vec<RegCache> = LIVE
+            .lock()
+            .iter()
+            .filter_map(Weak::upgrade)
+            .map(|inner| RegCache { inner })
+            .collect();
+        let caches: Vec<Value> = live
+            .iter()
+            .map(|c| {
+                let s = c.stats();
+                json!({
+                    "id": c.inner.id,
+                    "monitored": c.is_monitored(),
+                    "hits": s.hits,
+                    "fast_hits": s.fast_hits,
+                    "misses": s.misses,
+                    "single_flight_waits": s.single_flight_waits,
+                    "merges": s.merges,
+                    "splits": s.splits,
+                    "evictions": s.evictions,
+                    "idle_releases": s.idle_releases,
+                    "invalidations": s.invalidations,
+                    "invalidated_in_use": s.invalidated_in_use,
+                    "stale_rejects": s.stale_rejects,
+                    "registrations": s.registrations,
+                    "deregistrations": s.deregistrations,
+                    "bytes_registered": s.bytes_registered,
+                    "entries": s.entries,
+                    "uncached": s.uncached,
+                    "unmonitored": s.unmonitored,
+                    "fallback_evict_retry": s.fallback_evict_retry,
+                    "fallback_shrink": s.fallback_shrink,
+                    "fallback_bounce": s.fallback_bounce,
+                    "monitor_events": s.monitor_events,
+                    "pending_overflow_merges": s.pending_overflow_merges,
+                })
+            })
+            .collect();
+        // A cache whose last user let go meanwhile is dropped here, outside the list lock.
+        drop(live);
+        json!({ "caches": caches })
+    }
 }

@@ -280,7 +280,14 @@ impl MrPool {
         for _ in 0..cfg.initial_chunks {
             inner.add_chunk()?;
         }
+        export::add(&inner);
         Ok(MrPool { inner })
+    }
+
+    /// Process-unique id of this pool (as in the `"pool"` section of
+    /// [`stat_export::snapshot`](crate::stat_export::snapshot)).
+    pub fn id(&self) -> u64 {
+        self.inner.id
     }
 
     /// Bytes per slot.
@@ -800,5 +807,56 @@ impl OwnedSlot {
 impl Drop for OwnedSlot {
     fn drop(&mut self) {
         self.pool.inner.release(self.idx);
+    }
+}
+
+/// `mrkit stat` section `"pool"`: `{"pools": [{"id", "slot_size", "chunk_size", <PoolStats
+/// fields>}, ...]}` for every live pool of the process. Pools are listed through weak
+/// references (the exporter never keeps a pool alive); the list is touched only at creation
+/// and when a snapshot is taken.
+mod export {
+    use std::sync::{Arc, Weak};
+
+    use parking_lot::Mutex;
+    use serde_json::{json, Value};
+
+    use super::PoolInner;
+
+    static LIVE: Mutex<Vec<Weak<PoolInner>>> = Mutex::new(Vec::new());
+
+    pub(super) fn add(p: &Arc<PoolInner>) {
+        {
+            let mut l = LIVE.lock();
+            l.retain(|w| w.strong_count() > 0);
+            l.push(Arc::downgrade(p));
+        }
+        crate::stat_export::register_source("pool", source);
+    }
+
+    fn source() -> Value {
+        let live: Vec<Arc<PoolInner>> = LIVE.lock().iter().filter_map(Weak::upgrade).collect();
+        let pools: Vec<Value> = live
+            .iter()
+            .map(|p| {
+                let s = p.stats();
+                json!({
+                    "id": p.id,
+                    "slot_size": p.slot_size,
+                    "chunk_size": p.chunk_size,
+                    "total": s.total,
+                    "free": s.free,
+                    "in_use": s.in_use,
+                    "in_flight": s.in_flight,
+                    "quarantined": s.quarantined,
+                    "chunks": s.chunks,
+                    "growth_events": s.growth_events,
+                    "alloc_failures": s.alloc_failures,
+                    "reclaimed": s.reclaimed,
+                })
+            })
+            .collect();
+        // A pool whose last user let go meanwhile is freed here, outside the list lock.
+        drop(live);
+        json!({ "pools": pools })
     }
 }

@@ -50,11 +50,19 @@ impl Map {
         // SAFETY: our own mapping, alive while self lives.
         unsafe { std::slice::from_raw_parts(self.addr as *const u8, self.len) }
     }
-    /// munmap, then mmap(MAP_FIXED) fresh anonymous memory at the same address.
+    /// Replace the mapping with fresh anonymous memory at the same address: one
+    /// `mmap(MAP_FIXED)` over the old mapping, which the kernel performs as munmap + mmap
+    /// (the old pages are freed, userfaultfd gets the UNMAP event, the caller blocks until
+    /// the monitor has read it) without ever leaving a hole.
+    ///
+    /// Not `munmap` followed by `mmap(MAP_FIXED)`: between the two calls another thread of
+    /// the test process (another test, the allocator, a thread stack) can be given the hole,
+    /// and MAP_FIXED then silently clobbers its memory. That race made
+    /// `cache_basic::vma_split_lasts_only_as_long_as_the_registration` fail with EFAULT /
+    /// stray VMA splits when it ran next to the userfaultfd remap test.
     pub fn remap_fixed(&mut self) {
-        // SAFETY: our own mapping; nothing borrows it.
+        // SAFETY: replaces our own mapping (same range); nothing borrows it.
         unsafe {
-            rustix::mm::munmap(self.addr as *mut _, self.len).unwrap();
             let p = rustix::mm::mmap_anonymous(
                 self.addr as *mut _,
                 self.len,
