@@ -17,6 +17,82 @@ pub mod exit {
     pub const USAGE: u8 = 2;
 }
 
+/// Standard output for the commands: a closed reader (`mrkit devinfo --json | head -1`) ends the
+/// process quietly with status 0 instead of a "Broken pipe" panic.
+pub mod out {
+    use std::io::{self, Write};
+
+    /// Leave now: the reader of our standard output has gone.
+    pub fn broken_pipe() -> ! {
+        mrkit::stat_export::shutdown();
+        std::process::exit(i32::from(crate::exit::OK))
+    }
+
+    /// Write formatted text to a locked stdout; `ErrorKind::BrokenPipe` exits with status 0,
+    /// other write errors are reported once on stderr and exit with status 1.
+    pub fn write(args: std::fmt::Arguments<'_>, newline: bool) {
+        let mut o = io::stdout().lock();
+        let r = o
+            .write_fmt(args)
+            .and_then(|()| if newline { o.write_all(b"\n") } else { Ok(()) });
+        if let Err(e) = r {
+            drop(o);
+            fail(e);
+        }
+    }
+
+    /// Flush stdout with the same error handling as [`write`].
+    pub fn flush() {
+        if let Err(e) = io::stdout().lock().flush() {
+            fail(e);
+        }
+    }
+
+    fn fail(e: io::Error) -> ! {
+        if e.kind() == io::ErrorKind::BrokenPipe {
+            broken_pipe();
+        }
+        eprintln!("mrkit: cannot write to standard output: {e}");
+        mrkit::stat_export::shutdown();
+        std::process::exit(i32::from(crate::exit::VERB_FAILED))
+    }
+
+    /// The same guarantee for output still written with `println!` (whose error is a panic with
+    /// the message "failed printing to stdout: Broken pipe ..."): exit 0 quietly; every other
+    /// panic goes to the default hook.
+    pub fn install_panic_hook() {
+        let default = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let msg = info
+                .payload()
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| info.payload().downcast_ref::<&str>().copied())
+                .unwrap_or("");
+            // println! and clap_complete's generator (`mrkit completions`).
+            let stdout_write = msg.starts_with("failed printing to stdout")
+                || msg.starts_with("failed to write completion file");
+            if stdout_write && (msg.contains("Broken pipe") || msg.contains("os error 32")) {
+                broken_pipe();
+            }
+            default(info);
+        }));
+    }
+}
+
+/// `println!` through [`out::write`] (broken pipe = quiet exit 0).
+#[macro_export]
+macro_rules! outln {
+    () => { $crate::out::write(format_args!(""), true) };
+    ($($t:tt)*) => { $crate::out::write(format_args!($($t)*), true) };
+}
+
+/// `print!` through [`out::write`].
+#[macro_export]
+macro_rules! out {
+    ($($t:tt)*) => { $crate::out::write(format_args!($($t)*), false) };
+}
+
 #[derive(Parser, Debug)]
 #[command(
     name = "mrkit",
@@ -64,6 +140,7 @@ struct HoldCli {
 }
 
 fn main() -> ExitCode {
+    out::install_panic_hook();
     if std::env::args_os()
         .nth(1)
         .is_some_and(|a| a == "__stat-hold")
@@ -101,5 +178,8 @@ fn main() -> ExitCode {
         Command::Bench(a) => cmd::bench::run(a),
         Command::Completions(a) => cmd::completions::run(a),
     };
+    out::flush();
+    // Opening a device starts the statistics exporter (`mrkit stat`): remove its files.
+    mrkit::stat_export::shutdown();
     ExitCode::from(code)
 }

@@ -184,7 +184,21 @@ fn demo_shows_the_classic_mistakes() {
         "registration 1001: ENOMEM",
         "translation table full",
         "EBUSY",
+        // Data between two endpoints, with the data shown.
+        "WRITE 35 B A -> B: completion SUCCESS; B's memory now reads \"hello from A, written by RDMA WRITE\"",
+        "READ 30 B B -> A: completion SUCCESS; A's memory now reads \"B's data, fetched by RDMA READ\"",
+        "FETCH_AND_ADD(+1) on B's counter: completion SUCCESS; A received the old value 41, B's counter is now 42",
+        // The data-path mistake.
+        "(LOCAL_WRITE only): completion REM_ACCESS_ERR",
+        // Pool vs per-message.
+        "Pool vs per-message registration: 2000 messages of 4 KiB",
+        "per-message reg_mr + dereg_mr:",
+        "MrPool slot (alloc, copy, free):",
     ] {
         assert!(out.contains(needle), "demo output lacks `{needle}`:\n{out}");
     }
+    assert!(
+        out.contains("the pool is ") && out.contains("x faster"),
+        "{out}"
+    );
 }

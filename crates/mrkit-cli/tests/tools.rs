@@ -511,8 +511,13 @@ impl Drop for Child {
 }
 
 fn hold(dir: &Path, share: bool) -> (Child, u32) {
+    hold_with(dir, share, &[])
+}
+
+fn hold_with(dir: &Path, share: bool, extra: &[&str]) -> (Child, u32) {
     let mut c = mrkit();
     c.args(["__stat-hold", "--seconds", "30", "--regs", "3"])
+        .args(extra)
         .env("MRKIT_STAT_DIR", dir)
         .env("MRKIT_STAT_INTERVAL_MS", "50")
         .stdout(Stdio::piped())
@@ -593,6 +598,46 @@ fn stat_reads_a_running_process() {
         .starts_with("1 mrkit process"));
 }
 
+/// Opening a device is enough to appear in `mrkit stat` (no explicit `install()`).
+#[test]
+fn stat_export_starts_with_the_first_device() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_child, pid) = hold_with(dir.path(), false, &["--no-install"]);
+    let o = run(mrkit()
+        .args(["stat", "--json", "--pid", &pid.to_string()])
+        .env("MRKIT_STAT_DIR", dir.path()));
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v = json_of(&o);
+    let p = &v["processes"][0];
+    assert_eq!(p["pid"], pid);
+    assert_eq!(p["alive"], true);
+    assert_eq!(p["fresh"], true);
+    assert_eq!(p["mrs_live"], 3);
+    assert_eq!(p["failures"]["EINVAL"], 1);
+}
+
+/// `MRKIT_STAT=0` keeps a process out of `mrkit stat`; short-lived commands clean up after
+/// themselves.
+#[test]
+fn stat_export_disabled_and_cleaned_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = run(mrkit()
+        .args(["__stat-hold", "--seconds", "0", "--no-install"])
+        .env("MRKIT_STAT_DIR", dir.path())
+        .env("MRKIT_STAT", "0"));
+    assert!(o.status.success());
+    assert_eq!(stdout(&o).trim(), "disabled");
+    let o = run(mrkit()
+        .args(["reg", "--size", "4096", "--json"])
+        .env("MRKIT_STAT_DIR", dir.path()));
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let left: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert!(left.is_empty(), "files left behind: {left:?}");
+}
+
 #[test]
 fn stat_share_mode_and_watch() {
     use std::io::Read;
@@ -648,13 +693,14 @@ fn bench_quick_writes_report() {
         "raw.json",
         "reg_cost.svg",
         "reg_throughput.svg",
+        "data_bw.svg",
     ] {
         assert!(dir.path().join(f).exists(), "{f}");
     }
     let raw: Value =
         serde_json::from_str(&std::fs::read_to_string(dir.path().join("raw.json")).unwrap())
             .unwrap();
-    assert_eq!(raw["schema"], "mrkit-bench/1");
+    assert_eq!(raw["schema"], "mrkit-bench/2");
     assert_eq!(raw["quick"], true);
     let pts = raw["reg_cost"].as_array().unwrap();
     assert_eq!(pts.len(), 16); // 4 KiB .. 64 MiB, x4, two page kinds
@@ -674,6 +720,93 @@ fn bench_quick_writes_report() {
     }
     let svg = std::fs::read_to_string(dir.path().join("reg_cost.svg")).unwrap();
     assert!(svg.starts_with("<svg"));
+    // Data path, in process: WRITE and READ at 4 KiB, 64 KiB, 1 MiB, and 8-byte latencies.
+    let dpi = &raw["data_path"]["in_process"];
+    assert!(dpi["error"].is_null(), "{dpi}");
+    let bw = dpi["bandwidth"].as_array().unwrap();
+    assert_eq!(bw.len(), 6);
+    for r in bw {
+        assert!(["write", "read"].contains(&r["op"].as_str().unwrap()));
+        assert!(r["gbps"].as_f64().unwrap() > 0.0);
+        assert!(r["memcpy_gbps"].as_f64().unwrap() > 0.0);
+    }
+    let lat = dpi["latency"].as_array().unwrap();
+    assert_eq!(lat.len(), 2);
+    assert!(lat.iter().all(|l| l["lat_us_p50"].as_f64().unwrap() > 0.0));
+    // Data path, two processes (mrkit bench transport).
+    let dpt = &raw["data_path"]["two_process"];
+    assert!(dpt["error"].is_null(), "{dpt}");
+    let rows = dpt["result"]["mrkit"].as_array().unwrap();
+    assert_eq!(rows.len(), 6);
+    for r in rows {
+        assert!(r["bw_mbps"].as_f64().unwrap() > 0.0);
+        assert_eq!(r["errors"], 0);
+    }
+    let svg = std::fs::read_to_string(dir.path().join("data_bw.svg")).unwrap();
+    assert!(svg.starts_with("<svg") && svg.contains("in-process WRITE"));
     let md = std::fs::read_to_string(dir.path().join("report.md")).unwrap();
     assert!(md.contains("## Registration cost vs size") && md.contains("## Not measured"));
+    assert!(md.contains("## Data path: WRITE/READ bandwidth and latency"));
+    assert!(md.contains("### In process") && md.contains("### Two processes"));
+    assert!(!md.contains("not measured yet"));
+}
+
+// ---------------------------------------------------------------------------------------------
+// broken pipe
+
+/// A reader that goes away (`mrkit devinfo --json | head -1`) ends the command quietly with
+/// status 0, for output written through `out` and through `println!` alike.
+#[test]
+fn closed_stdout_is_a_normal_exit() {
+    let dir = tempfile::tempdir().unwrap();
+    let cmds: &[&[&str]] = &[
+        &["devinfo", "--json"],
+        &["devinfo", "-v"],
+        &["capacity", "--json"],
+        &["capacity"],
+        &["doctor", "--json"],
+        &["doctor", "explain", "EINVAL", "--access", "remote-write"],
+        &["reg", "--size", "4096", "--json"],
+        &["stat", "--json"],
+        &["stat"],
+        &["demo"],
+        &["completions", "bash"],
+    ];
+    for args in cmds {
+        let mut child = mrkit()
+            .args(*args)
+            .env("MRKIT_STAT_DIR", dir.path())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        // Close the read end before the command writes anything.
+        drop(child.stdout.take());
+        let o = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            !err.contains("panicked") && !err.contains("Broken pipe"),
+            "{args:?}: {err}"
+        );
+        assert_eq!(o.status.code(), Some(0), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn piping_into_head() {
+    if Command::new("bash").arg("-c").arg("true").status().is_err() {
+        return;
+    }
+    for cmd in ["devinfo --json", "devinfo -v", "capacity", "demo"] {
+        let o = Command::new("bash")
+            .arg("-c")
+            .arg(format!("set -o pipefail; \"$0\" {cmd} | head -1"))
+            .arg(env!("CARGO_BIN_EXE_mrkit"))
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!err.contains("panicked"), "{cmd}: {err}");
+        assert!(o.status.success(), "{cmd}: {err}");
+        assert_eq!(String::from_utf8_lossy(&o.stdout).lines().count(), 1);
+    }
 }

@@ -175,6 +175,7 @@ pub fn install_with(opts: ExportOptions) -> io::Result<PathBuf> {
         }
     }
     prepare_dir(&opts.dir)?;
+    remove_dead(&opts.dir);
     let pid = std::process::id();
     let req = req_path(&opts.dir, pid);
     // The request file exists from the start so that readers of other users (share mode) only
@@ -437,6 +438,17 @@ pub fn request_and_read(dir: &Path, pid: u32, timeout: Duration) -> io::Result<(
             return Ok((v, fresh));
         }
         std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Remove the files of processes that no longer exist (programs that exited without
+/// `shutdown`, e.g. test binaries), so the directory does not fill up.
+fn remove_dead(dir: &Path) {
+    for pid in list(dir) {
+        if !Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = fs::remove_file(stat_path(dir, pid));
+            let _ = fs::remove_file(req_path(dir, pid));
+        }
     }
 }
 

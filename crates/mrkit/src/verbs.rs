@@ -9,6 +9,20 @@ use mrkit_soft::{AccessFlags, DeviceAttr, DeviceConfig, Errno, Error, MrInfo, Mw
 use crate::buffer::Buffer;
 use crate::provider::Provider;
 
+/// Start the statistics exporter once per process (after the first try, a relaxed load).
+/// Not in this crate's own unit tests, which install exporters with their own options.
+fn auto_export() {
+    #[cfg(not(test))]
+    {
+        static ONCE: std::sync::Once = std::sync::Once::new();
+        ONCE.call_once(|| {
+            if let Err(e) = crate::stat_export::install() {
+                tracing::debug!(error = %e, "statistics export not started");
+            }
+        });
+    }
+}
+
 /// An opened device (`ibv_context`).
 ///
 /// ```
@@ -23,14 +37,21 @@ pub struct Context {
 
 impl Context {
     /// Open the embedded `mrkit0` with explicit limits.
+    ///
+    /// The first open of a process also starts the statistics exporter read by `mrkit stat`
+    /// ([`crate::stat_export::install`]; `MRKIT_STAT=0` disables it). Its idle cost is one
+    /// `stat()` of a request file per second on a background thread.
     pub fn open(config: DeviceConfig) -> Context {
+        auto_export();
         Context {
             provider: Arc::new(mrkit_soft::Context::open(config)),
         }
     }
 
     /// Open `mrkit0` with the default limits overlaid by `MRKIT_*` environment variables.
+    /// Starts the statistics exporter as [`Context::open`] does.
     pub fn open_default() -> Result<Context> {
+        auto_export();
         Ok(Context {
             provider: Arc::new(mrkit_soft::Context::open_from_env()?),
         })

@@ -50,6 +50,9 @@ enum BenchSub {
     },
 }
 
+/// Schema of `raw.json` (version 2 added `data_path`).
+pub const SCHEMA: &str = "mrkit-bench/2";
+
 fn median(v: &mut [u64]) -> u64 {
     if v.is_empty() {
         return 0;
@@ -140,6 +143,7 @@ fn floor_point(path: PinPath, buf: &Buffer) -> Result<u64, String> {
 fn plot(
     path: &Path,
     title: &str,
+    xlabel: &str,
     ylabel: &str,
     series: &[(&str, Vec<(u64, f64)>)],
 ) -> Result<(), String> {
@@ -163,7 +167,7 @@ fn plot(
         .map_err(|e| e.to_string())?;
     chart
         .configure_mesh()
-        .x_desc("buffer size")
+        .x_desc(xlabel)
         .y_desc(ylabel)
         .x_label_formatter(&|x| human(*x as u64))
         .draw()
@@ -385,7 +389,7 @@ pub fn run(a: BenchArgs) -> u8 {
         .collect();
     let messages: u64 = if a.quick { 2000 } else { 20000 };
     let io_uring = pin::io_uring_available();
-    let steps = sizes.len() as u64 * 2 + 3;
+    let steps = sizes.len() as u64 * 2 + 5;
     let pb = ProgressBar::new(steps);
     pb.set_style(
         ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} {msg}")
@@ -444,6 +448,12 @@ pub fn run(a: BenchArgs) -> u8 {
     pb.set_message("registration cache: working set twice the cache");
     let cache_thrash = cache_scenario(32, 16, messages);
     pb.inc(1);
+    pb.set_message("data path in process: WRITE/READ over the loopback link");
+    let dp_in = data_path_in_process(a.quick);
+    pb.inc(1);
+    pb.set_message("data path between two processes: WRITE/READ over RoCEv2/UDP");
+    let dp_two = data_path_two_process(a.quick);
+    pb.inc(1);
     pb.finish_and_clear();
     let elapsed = started.elapsed().as_secs_f64();
 
@@ -495,6 +505,7 @@ pub fn run(a: BenchArgs) -> u8 {
     if let Err(e) = plot(
         &a.out.join("reg_cost.svg"),
         "registration cost vs size",
+        "buffer size",
         "µs (median)",
         &lat,
     ) {
@@ -503,10 +514,31 @@ pub fn run(a: BenchArgs) -> u8 {
     if let Err(e) = plot(
         &a.out.join("reg_throughput.svg"),
         "registration throughput",
+        "buffer size",
         "GiB/s",
         &thr,
     ) {
         notes.push(format!("reg_throughput.svg not drawn: {e}"));
+    }
+    let dp_series = data_path_series(&dp_in, &dp_two);
+    if let Err(e) = plot(
+        &a.out.join("data_bw.svg"),
+        "WRITE/READ bandwidth vs message size",
+        "message size",
+        "GB/s (10^9 B/s)",
+        &dp_series,
+    ) {
+        notes.push(format!("data_bw.svg not drawn: {e}"));
+    }
+    if let Some(e) = dp_in["error"].as_str() {
+        notes.push(format!("in-process data path: not (fully) measured ({e})"));
+    }
+    if let Some(e) = dp_two["error"].as_str() {
+        notes.push(format!("two-process data path: not measured ({e})"));
+    } else if !a.quick && dp_two["result"]["ucx_tcp_put_bw_64k_mbps"].is_null() {
+        notes.push(
+            "UCX comparison: not measured (ucx_perftest not installed or not parsable)".into(),
+        );
     }
     if !io_uring {
         notes.push(format!(
@@ -517,12 +549,9 @@ pub fn run(a: BenchArgs) -> u8 {
     if let Err(e) = &pm.pool_ns {
         notes.push(format!("MR pool: not measured ({e})"));
     }
-    notes.push("data path (WRITE/READ bandwidth and latency, in-process and two-process): not measured yet; mrkit0's QP \
-                data path was being written when this suite was, and is not wired into it."
-        .into());
 
     let raw = json!({
-        "schema": "mrkit-bench/1",
+        "schema": SCHEMA,
         "quick": a.quick,
         "elapsed_s": elapsed,
         "device_profile": "rxe",
@@ -558,7 +587,10 @@ pub fn run(a: BenchArgs) -> u8 {
         },
         "pool": Value::Null,
         "cache": [cache_fit, cache_thrash],
-        "data_path": Value::Null,
+        "data_path": {
+            "in_process": dp_in,
+            "two_process": dp_two,
+        },
         "notes": notes,
     });
     if let Err(e) = std::fs::write(
@@ -573,7 +605,7 @@ pub fn run(a: BenchArgs) -> u8 {
         eprintln!("mrkit bench: cannot write report.md: {e}");
         return exit::VERB_FAILED;
     }
-    println!(
+    crate::outln!(
         "mrkit bench: {elapsed:.1} s; wrote {}/report.md, raw.json and SVG plots",
         a.out.display()
     );
@@ -706,13 +738,547 @@ fn report(raw: &Value, points: &[Point], floors: &[Floor], pm: &PerMessage) -> S
             c["ns_per_lookup"].as_f64().unwrap_or(0.0)
         );
     }
+    data_path_report(&mut s, &raw["data_path"]);
     let _ = writeln!(s, "\n## Not measured\n");
-    for n in raw["notes"].as_array().into_iter().flatten() {
+    let notes = raw["notes"].as_array().cloned().unwrap_or_default();
+    if notes.is_empty() {
+        let _ = writeln!(s, "Nothing: every part of the suite ran.");
+    }
+    for n in notes {
         let _ = writeln!(s, "- {}", n.as_str().unwrap_or(""));
     }
     let _ = writeln!(
         s,
-        "\nRaw figures: `raw.json` (schema `mrkit-bench/1`, see docs/cli.md)."
+        "\nRaw figures: `raw.json` (schema `{SCHEMA}`, see docs/cli.md)."
     );
     s
+}
+
+// ---------------------------------------------------------------------------------------------
+// Data path: in-process (loopback link) and two-process (RoCEv2/UDP) WRITE/READ.
+
+/// Sizes of the data-path bandwidth points.
+const DP_SIZES: [usize; 3] = [4096, 65536, 1 << 20];
+/// DRAM-resident arenas: offsets rotate across this many bytes, far beyond the LLC.
+const DP_ARENA: usize = 64 << 20;
+
+/// One side of the in-process pair: its device, CQ and QP.
+struct DpSide {
+    ctx: Context,
+    cq: u32,
+    qp: u32,
+    pd: u32,
+}
+
+fn dp_side(sig_all: bool) -> Result<DpSide, String> {
+    use mrkit_soft::qp::{QpCap, QpInitAttr};
+    let ctx = Context::open(DeviceConfig::rxe());
+    let pd = ctx.alloc_pd().map_err(|e| e.to_string())?;
+    let cq = ctx.create_cq(4096, None).map_err(|e| e.to_string())?;
+    let (qp, _) = ctx
+        .create_qp(QpInitAttr {
+            pd,
+            send_cq: cq,
+            recv_cq: cq,
+            cap: QpCap {
+                max_send_wr: 512,
+                ..QpCap::default()
+            },
+            sq_sig_all: sig_all,
+        })
+        .map_err(|e| e.to_string())?;
+    Ok(DpSide { ctx, cq, qp, pd })
+}
+
+/// Wait for `want` completions on `side`'s CQ (error on a failed completion or after 10 s).
+fn dp_reap(side: &DpSide, wcs: &mut Vec<mrkit_soft::cq::Wc>, max: usize) -> Result<usize, String> {
+    wcs.clear();
+    let k = side
+        .ctx
+        .poll_cq(side.cq, wcs, max)
+        .map_err(|e| e.to_string())?;
+    for w in wcs.iter() {
+        if w.status != mrkit_soft::cq::WcStatus::Success {
+            return Err(format!("completion {:?}", w.status));
+        }
+    }
+    Ok(k)
+}
+
+/// Bandwidth (GB/s, 10^9 B/s) of `op` at `size`, `total` bytes, rotating over the arenas.
+fn dp_bw(
+    a: &DpSide,
+    op: mrkit_soft::qp::WrOpcode,
+    local: &mrkit_soft::MrInfo,
+    remote: &mrkit_soft::MrInfo,
+    size: usize,
+    total: usize,
+) -> Result<f64, String> {
+    use mrkit_soft::qp::SendWr;
+    let slots = DP_ARENA / size;
+    let n = (total / size).max(64);
+    let depth = ((16usize << 20) / size).clamp(4, 256);
+    let mut wcs = Vec::with_capacity(256);
+    let (mut posted, mut done, mut outstanding) = (0usize, 0usize, 0usize);
+    let t = Instant::now();
+    let deadline = t + std::time::Duration::from_secs(30);
+    while done < n {
+        while posted < n && outstanding < depth {
+            let off = ((posted * 7919) % slots * size) as u64;
+            let wr = SendWr::new(posted as u64, op)
+                .sge(local.iova + off, size as u32, local.lkey)
+                .remote(remote.iova + off, remote.rkey);
+            a.ctx
+                .post_send(a.qp, &[wr])
+                .map_err(|e| format!("post_send: {e:?}"))?;
+            posted += 1;
+            outstanding += 1;
+        }
+        let k = dp_reap(a, &mut wcs, 256)?;
+        done += k;
+        outstanding -= k;
+        if k == 0 {
+            if Instant::now() > deadline {
+                return Err("timed out waiting for completions".into());
+            }
+            let _ = a.ctx.wait_cq(a.cq, std::time::Duration::from_millis(1));
+        }
+    }
+    Ok((n * size) as f64 / t.elapsed().as_secs_f64() / 1e9)
+}
+
+/// Round trips of one 8-byte `op` at a time (post, spin on the CQ): (p50, p99) in µs.
+fn dp_lat(
+    a: &DpSide,
+    op: mrkit_soft::qp::WrOpcode,
+    local: &mrkit_soft::MrInfo,
+    remote: &mrkit_soft::MrInfo,
+    iters: usize,
+) -> Result<(f64, f64), String> {
+    use mrkit_soft::qp::SendWr;
+    let mut wcs = Vec::with_capacity(4);
+    let mut v = Vec::with_capacity(iters);
+    for i in 0..iters {
+        let off = ((i * 4096) % (DP_ARENA - 8)) as u64;
+        let wr = SendWr::new(i as u64, op)
+            .sge(local.iova + off, 8, local.lkey)
+            .remote(remote.iova + off, remote.rkey);
+        let t = Instant::now();
+        a.ctx
+            .post_send(a.qp, &[wr])
+            .map_err(|e| format!("post_send: {e:?}"))?;
+        while dp_reap(a, &mut wcs, 1)? == 0 {
+            if t.elapsed() > std::time::Duration::from_secs(5) {
+                return Err("timed out waiting for a completion".into());
+            }
+            std::hint::spin_loop();
+        }
+        v.push(t.elapsed().as_nanos() as u64);
+    }
+    v.sort_unstable();
+    let q = |p: f64| v[((v.len() - 1) as f64 * p) as usize] as f64 / 1e3;
+    Ok((q(0.5), q(0.99)))
+}
+
+/// memcpy of `size` over the same arenas and rotation (GB/s).
+fn dp_memcpy(src: &[u8], dst: &mut [u8], size: usize, total: usize) -> f64 {
+    let slots = DP_ARENA / size;
+    let n = (total / size).max(64);
+    let t = Instant::now();
+    for i in 0..n {
+        let off = ((i * 7919) % slots) * size;
+        dst[off..off + size].copy_from_slice(std::hint::black_box(&src[off..off + size]));
+    }
+    std::hint::black_box(&dst);
+    (n * size) as f64 / t.elapsed().as_secs_f64() / 1e9
+}
+
+/// In-process WRITE/READ: two mrkit0 instances on the loopback link, one RC QP each, beside
+/// memcpy over the same DRAM-resident arenas in the same run.
+fn data_path_in_process(quick: bool) -> Value {
+    use mrkit_soft::qp::{rc_connect, WrOpcode};
+    let run = || -> Result<Value, String> {
+        let a = dp_side(true)?;
+        let b = dp_side(false)?;
+        let full = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ;
+        rc_connect(&a.ctx, a.qp, &b.ctx, b.qp, full, 5).map_err(|e| e.to_string())?;
+        let mut la = vec![0x5au8; DP_ARENA];
+        let mut rb = vec![0u8; DP_ARENA];
+        let ml = a
+            .ctx
+            .reg_mr_va(a.pd, la.as_mut_ptr() as u64, DP_ARENA as u64, full)
+            .map_err(|e| e.to_string())?;
+        let mr = b
+            .ctx
+            .reg_mr_va(b.pd, rb.as_mut_ptr() as u64, DP_ARENA as u64, full)
+            .map_err(|e| e.to_string())?;
+        let total = if quick { 64usize << 20 } else { 512 << 20 };
+        let iters = if quick { 2000 } else { 20000 };
+        let mut bw = Vec::new();
+        let mut result = Ok(());
+        for &size in &DP_SIZES {
+            let mc = dp_memcpy(&la, &mut rb, size, total);
+            for (name, op) in [("write", WrOpcode::RdmaWrite), ("read", WrOpcode::RdmaRead)] {
+                match dp_bw(&a, op, &ml, &mr, size, total) {
+                    Ok(g) => bw.push(json!({
+                        "op": name, "size": size, "bytes": (total / size).max(64) * size,
+                        "gbps": g, "memcpy_gbps": mc, "ratio_to_memcpy": g / mc,
+                    })),
+                    Err(e) => {
+                        result = Err(format!("{name} {size} B: {e}"));
+                        break;
+                    }
+                }
+            }
+            if result.is_err() {
+                break;
+            }
+        }
+        let mut lat = Vec::new();
+        if result.is_ok() {
+            for (name, op) in [("write", WrOpcode::RdmaWrite), ("read", WrOpcode::RdmaRead)] {
+                match dp_lat(&a, op, &ml, &mr, iters) {
+                    Ok((p50, p99)) => lat.push(json!({
+                        "op": name, "size": 8, "iters": iters, "lat_us_p50": p50, "lat_us_p99": p99,
+                    })),
+                    Err(e) => {
+                        result = Err(format!("{name} 8 B latency: {e}"));
+                        break;
+                    }
+                }
+            }
+        }
+        let t = Instant::now();
+        for i in 0..iters {
+            let off = (i * 4096) % (DP_ARENA - 8);
+            rb[off..off + 8].copy_from_slice(std::hint::black_box(&la[off..off + 8]));
+        }
+        let memcpy_8b_ns = t.elapsed().as_nanos() as f64 / iters as f64;
+        let _ = a.ctx.dereg_mr(ml.lkey);
+        let _ = b.ctx.dereg_mr(mr.lkey);
+        drop((a, b));
+        Ok(json!({
+            "link": "loopback (two mrkit0 instances in this process, one RC QP each, MTU 4096)",
+            "arena_bytes": DP_ARENA,
+            "bandwidth": bw,
+            "latency": lat,
+            "memcpy_8b_ns": memcpy_8b_ns,
+            "error": result.err(),
+        }))
+    };
+    run().unwrap_or_else(|e| json!({"bandwidth": [], "latency": [], "error": e}))
+}
+
+/// Two-process WRITE/READ over RoCEv2/UDP.
+///
+/// Full run: `mrkit bench transport --json` in a child process (which runs `mrkit perf --server`
+/// in a grandchild and the clients itself, beside raw UDP floors and UCX). `--quick`: the same
+/// server with this process as the client and fewer messages per point (`bench transport
+/// --quick` alone takes about 30 s, mostly in its one-outstanding latency passes).
+fn data_path_two_process(quick: bool) -> Value {
+    if quick {
+        return match two_process_light() {
+            Ok(v) => json!({
+                "transport": "RoCEv2/UDP between two processes (`mrkit perf --server` and this process as the client), loopback addresses",
+                "result": v,
+                "error": null,
+            }),
+            Err(e) => {
+                json!({"transport": "RoCEv2/UDP between two processes", "result": null, "error": e})
+            }
+        };
+    }
+    use std::os::unix::process::CommandExt;
+    use std::process::{Command, Stdio};
+    let run = || -> Result<Value, String> {
+        let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+        let mut c = Command::new(exe);
+        c.args(["bench", "transport", "--json"]);
+        if quick {
+            c.arg("--quick");
+        }
+        let mut child = c
+            // Its own process group, so a timeout can stop the perf server too.
+            .process_group(0)
+            // Short-lived helpers: no statistics files left behind.
+            .env("MRKIT_STAT", "0")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("cannot start `mrkit bench transport`: {e}"))?;
+        let mut so = child.stdout.take().ok_or("no stdout")?;
+        let mut se = child.stderr.take().ok_or("no stderr")?;
+        let ro = std::thread::spawn(move || {
+            let mut s = String::new();
+            let _ = std::io::Read::read_to_string(&mut so, &mut s);
+            s
+        });
+        let re = std::thread::spawn(move || {
+            let mut s = String::new();
+            let _ = std::io::Read::read_to_string(&mut se, &mut s);
+            s
+        });
+        let limit = std::time::Duration::from_secs(if quick { 45 } else { 600 });
+        let t = Instant::now();
+        let status = loop {
+            if let Some(s) = child.try_wait().map_err(|e| e.to_string())? {
+                break Some(s);
+            }
+            if t.elapsed() > limit {
+                if let Some(pg) = rustix::process::Pid::from_raw(child.id() as i32) {
+                    let _ = rustix::process::kill_process_group(pg, rustix::process::Signal::KILL);
+                }
+                let _ = child.kill();
+                let _ = child.wait();
+                break None;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        };
+        let out = ro.join().unwrap_or_default();
+        let err = re.join().unwrap_or_default();
+        match status {
+            None => Err(format!("timed out after {} s", limit.as_secs())),
+            Some(s) if !s.success() => Err(format!(
+                "`mrkit bench transport` failed ({s}): {}",
+                err.trim()
+            )),
+            Some(_) => serde_json::from_str::<Value>(&out)
+                .map_err(|e| format!("unparsable `mrkit bench transport --json` output: {e}")),
+        }
+    };
+    match run() {
+        Ok(v) => json!({
+            "transport": "RoCEv2/UDP between two processes (`mrkit perf --server` and a client), loopback addresses",
+            "result": v,
+            "error": null,
+        }),
+        Err(e) => {
+            json!({"transport": "RoCEv2/UDP between two processes", "result": null, "error": e})
+        }
+    }
+}
+
+/// Bandwidth series for `data_bw.svg` (GB/s).
+fn data_path_series<'a>(dp_in: &Value, dp_two: &Value) -> Vec<(&'a str, Vec<(u64, f64)>)> {
+    let pick = |rows: &Value, op: &str, key: &str, scale: f64| -> Vec<(u64, f64)> {
+        rows.as_array()
+            .into_iter()
+            .flatten()
+            .filter(|r| r["op"] == op)
+            .filter_map(|r| Some((r["size"].as_u64()?, r[key].as_f64()? * scale)))
+            .filter(|(_, y)| *y > 0.0)
+            .collect()
+    };
+    let bw = &dp_in["bandwidth"];
+    let two = &dp_two["result"]["mrkit"];
+    vec![
+        ("in-process WRITE", pick(bw, "write", "gbps", 1.0)),
+        ("in-process READ", pick(bw, "read", "gbps", 1.0)),
+        (
+            "memcpy (same arenas)",
+            pick(bw, "write", "memcpy_gbps", 1.0),
+        ),
+        (
+            "two-process WRITE (RoCEv2/UDP)",
+            pick(two, "write", "bw_mbps", 1e-3),
+        ),
+        (
+            "two-process READ (RoCEv2/UDP)",
+            pick(two, "read", "bw_mbps", 1e-3),
+        ),
+    ]
+    .into_iter()
+    .filter(|(_, v)| !v.is_empty())
+    .collect()
+}
+
+fn data_path_report(s: &mut String, dp: &Value) {
+    use std::fmt::Write;
+    let f = |v: &Value, d: usize| {
+        v.as_f64()
+            .map(|x| format!("{x:.d$}"))
+            .unwrap_or_else(|| "-".into())
+    };
+    let _ = writeln!(s, "\n## Data path: WRITE/READ bandwidth and latency\n");
+    let _ = writeln!(s, "![bandwidth vs message size](data_bw.svg)\n");
+    let dpi = &dp["in_process"];
+    let _ = writeln!(s, "### In process\n");
+    let _ = writeln!(s, "Two mrkit0 instances in this process on the loopback link, one RC QP each (MTU 4096), signaled WRITE/READ with up to 16 MiB in flight; offsets rotate across {} arenas (DRAM, not cache), and memcpy runs over the same arenas and rotation in the same run.\n", human(dpi["arena_bytes"].as_u64().unwrap_or(DP_ARENA as u64)));
+    let _ = writeln!(
+        s,
+        "| op | size | GB/s | memcpy GB/s | ÷ memcpy |\n|---|---:|---:|---:|---:|"
+    );
+    for r in dpi["bandwidth"].as_array().into_iter().flatten() {
+        let _ = writeln!(
+            s,
+            "| {} | {} | {} | {} | {} |",
+            r["op"].as_str().unwrap_or("?").to_uppercase(),
+            human(r["size"].as_u64().unwrap_or(0)),
+            f(&r["gbps"], 2),
+            f(&r["memcpy_gbps"], 2),
+            f(&r["ratio_to_memcpy"], 2)
+        );
+    }
+    let _ = writeln!(
+        s,
+        "\n| op | size | round trip p50 | p99 |\n|---|---:|---:|---:|"
+    );
+    for r in dpi["latency"].as_array().into_iter().flatten() {
+        let _ = writeln!(
+            s,
+            "| {} | 8 B | {} µs | {} µs |",
+            r["op"].as_str().unwrap_or("?").to_uppercase(),
+            f(&r["lat_us_p50"], 2),
+            f(&r["lat_us_p99"], 2)
+        );
+    }
+    let _ = writeln!(s, "\nmemcpy of 8 bytes: {} ns.", f(&dpi["memcpy_8b_ns"], 1));
+    if let Some(e) = dpi["error"].as_str() {
+        let _ = writeln!(s, "\nIn-process run stopped: {e}");
+    }
+    let dpt = &dp["two_process"];
+    let _ = writeln!(s, "\n### Two processes (RoCEv2 over UDP)\n");
+    let _ = writeln!(s, "`mrkit perf --server` in a child process, the client in another process, on loopback addresses; data verified; RTT columns are the one-message-outstanding round trips of each point. Full run (`mrkit bench transport`): floors from the same run, a raw UDP stream (GSO 4 KiB segments, GRO) and a raw 8-byte UDP ping-pong, and UCX when installed.\n");
+    let r = &dpt["result"];
+    if r.is_null() {
+        let _ = writeln!(
+            s,
+            "Not measured: {}",
+            dpt["error"].as_str().unwrap_or("unknown error")
+        );
+        return;
+    }
+    let stream = r["raw_udp_stream_mbps"].as_f64();
+    let pp = r["raw_udp_pingpong_rtt_us"].as_f64();
+    let ratio = |x: f64, floor: Option<f64>| {
+        floor
+            .filter(|f| *f > 0.0)
+            .map(|f| format!("{:.2}", x / f))
+            .unwrap_or_else(|| "-".into())
+    };
+    let _ = writeln!(s, "| op | size | MB/s | ÷ raw UDP stream | RTT p50 | RTT p99 | errors |\n|---|---:|---:|---:|---:|---:|---:|");
+    for x in r["mrkit"].as_array().into_iter().flatten() {
+        let bw = x["bw_mbps"].as_f64().unwrap_or(0.0);
+        let _ = writeln!(
+            s,
+            "| {} | {} | {bw:.0} | {} | {} µs | {} µs | {} |",
+            x["op"].as_str().unwrap_or("?").to_uppercase(),
+            human(x["size"].as_u64().unwrap_or(0)),
+            ratio(bw, stream),
+            f(&x["lat_us_p50"], 1),
+            f(&x["lat_us_p99"], 1),
+            x["errors"]
+        );
+    }
+    for (k, name) in [("write_lat", "WRITE"), ("send_lat", "SEND")] {
+        let l = r[k]["lat_us_p50"].as_f64().unwrap_or(0.0);
+        match pp {
+            Some(pp) => {
+                let _ = writeln!(
+                    s,
+                    "\n{name} 8 B round trip p50 {l:.1} µs = {}x the raw UDP ping-pong ({pp:.1} µs).",
+                    ratio(l, Some(pp))
+                );
+            }
+            None => {
+                let _ = writeln!(s, "\n{name} 8 B round trip p50 {l:.1} µs.");
+            }
+        }
+    }
+    match stream {
+        Some(st) => {
+            let _ = writeln!(s, "\nRaw UDP stream floor: {st:.0} MB/s.");
+        }
+        None => {
+            let _ = writeln!(s, "\nFloors (raw UDP stream and ping-pong) and UCX are not run with `--quick`; `mrkit bench transport` measures them.");
+            return;
+        }
+    }
+    match (
+        r["ucx_tcp_put_bw_64k_mbps"].as_f64(),
+        r["ucx_tcp_am_lat_8b_us_one_way"].as_f64(),
+    ) {
+        (Some(bw), Some(l)) => {
+            let _ = writeln!(
+                s,
+                "\nUCX over tcp on the same host: put_bw 64 KiB {bw:.0} MB/s, am_lat 8 B {l:.1} µs one way."
+            );
+        }
+        _ => {
+            let _ = writeln!(s, "\nUCX: `ucx_perftest` not installed or not parsable.");
+        }
+    }
+}
+
+/// `--quick` two-process run: `mrkit perf --server` in a child, the clients here.
+fn two_process_light() -> Result<Value, String> {
+    use super::perf::{run_client_with, Op};
+    use std::os::unix::process::CommandExt;
+    use std::process::{Command, Stdio};
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map_err(|e| e.to_string())?
+        .port();
+    let server_addr = "127.79.0.1";
+    // Each bandwidth point, two latency runs, the start-up probe and the warm-up.
+    let runs = DP_SIZES.len() * 2 + 2 + 2;
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let server = Command::new(exe)
+        .args(["perf", "--server", "--addr", server_addr, "--port"])
+        .arg(port.to_string())
+        .args(["--count", &runs.to_string()])
+        .process_group(0)
+        .env("MRKIT_STAT", "0")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|e| format!("cannot start `mrkit perf --server`: {e}"))?;
+    struct Reap(std::process::Child);
+    impl Drop for Reap {
+        fn drop(&mut self) {
+            if let Some(pg) = rustix::process::Pid::from_raw(self.0.id() as i32) {
+                let _ = rustix::process::kill_process_group(pg, rustix::process::Signal::KILL);
+            }
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let _server = Reap(server);
+    let end = Instant::now() + std::time::Duration::from_secs(10);
+    while std::net::TcpStream::connect(std::net::SocketAddr::from(([127, 79, 0, 1], port))).is_err()
+    {
+        if Instant::now() > end {
+            return Err("perf server did not start".into());
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let next = std::cell::Cell::new(2u8);
+    let one = |op: Op, size: u64, iters: u32| -> Result<Value, String> {
+        let ip = format!("127.79.0.{}", next.get());
+        next.set(next.get() + 1);
+        let r = run_client_with(server_addr, port, Some(&ip), op, size, iters, 32)
+            .map_err(|e| format!("{op:?} {size} B: {e:#}"))?;
+        serde_json::to_value(r).map_err(|e| e.to_string())
+    };
+    let _ = one(Op::Write, 8, 20); // warm-up (and the connection the probe consumed)
+    let mut rows = Vec::new();
+    for op in [Op::Write, Op::Read] {
+        for &size in &DP_SIZES {
+            let iters = ((16u64 << 20) / size as u64).clamp(200, 2000) as u32;
+            rows.push(one(op, size as u64, iters)?);
+        }
+    }
+    let wlat = one(Op::Write, 8, 500)?;
+    let slat = one(Op::Send, 8, 500)?;
+    Ok(json!({
+        "raw_udp_stream_mbps": null,
+        "raw_udp_pingpong_rtt_us": null,
+        "mrkit": rows,
+        "write_lat": wlat,
+        "send_lat": slat,
+        "ucx_tcp_put_bw_64k_mbps": null,
+        "ucx_tcp_am_lat_8b_us_one_way": null,
+    }))
 }

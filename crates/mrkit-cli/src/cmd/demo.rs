@@ -1,4 +1,8 @@
-//! `mrkit demo`: a guided run on the embedded device.
+//! `mrkit demo`: a guided run on the embedded device: registration, data movement between two
+//! endpoints (WRITE, READ, FETCH_AND_ADD), the classic mistakes with their real errors, and a
+//! short pool-vs-per-message comparison.
+
+use std::time::{Duration, Instant};
 
 use clap::Args;
 use mrkit::{AccessFlags, Buffer, BufferOptions, Context, DeviceConfig};
@@ -13,18 +17,20 @@ pub struct DemoArgs {
     quiet: bool,
 }
 
-fn step(n: u32, title: &str) {
-    println!("\n== {n}. {title}");
+fn step(n: &mut u32, title: &str) {
+    *n += 1;
+    let n = *n;
+    crate::outln!("\n== {n}. {title}");
 }
 
 fn show<T>(what: &str, r: mrkit::Result<T>) -> Option<T> {
     match r {
         Ok(v) => {
-            println!("   {what}: ok");
+            crate::outln!("   {what}: ok");
             Some(v)
         }
         Err(e) => {
-            println!("   {what}: {e}");
+            crate::outln!("   {what}: {e}");
             None
         }
     }
@@ -43,17 +49,21 @@ pub fn run(_a: DemoArgs) -> u8 {
 fn run_inner() -> mrkit::Result<()> {
     let ctx = Context::open_default()?;
     let attr = ctx.query_device();
-    println!(
+    crate::outln!(
         "mrkit demo: memory registration on {} (a software RDMA device; no NIC needed)",
         ctx.name()
     );
-    println!(
+    crate::outln!(
         "   max_mr {}  max_mr_size {:#x}  translation entries 2^{}  ODP caps {:#x}",
-        attr.max_mr, attr.max_mr_size, attr.log_num_mtt, attr.odp_general_caps
+        attr.max_mr,
+        attr.max_mr_size,
+        attr.log_num_mtt,
+        attr.odp_general_caps
     );
 
+    let mut n = 0;
     step(
-        1,
+        &mut n,
         "Register 64 KiB for remote writes: pinned pages, translation, keys",
     );
     let pd = ctx.alloc_pd()?;
@@ -67,7 +77,7 @@ fn run_inner() -> mrkit::Result<()> {
     .map_err(|e| mrkit::Error::new(mrkit::Errno::ENOMEM, e.to_string()))?;
     let mr = pd.register(buf, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE)?;
     let i = mr.info();
-    println!(
+    crate::outln!(
         "   lkey {:#010x} = rkey {:#010x}  ({} pages of {} B, pinned through {})",
         i.lkey,
         i.rkey,
@@ -75,16 +85,20 @@ fn run_inner() -> mrkit::Result<()> {
         i.page_size,
         i.pin_path.map(|p| p.name()).unwrap_or("-")
     );
-    println!("   key = (index << 8) | generation: a deregistered key never matches a later MR");
+    crate::outln!(
+        "   key = (index << 8) | generation: a deregistered key never matches a later MR"
+    );
 
-    step(2, "Classic mistake: REMOTE_WRITE without LOCAL_WRITE");
+    move_data(&mut n)?;
+
+    step(&mut n, "Classic mistake: REMOTE_WRITE without LOCAL_WRITE");
     show(
         "register(REMOTE_WRITE)",
         pd.register(Buffer::new(4096).expect("alloc"), AccessFlags::REMOTE_WRITE),
     );
 
     step(
-        3,
+        &mut n,
         "Classic mistake: a writable registration of a read-only mapping",
     );
     let mut ro = Buffer::with_options(
@@ -113,7 +127,7 @@ fn run_inner() -> mrkit::Result<()> {
         "register(read-only buffer, REMOTE_READ)",
         pd.register(ro, AccessFlags::REMOTE_READ),
     ) {
-        println!(
+        crate::outln!(
             "   pinned through {} (io_uring always pins writable)",
             mr_ro.info().pin_path.map(|p| p.name()).unwrap_or("-")
         );
@@ -124,18 +138,18 @@ fn run_inner() -> mrkit::Result<()> {
         );
     }
 
-    step(4, "Using a key after dereg: the device refuses it");
+    step(&mut n, "Using a key after dereg: the device refuses it");
     let soft = ctx.soft().expect("embedded device");
     let stale = mr.lkey();
     let iova = mr.info().iova;
     drop(mr);
     match soft.check_access(stale, pd.handle(), AccessFlags::REMOTE_WRITE, iova, 8, KeyUse::Remote, 0) {
-        Ok(_) => println!("   BUG: stale key accepted"),
-        Err(d) => println!("   remote WRITE with stale rkey {stale:#010x}: refused ({d:?}) -> IBV_WC_REM_ACCESS_ERR"),
+        Ok(_) => crate::outln!("   BUG: stale key accepted"),
+        Err(d) => crate::outln!("   remote WRITE with stale rkey {stale:#010x}: refused ({d:?}) -> IBV_WC_REM_ACCESS_ERR"),
     }
 
     step(
-        5,
+        &mut n,
         "A NIC with max_mr = 1000 (the seed's ConnectX-5 default)",
     );
     let small = mrkit_soft::Context::open(DeviceConfig::rxe().max_mr(1000));
@@ -156,7 +170,7 @@ fn run_inner() -> mrkit::Result<()> {
                 .lkey,
         );
     }
-    println!("   1000 registrations of the same page: ok (each pins it again)");
+    crate::outln!("   1000 registrations of the same page: ok (each pins it again)");
     show(
         "registration 1001",
         small.reg_mr_va(spd, page.addr(), 4096, AccessFlags::LOCAL_WRITE),
@@ -166,7 +180,7 @@ fn run_inner() -> mrkit::Result<()> {
     }
 
     step(
-        6,
+        &mut n,
         "Translation capacity: 2^9 entries, 4 MiB of 4 KiB pages vs THP",
     );
     let tiny = Context::open(DeviceConfig::rxe().log_num_mtt(9));
@@ -196,14 +210,14 @@ fn run_inner() -> mrkit::Result<()> {
         "4 MiB backed by THP",
         tpd.register(huge, AccessFlags::LOCAL_WRITE),
     ) {
-        println!(
+        crate::outln!(
             "   {} entries of {} B",
             m.info().entries,
             m.info().page_size
         );
     }
 
-    step(7, "Deallocating a PD that still has MRs");
+    step(&mut n, "Deallocating a PD that still has MRs");
     let raw = Context::open(DeviceConfig::rxe());
     let s = raw.soft().expect("embedded");
     let p = s.alloc_pd()?;
@@ -220,12 +234,255 @@ fn run_inner() -> mrkit::Result<()> {
     s.dereg_mr(m.lkey)?;
     show("dealloc_pd after dereg", s.dealloc_pd(p));
 
+    pool_vs_per_message(&mut n)?;
+
     let st = soft.stats();
-    println!(
+    crate::outln!(
         "\nstatistics of this run: {} registrations, {} failures, peak pinned {} bytes",
         st.registrations,
         st.failures.iter().map(|(_, c)| c).sum::<u64>(),
         st.pinned_bytes_peak
+    );
+    Ok(())
+}
+
+fn err(e: impl std::fmt::Display) -> mrkit::Error {
+    mrkit::Error::new(mrkit::Errno::EINVAL, e.to_string())
+}
+
+fn buffer(len: usize) -> mrkit::Result<Buffer> {
+    Buffer::with_options(
+        len,
+        BufferOptions {
+            populate: true,
+            ..Default::default()
+        },
+    )
+    .map_err(|e| mrkit::Error::new(mrkit::Errno::ENOMEM, e.to_string()))
+}
+
+/// One endpoint: an mrkit0 instance with a PD, a CQ and an RC QP.
+struct Endpoint {
+    ctx: mrkit_soft::Context,
+    pd: u32,
+    cq: u32,
+    qp: u32,
+}
+
+fn endpoint() -> mrkit::Result<Endpoint> {
+    use mrkit_soft::qp::{QpCap, QpInitAttr};
+    let ctx = mrkit_soft::Context::open(DeviceConfig::rxe());
+    let pd = ctx.alloc_pd()?;
+    let cq = ctx.create_cq(64, None)?;
+    let (qp, _) = ctx.create_qp(QpInitAttr {
+        pd,
+        send_cq: cq,
+        recv_cq: cq,
+        cap: QpCap::default(),
+        sq_sig_all: true,
+    })?;
+    Ok(Endpoint { ctx, pd, cq, qp })
+}
+
+/// Post one WR on `a` and wait for its completion.
+fn one(a: &Endpoint, wr: mrkit_soft::qp::SendWr) -> mrkit::Result<mrkit_soft::cq::Wc> {
+    a.ctx
+        .post_send(a.qp, &[wr])
+        .map_err(|e| err(format!("post_send: {e:?}")))?;
+    let end = Instant::now() + Duration::from_secs(5);
+    let mut wcs = Vec::new();
+    loop {
+        if a.ctx.poll_cq(a.cq, &mut wcs, 1)? == 1 {
+            return Ok(wcs[0]);
+        }
+        if Instant::now() > end {
+            return Err(mrkit::Error::new(
+                mrkit::Errno::ETIMEDOUT,
+                "no completion within 5 s",
+            ));
+        }
+        let _ = a.ctx.wait_cq(a.cq, Duration::from_millis(10));
+    }
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b.split(|c| *c == 0).next().unwrap_or(b)).into_owned()
+}
+
+fn u64_at(b: &[u8], off: usize) -> u64 {
+    let mut w = [0u8; 8];
+    w.copy_from_slice(&b[off..off + 8]);
+    u64::from_ne_bytes(w)
+}
+
+/// Two endpoints on the loopback link: WRITE, READ, FETCH_AND_ADD, and a WRITE the remote MR
+/// does not allow.
+fn move_data(n: &mut u32) -> mrkit::Result<()> {
+    use mrkit_soft::cq::WcStatus;
+    use mrkit_soft::qp::{rc_connect, SendWr, WrOpcode};
+    step(
+        n,
+        "Move data between two endpoints: RDMA WRITE, READ and FETCH_AND_ADD",
+    );
+    let a = endpoint()?;
+    let b = endpoint()?;
+    let remote = AccessFlags::LOCAL_WRITE
+        | AccessFlags::REMOTE_WRITE
+        | AccessFlags::REMOTE_READ
+        | AccessFlags::REMOTE_ATOMIC;
+    rc_connect(&a.ctx, a.qp, &b.ctx, b.qp, remote, 5)?;
+    crate::outln!(
+        "   endpoint A: QP {:#x} on node {:#x}; endpoint B: QP {:#x} on node {:#x} (RC, connected over the loopback link)",
+        a.qp,
+        a.ctx.node_id(),
+        b.qp,
+        b.ctx.node_id()
+    );
+    let mut abuf = buffer(16 << 10)?;
+    let mut bbuf = buffer(16 << 10)?;
+    let am = a
+        .ctx
+        .reg_mr_va(a.pd, abuf.addr(), 16 << 10, AccessFlags::LOCAL_WRITE)?;
+    let bm = b.ctx.reg_mr_va(b.pd, bbuf.addr(), 16 << 10, remote)?;
+    crate::outln!(
+        "   A registers 16 KiB LOCAL_WRITE (lkey {:#010x}); B registers 16 KiB LOCAL_WRITE|REMOTE_WRITE|REMOTE_READ|REMOTE_ATOMIC and sends A its address {:#x} and rkey {:#010x}",
+        am.lkey,
+        bm.iova,
+        bm.rkey
+    );
+
+    let msg = b"hello from A, written by RDMA WRITE";
+    abuf.as_mut_slice()[..msg.len()].copy_from_slice(msg);
+    let wc = one(
+        &a,
+        SendWr::new(1, WrOpcode::RdmaWrite)
+            .sge(am.iova, msg.len() as u32, am.lkey)
+            .remote(bm.iova, bm.rkey),
+    )?;
+    crate::outln!(
+        "   WRITE {} B A -> B: completion {}; B's memory now reads \"{}\" (B's CPU did nothing)",
+        msg.len(),
+        wc.status.name(),
+        text(&bbuf.as_slice()[..64])
+    );
+
+    let reply = b"B's data, fetched by RDMA READ";
+    bbuf.as_mut_slice()[4096..4096 + reply.len()].copy_from_slice(reply);
+    let wc = one(
+        &a,
+        SendWr::new(2, WrOpcode::RdmaRead)
+            .sge(am.iova + 4096, reply.len() as u32, am.lkey)
+            .remote(bm.iova + 4096, bm.rkey),
+    )?;
+    crate::outln!(
+        "   READ {} B B -> A: completion {}; A's memory now reads \"{}\"",
+        reply.len(),
+        wc.status.name(),
+        text(&abuf.as_slice()[4096..4096 + 64])
+    );
+
+    bbuf.as_mut_slice()[8192..8200].copy_from_slice(&41u64.to_ne_bytes());
+    let mut faa = SendWr::new(3, WrOpcode::AtomicFetchAndAdd)
+        .sge(am.iova + 8192, 8, am.lkey)
+        .remote(bm.iova + 8192, bm.rkey);
+    faa.compare_add = 1;
+    let wc = one(&a, faa)?;
+    crate::outln!(
+        "   FETCH_AND_ADD(+1) on B's counter: completion {}; A received the old value {}, B's counter is now {}",
+        wc.status.name(),
+        u64_at(abuf.as_slice(), 8192),
+        u64_at(bbuf.as_slice(), 8192)
+    );
+
+    crate::outln!("\n   Classic mistake: WRITE to an MR registered without REMOTE_WRITE");
+    let cbuf = buffer(4096)?;
+    let cm = b
+        .ctx
+        .reg_mr_va(b.pd, cbuf.addr(), 4096, AccessFlags::LOCAL_WRITE)?;
+    let wc = one(
+        &a,
+        SendWr::new(4, WrOpcode::RdmaWrite)
+            .sge(am.iova, 8, am.lkey)
+            .remote(cm.iova, cm.rkey),
+    )?;
+    crate::outln!(
+        "   WRITE with B's rkey {:#010x} (LOCAL_WRITE only): completion {}{}",
+        cm.rkey,
+        wc.status.name(),
+        if wc.status == WcStatus::RemAccessErr {
+            " (IBV_WC_REM_ACCESS_ERR: the responder's key check refused it)"
+        } else {
+            " (unexpected)"
+        }
+    );
+    if let Ok(st) = a.ctx.qp_state(a.qp) {
+        crate::outln!("   A's QP is now in state {st:?}: an RC error is fatal to the connection");
+    }
+    let _ = a.ctx.destroy_qp(a.qp);
+    let _ = b.ctx.destroy_qp(b.qp);
+    for (c, k) in [(&a.ctx, am.lkey), (&b.ctx, bm.lkey), (&b.ctx, cm.lkey)] {
+        let _ = c.dereg_mr(k);
+    }
+    Ok(())
+}
+
+/// 2000 messages of 4 KiB: reg/dereg per message vs slots of an MR pool.
+fn pool_vs_per_message(n: &mut u32) -> mrkit::Result<()> {
+    use mrkit::pool::{MrPool, PoolConfig};
+    const MESSAGES: usize = 2000;
+    step(
+        n,
+        "Pool vs per-message registration: 2000 messages of 4 KiB",
+    );
+    let ctx = Context::open(DeviceConfig::rxe());
+    let pd = ctx.alloc_pd()?;
+    let soft = ctx.soft().expect("embedded device");
+    let mut buf = buffer(1 << 20)?;
+    let msg = [0x5au8; 4096];
+    let t = Instant::now();
+    for i in 0..MESSAGES {
+        let off = (i % 256) * 4096;
+        buf.as_mut_slice()[off..off + 4096].copy_from_slice(&msg);
+        let mr = soft.reg_mr_va(
+            pd.handle(),
+            buf.addr() + off as u64,
+            4096,
+            AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE,
+        )?;
+        soft.dereg_mr(mr.lkey)?;
+    }
+    let per = t.elapsed();
+    let pool = MrPool::new(
+        &pd,
+        PoolConfig {
+            chunk_size: 4 << 20,
+            ..PoolConfig::default()
+        },
+    )?;
+    drop(pool.alloc()?); // the first chunk is registered once, here
+    let t = Instant::now();
+    for _ in 0..MESSAGES {
+        let mut s = pool.alloc()?;
+        s.as_mut_slice()[..4096].copy_from_slice(&msg);
+        std::hint::black_box(s.lkey());
+    }
+    let pooled = t.elapsed();
+    let ns = |d: Duration| d.as_nanos() as f64 / MESSAGES as f64;
+    crate::outln!(
+        "   {:<34} {:>7.2} ms total, {:>8.0} ns per message",
+        "per-message reg_mr + dereg_mr:",
+        per.as_secs_f64() * 1e3,
+        ns(per)
+    );
+    crate::outln!(
+        "   {:<34} {:>7.2} ms total, {:>8.0} ns per message",
+        "MrPool slot (alloc, copy, free):",
+        pooled.as_secs_f64() * 1e3,
+        ns(pooled)
+    );
+    crate::outln!(
+        "   the pool is {:.0}x faster: register once, reuse the keys (`mrkit bench` measures more)",
+        per.as_secs_f64() / pooled.as_secs_f64().max(1e-9)
     );
     Ok(())
 }

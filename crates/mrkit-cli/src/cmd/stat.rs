@@ -14,7 +14,8 @@ use crate::exit;
 
 #[derive(Args, Debug)]
 #[command(
-    after_help = "Examples:\n  mrkit stat\n  mrkit stat --pid 4242 --json\n  mrkit stat --watch 1\n\nProcesses appear when they call mrkit::stat_export::install() (MRKIT_STAT=0 disables it).\nFiles live in $MRKIT_STAT_DIR, else $XDG_RUNTIME_DIR/mrkit, else /tmp/mrkit-$UID; other users'\nprocesses are visible only if their owner exported with MRKIT_STAT_SHARE=1."
+    after_help = "Examples:\n  mrkit stat\n  mrkit stat --pid 4242 --json\n  mrkit stat --watch 1\n\nProcesses appear once they open a device (mrkit::Context::open starts the export; MRKIT_STAT=0
+disables it).\nFiles live in $MRKIT_STAT_DIR, else $XDG_RUNTIME_DIR/mrkit, else /tmp/mrkit-$UID; other users'\nprocesses are visible only if their owner exported with MRKIT_STAT_SHARE=1."
 )]
 pub struct StatArgs {
     /// Only this process.
@@ -43,6 +44,9 @@ pub struct HoldArgs {
     /// How many 64 KiB buffers to register.
     #[arg(long, default_value_t = 3)]
     regs: usize,
+    /// Do not call `stat_export::install()`: rely on the export that opening a device starts.
+    #[arg(long)]
+    no_install: bool,
 }
 
 fn dirs(explicit: &Option<PathBuf>) -> Vec<PathBuf> {
@@ -118,7 +122,7 @@ fn ns(v: u64) -> String {
 
 fn print_text(procs: &[Value], dirs: &[PathBuf]) {
     if procs.is_empty() {
-        println!(
+        crate::outln!(
             "no mrkit process exports statistics (looked in {})",
             dirs.iter()
                 .map(|d| d.display().to_string())
@@ -134,7 +138,7 @@ fn print_text(procs: &[Value], dirs: &[PathBuf]) {
     for p in procs {
         let u = |k: &str| p[k].as_u64().unwrap_or(0);
         let age = now.saturating_sub(u("updated_unix_ms")) as f64 / 1000.0;
-        println!(
+        crate::outln!(
             "pid {} ({}) {}  updated {age:.1} s ago",
             u("pid"),
             p["comm"].as_str().unwrap_or("?"),
@@ -153,7 +157,7 @@ fn print_text(procs: &[Value], dirs: &[PathBuf]) {
                     .collect()
             })
             .unwrap_or_default();
-        println!(
+        crate::outln!(
             "  mr: live {}  registered {}  deregistered {}  failed {}",
             u("mrs_live"),
             u("registrations"),
@@ -164,7 +168,7 @@ fn print_text(procs: &[Value], dirs: &[PathBuf]) {
                 fails.join(" ")
             }
         );
-        println!(
+        crate::outln!(
             "  pinned {} (peak {})  translation entries {}  pins io_uring {} mlock {}  odp faults {}",
             human(u("pinned_bytes")),
             human(u("pinned_bytes_peak")),
@@ -174,7 +178,7 @@ fn print_text(procs: &[Value], dirs: &[PathBuf]) {
             u("odp_faults")
         );
         let l = &p["latency_ns"];
-        println!(
+        crate::outln!(
             "  reg latency p50 {} p99 {} (n={})",
             ns(l["p50"].as_u64().unwrap_or(0)),
             ns(l["p99"].as_u64().unwrap_or(0)),
@@ -182,7 +186,7 @@ fn print_text(procs: &[Value], dirs: &[PathBuf]) {
         );
         if let Some(m) = p["sources"].as_object() {
             for (k, v) in m {
-                println!("  {k}: {v}");
+                crate::outln!("  {k}: {v}");
             }
         }
     }
@@ -201,20 +205,19 @@ pub fn run(a: StatArgs) -> u8 {
         loop {
             let (procs, ds) = once(&a);
             if a.json {
-                println!("{}", json!({"processes": procs}));
+                crate::outln!("{}", json!({"processes": procs}));
             } else {
-                print!("\x1b[2J\x1b[H");
-                println!("mrkit stat (every {w} s, Ctrl-C to stop)\n");
+                crate::out!("\x1b[2J\x1b[H");
+                crate::outln!("mrkit stat (every {w} s, Ctrl-C to stop)\n");
                 print_text(&procs, &ds);
             }
-            use std::io::Write;
-            let _ = std::io::stdout().flush();
+            crate::out::flush();
             std::thread::sleep(Duration::from_secs_f64(w));
         }
     }
     let (procs, ds) = once(&a);
     if a.json {
-        println!(
+        crate::outln!(
             "{}",
             serde_json::to_string_pretty(&json!({"processes": procs})).expect("json")
         );
@@ -265,16 +268,25 @@ pub fn hold(a: HoldArgs) -> u8 {
         mrkit::AccessFlags::REMOTE_WRITE,
     );
     stat_export::register_source("hold", || json!({"note": "mrkit __stat-hold test helper"}));
-    match stat_export::install() {
-        Ok(Some(p)) => println!("{}", p.display()),
-        Ok(None) => println!("disabled"),
+    let installed = if a.no_install {
+        // Context::open_default above started it (unless MRKIT_STAT=0): ask where it writes.
+        Ok(Some(stat_export::stat_path(
+            &stat_export::runtime_dir(),
+            std::process::id(),
+        ))
+        .filter(|p| p.exists()))
+    } else {
+        stat_export::install()
+    };
+    match installed {
+        Ok(Some(p)) => crate::outln!("{}", p.display()),
+        Ok(None) => crate::outln!("disabled"),
         Err(e) => {
             eprintln!("mrkit: stat export: {e}");
             return exit::VERB_FAILED;
         }
     }
-    use std::io::Write;
-    let _ = std::io::stdout().flush();
+    crate::out::flush();
     std::thread::sleep(Duration::from_secs_f64(a.seconds.max(0.0)));
     drop(mrs);
     stat_export::shutdown();
