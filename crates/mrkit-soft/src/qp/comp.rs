@@ -187,6 +187,11 @@ impl Completer {
                         self.comp_psn = psn;
                     }
                     Syndrome::Nak(NakCode::PsnSequenceError) => {
+                        if psn_cmp(psn, self.comp_psn).is_lt() {
+                            // A stale (duplicated or reordered) NAK for a PSN already behind
+                            // us: retrying from there would resend nothing and stall.
+                            return;
+                        }
                         self.ack_before(sq, psn, false);
                         if self.rewind.is_some() || self.rnr_until.is_some() {
                             return; // a retry is already under way
