@@ -3,13 +3,27 @@
 //! Every QP with work (posted WRs, packets in its inbox, timers) is put on the device's run
 //! queue. A progress thread (started with the first QP, unless
 //! [`Context::set_manual_progress`] was called) runs the QPs, so one-sided WRITE/READ/atomics
-//! complete without the target calling any verb. When idle it spins ~50 µs (cross-CPU
-//! wakeups cost ~45 µs here), then blocks on a condvar with a 1 ms timeout for timers.
+//! complete without the target calling any verb. Its idle policy ([`progress_thread`]) is
+//! built for a 2-vCPU machine where a cross-CPU wakeup costs ~45 µs but spinners easily
+//! outnumber cores:
+//!
+//! * **App-driven**: while an application thread keeps calling `poll_cq` on an empty CQ (it runs
+//!   progress inline, `fastpath.rs`), the thread parks in poll() (scheduled QPs do not kick
+//!   it; a datagram the application leaves unread does) and re-checks when the application
+//!   has been quiet for [`APP_WINDOW`]. A blocking `wait_cq`/`get_cq_event` unparks it at once.
+//! * Otherwise it **spins adaptively** after work: the budget doubles (up to [`SPIN_MAX`])
+//!   when work arrived during the spin and halves (down to [`SPIN_MIN`]) when it ran out idle.
+//!   Each spin iteration yields the CPU; an iteration that took longer than [`PREEMPTED`]
+//!   means another thread (e.g. an application spinning on memory) holds this CPU, so spinning
+//!   is pointless: it then blocks straight away for [`CONTENDED_FOR`].
+//! * **Blocking** is poll() on the UDP socket and the eventfd (1 ms timeout for timers), or a
+//!   condvar without a UDP port.
+//!
 //! [`Context::progress_once`] is the synchronous entry for deterministic tests.
 #![forbid(unsafe_code)]
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
@@ -71,6 +85,19 @@ struct Sched {
     /// eventfd that wakes the progress thread out of poll() (created with the UDP port).
     wake: std::sync::OnceLock<rustix::fd::OwnedFd>,
     shutdown: AtomicBool,
+    /// When an application thread last polled an empty CQ (ns since [`epoch`]; 0: never or
+    /// blocked since).
+    app_poll_ns: AtomicU64,
+}
+
+/// Process-wide time origin for the atomics holding timestamps.
+fn epoch() -> Instant {
+    static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    *EPOCH.get_or_init(Instant::now)
+}
+
+fn ns_since_epoch(t: Instant) -> u64 {
+    (t.saturating_duration_since(epoch()).as_nanos() as u64).max(1)
 }
 
 /// Data-path state of one device instance.
@@ -148,6 +175,21 @@ impl DataPath {
         }
     }
 
+    /// An application thread is polling an empty CQ (it drives progress itself).
+    pub(crate) fn note_app_poll(&self, now: Instant) {
+        self.sched
+            .app_poll_ns
+            .store(ns_since_epoch(now), Ordering::Relaxed);
+    }
+
+    /// An application thread is about to block: the progress thread must drive the device.
+    pub(crate) fn app_blocks(&self) {
+        if self.sched.app_poll_ns.swap(0, Ordering::AcqRel) != 0 {
+            self.sched.cond.notify_all();
+            self.sched.kick();
+        }
+    }
+
     /// Wake the progress thread (e.g. after the UDP port was bound, so it starts polling it).
     pub(crate) fn wake_progress(&self) {
         let _ = self.sched.wake.get_or_init(|| {
@@ -203,13 +245,15 @@ impl Sched {
     }
 
     /// Sleep until work is scheduled, a datagram arrives on `udp`, or `timeout` passes.
-    fn sleep(&self, udp: Option<&crate::net::udp::UdpPort>, timeout: Duration) {
+    /// `parked`: the application drives progress, so scheduling a QP does not wake this
+    /// thread (only a datagram, [`DataPath::app_blocks`], shutdown or the timeout do).
+    fn sleep(&self, udp: Option<&crate::net::udp::UdpPort>, timeout: Duration, parked: bool) {
         use rustix::event::{poll, PollFd, PollFlags, Timespec};
         let mut g = self.runq.lock();
-        if !g.is_empty() {
+        if !g.is_empty() && !parked {
             return;
         }
-        self.sleeping.store(true, Ordering::Release);
+        self.sleeping.store(!parked, Ordering::Release);
         match (udp, self.wake.get()) {
             (Some(port), Some(wake)) => {
                 drop(g);
@@ -221,7 +265,7 @@ impl Sched {
                     tv_sec: timeout.as_secs() as i64,
                     tv_nsec: i64::from(timeout.subsec_nanos()),
                 };
-                if self.runq.lock().is_empty() {
+                if parked || self.runq.lock().is_empty() {
                     let _ = poll(&mut fds, Some(&ts));
                 }
                 let mut buf = [0u8; 8];
@@ -235,19 +279,44 @@ impl Sched {
     }
 }
 
+impl Sched {
+    /// Whether an application thread polled within [`APP_WINDOW`] of `now`; if so, how long
+    /// until that window closes.
+    fn app_driving(&self, now: Instant) -> Option<Duration> {
+        let at = self.app_poll_ns.load(Ordering::Relaxed);
+        if at == 0 {
+            return None;
+        }
+        let age = Duration::from_nanos(ns_since_epoch(now).saturating_sub(at));
+        APP_WINDOW.checked_sub(age).filter(|d| !d.is_zero())
+    }
+}
+
 impl Drop for DataPath {
     fn drop(&mut self) {
         self.sched.shutdown.store(true, Ordering::Release);
         self.sched.cond.notify_all();
-        self.sched.kick(); // a thread blocked in poll() on the UDP socket wakes too
+        self.sched.kick();
         loopback::detach(self.node_id);
     }
 }
 
-const SPIN: Duration = Duration::from_micros(50);
+/// An application that polled an empty CQ this recently is driving progress itself.
+pub const APP_WINDOW: Duration = Duration::from_micros(50);
+/// Adaptive spin budget bounds (and the initial budget).
+pub const SPIN_MIN: Duration = Duration::from_micros(10);
+/// Largest spin budget.
+pub const SPIN_MAX: Duration = Duration::from_micros(200);
+const SPIN_INIT: Duration = Duration::from_micros(50);
+/// A yield that took this long means another thread holds the CPU.
+pub const PREEMPTED: Duration = Duration::from_micros(100);
+/// How long to block instead of spinning after being preempted while spinning.
+pub const CONTENDED_FOR: Duration = Duration::from_millis(20);
 
 fn progress_thread(weak: Weak<DeviceInner>, sched: Arc<Sched>) {
     let mut idle_since: Option<Instant> = None;
+    let mut budget = SPIN_INIT;
+    let mut contended_until: Option<Instant> = None;
     loop {
         if sched.shutdown.load(Ordering::Acquire) {
             return;
@@ -257,21 +326,40 @@ fn progress_thread(weak: Weak<DeviceInner>, sched: Arc<Sched>) {
         let n = ctx.progress_once(Instant::now());
         drop(ctx);
         if n > 0 {
-            idle_since = None;
-            continue;
-        }
-        let now = Instant::now();
-        let since = *idle_since.get_or_insert(now);
-        if now.duration_since(since) < SPIN {
-            std::hint::spin_loop();
-            if sched.runq.lock().is_empty() {
-                std::thread::yield_now();
+            if idle_since.take().is_some() {
+                // Work arrived while spinning: spinning pays, spin longer next time.
+                budget = (budget * 2).min(SPIN_MAX);
             }
             continue;
         }
+        let now = Instant::now();
+        if let Some(left) = sched.app_driving(now) {
+            // The application polls and runs progress inline: stay out of its way (a datagram
+            // it does not pick up still wakes us).
+            idle_since = None;
+            let udp = weak.upgrade().and_then(|d| d.udp.get().cloned());
+            sched.sleep(udp.as_deref(), left + Duration::from_micros(5), true);
+            continue;
+        }
+        let contended = contended_until.is_some_and(|t| now < t);
+        let since = *idle_since.get_or_insert(now);
+        if !contended && now.duration_since(since) < budget {
+            std::hint::spin_loop();
+            if sched.runq.lock().is_empty() {
+                std::thread::yield_now();
+                if now.elapsed() >= PREEMPTED {
+                    // Someone else holds this CPU (e.g. an application spinning on memory):
+                    // block and let a packet wake us instead.
+                    contended_until = Some(Instant::now() + CONTENDED_FOR);
+                }
+            }
+            continue;
+        }
+        if idle_since.take().is_some() && !contended {
+            budget = (budget / 2).max(SPIN_MIN);
+        }
         let udp = weak.upgrade().and_then(|d| d.udp.get().cloned());
-        sched.sleep(udp.as_deref(), Duration::from_millis(1));
-        idle_since = None;
+        sched.sleep(udp.as_deref(), Duration::from_millis(1), false);
     }
 }
 
@@ -296,7 +384,6 @@ impl Context {
             let _ = port.tick(now);
         }
         let batch: VecDeque<Arc<QpObject>> = {
-            // Take the queue only when it has work: an idle poll allocates nothing.
             let mut g = dp.sched.runq.lock();
             if g.is_empty() {
                 VecDeque::new()
@@ -390,6 +477,7 @@ impl Context {
             .get(&channel)
             .cloned()
             .ok_or_else(|| err!(EINVAL, "completion channel {channel} does not exist"))?;
+        self.dev.dp.app_blocks();
         Ok(ch.get_event(timeout))
     }
 
@@ -460,14 +548,20 @@ impl Context {
     pub fn poll_cq(&self, cqn: u32, out: &mut Vec<Wc>, max: usize) -> Result<usize> {
         let cq = self.cq(cqn)?;
         let n = cq.poll(out, max);
-        if n == 0 && max > 0 && self.progress_on_poll() {
-            return Ok(cq.poll(out, max));
+        if n == 0 && max > 0 {
+            if !self.dev.dp.manual() {
+                self.dev.dp.note_app_poll(Instant::now());
+            }
+            if self.progress_on_poll() {
+                return Ok(cq.poll(out, max));
+            }
         }
         Ok(n)
     }
 
     /// Block until the CQ holds a completion or `timeout` passes.
     pub fn wait_cq(&self, cqn: u32, timeout: Duration) -> Result<bool> {
+        self.dev.dp.app_blocks();
         Ok(self.cq(cqn)?.wait_nonempty(Instant::now() + timeout))
     }
 
