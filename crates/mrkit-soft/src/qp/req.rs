@@ -160,19 +160,8 @@ impl Requester {
 
     /// Go back to `psn` (go-back-N): the WQE containing it resumes there, later ones restart.
     pub(crate) fn rewind(&mut self, sq: &mut SendQueue, psn: u32) {
-        // The WQE holding `psn`, or else the first unfinished one after it (a retry point
-        // between WQEs must still resend what follows).
-        let Some(idx) = sq.q.iter().position(|w| w.contains(psn)).or_else(|| {
-            sq.q.iter()
-                .position(|w| !matches!(w.st, WqeSt::Done(_)) && psn_cmp(w.last_psn, psn).is_ge())
-        }) else {
+        let Some(idx) = sq.q.iter().position(|w| w.contains(psn)) else {
             return;
-        };
-        // Inside the WQE: resume at `psn`. Between WQEs: restart that WQE from its first PSN.
-        let psn = if sq.q[idx].contains(psn) {
-            psn
-        } else {
-            sq.q[idx].first_psn
         };
         let k = psn_diff(psn, sq.q[idx].first_psn).max(0) as u32;
         {
