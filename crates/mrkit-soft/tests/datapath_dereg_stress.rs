@@ -85,7 +85,9 @@ fn run(round: u64) {
         .unwrap();
 
     let stop = Arc::new(AtomicBool::new(false));
-    let (a2, stop2) = (a.clone(), stop.clone());
+    // Set by the streamer once a WRITE completes with an error (the dereg took effect).
+    let failed = Arc::new(AtomicBool::new(false));
+    let (a2, stop2, failed2) = (a.clone(), stop.clone(), failed.clone());
     let (iova, rkey, lkey, siova) = (mt.iova, mt.rkey, ms.lkey, ms.iova);
     let streamer = std::thread::spawn(move || {
         let mut statuses = Vec::new();
@@ -109,6 +111,9 @@ fn run(round: u64) {
             let n = a2.poll_cq(ca, &mut wcs, 64).unwrap();
             outstanding -= n;
             statuses.extend(wcs.iter().map(|w| w.status));
+            if wcs.iter().any(|w| w.status != WcStatus::Success) {
+                failed2.store(true, Ordering::Relaxed);
+            }
             if n == 0 {
                 std::thread::yield_now();
             }
@@ -119,8 +124,12 @@ fn run(round: u64) {
     b.dereg_mr(mt.lkey).unwrap();
     // From here on the device must never touch the memory: overwrite it with a pattern.
     mem[reg_off..reg_off + reg_len].fill(0x3C);
+    // Watch for at least 60 ms, and until the stream has seen the dereg take effect (on a
+    // loaded 2-vCPU machine the progress threads may not run for a while; up to 10 s).
     let t = Instant::now();
-    while t.elapsed() < Duration::from_millis(60) {
+    while t.elapsed() < Duration::from_millis(60)
+        || (!failed.load(Ordering::Relaxed) && t.elapsed() < Duration::from_secs(10))
+    {
         std::thread::sleep(Duration::from_millis(5));
         assert!(
             mem[reg_off..reg_off + reg_len].iter().all(|&x| x == 0x3C),
