@@ -174,6 +174,9 @@ impl Completer {
                         self.clamp(sq);
                     }
                     Syndrome::RnrNak { timer } => {
+                        if psn_cmp(psn, self.comp_psn).is_lt() {
+                            return; // stale (duplicated or reordered): see the NAK case below
+                        }
                         self.ack_before(sq, psn, false);
                         if self.rnr_left == 0 {
                             Self::fail(sq, Some(psn), WcStatus::RnrRetryExcErr, out);
