@@ -135,8 +135,6 @@ fn two_processes_under_loss() {
 }
 
 #[test]
-#[ignore = "KNOWN BUG (issue 4, open): SEND streams under loss can stall; see \
-            mrkit-soft/tests/udp_transport.rs many_sends_under_loss_with_reposted_receives"]
 fn two_processes_sends_under_loss() {
     let port = free_tcp_port();
     let faults = [("MRKIT_FAULTS", "loss=5%,reorder=2%,dup=1%,seed=5")];

@@ -79,7 +79,9 @@ impl Completer {
         self.rnr_until.is_some()
     }
 
-    /// A pending rewind once its RNR delay (if any) has passed.
+    /// A pending rewind once its RNR delay (if any) has passed. A rewind is scheduled at
+    /// `comp_psn`; responses that arrived meanwhile may have acknowledged more, so it
+    /// restarts at the later of the two.
     pub(crate) fn take_rewind(&mut self, now: Instant) -> Option<u32> {
         if let Some(t) = self.rnr_until {
             if now < t {
@@ -87,15 +89,23 @@ impl Completer {
             }
             self.rnr_until = None;
         }
-        self.rewind.take()
+        let r = self.rewind.take()?;
+        Some(if psn_cmp(self.comp_psn, r).is_gt() {
+            self.comp_psn
+        } else {
+            r
+        })
     }
 
+    /// Complete the SENDs and WRITEs an ACK for `psn` covers (cumulative, IBA 9.7.5.1.3):
+    /// waiting ones, and also ones a retry is resending, since the responder had them from an
+    /// earlier copy. READ/atomic WQEs stop the walk: their responses are still needed.
     fn ack_before(&mut self, sq: &mut SendQueue, psn: u32, inclusive: bool) {
         for w in sq.q.iter_mut() {
-            if w.st != WqeSt::Wait {
-                if matches!(w.st, WqeSt::Done(_)) {
-                    continue;
-                }
+            if matches!(w.st, WqeSt::Done(_)) {
+                continue;
+            }
+            if !w.psn_valid {
                 break;
             }
             let c = psn_cmp(w.last_psn, psn);
@@ -107,6 +117,12 @@ impl Completer {
                 break; // its responses are missing: left to the retry timer
             }
             w.st = WqeSt::Done(WcStatus::Success);
+            // Every PSN of a completed WQE is acknowledged: the retry point can never
+            // be left behind it (nothing there would be resent, and the QP would stall).
+            let next = psn_add(w.last_psn, 1);
+            if psn_cmp(next, self.comp_psn).is_gt() {
+                self.comp_psn = next;
+            }
         }
     }
 
@@ -126,8 +142,12 @@ impl Completer {
     /// were lost must still be requested again, so retries never start beyond this PSN.
     fn oldest_missing(sq: &SendQueue) -> Option<u32> {
         let w = sq.q.iter().find(|w| !matches!(w.st, WqeSt::Done(_)))?;
+        if !w.psn_valid {
+            return None;
+        }
         match w.st {
-            WqeSt::Wait if w.wr.opcode == WrOpcode::RdmaRead => Some(psn_add(w.first_psn, w.sent)),
+            _ if w.wr.opcode == WrOpcode::RdmaRead => Some(psn_add(w.first_psn, w.sent)),
+            _ if w.wr.opcode.is_atomic() => Some(w.first_psn),
             WqeSt::Wait => Some(w.first_psn),
             _ => None,
         }
@@ -157,12 +177,15 @@ impl Completer {
         &mut self,
         q: &QpCtx<'_>,
         sq: &mut SendQueue,
-        _req: &mut Requester,
+        req: &mut Requester,
         p: Pkt,
         now: Instant,
         out: &mut Out,
     ) {
         let psn = p.bth.psn;
+        if psn_cmp(psn, req.max_psn).is_ge() {
+            return; // answers a PSN never sent: outside the window (IBA 9.7.5.1), ignored
+        }
         self.last_activity = now;
         match p.bth.opcode {
             Opcode::Acknowledge => {
@@ -306,6 +329,13 @@ impl Completer {
         }
         self.clamp(sq);
         self.rewind = Some(self.comp_psn);
+        tracing::debug!(
+            comp_psn = self.comp_psn,
+            req_psn = _req.psn,
+            max_psn = _req.max_psn,
+            retry_left = self.retry_left,
+            "retransmit timer: go back"
+        );
     }
 
     /// Pop finished WQEs from the head, in order, into completions (error completions always;

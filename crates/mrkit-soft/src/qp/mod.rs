@@ -8,6 +8,8 @@ pub mod connect;
 mod dp_tests;
 pub mod req;
 pub mod resp;
+#[cfg(test)]
+mod retry_tests;
 pub mod state;
 
 use std::collections::VecDeque;

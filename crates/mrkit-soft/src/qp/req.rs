@@ -40,6 +40,10 @@ pub(crate) struct Wqe {
     pub inline: bool,
     pub first_psn: u32,
     pub last_psn: u32,
+    /// `first_psn..=last_psn` were assigned (the WQE was started once). A retry resends the
+    /// same PSNs, so a WQE put back to `Pending` by a rewind keeps them: an ACK can still
+    /// acknowledge it and a later rewind can still find it.
+    pub psn_valid: bool,
     pub npkts: u32,
     /// SEND/WRITE: packets sent. READ: response packets received.
     pub sent: u32,
@@ -54,6 +58,7 @@ impl Wqe {
             inline,
             first_psn: 0,
             last_psn: 0,
+            psn_valid: false,
             npkts: 0,
             sent: 0,
             st: WqeSt::Pending,
@@ -75,8 +80,10 @@ impl Wqe {
     pub(crate) fn flush_wc(&self, qpn: u32) -> Wc {
         self.wc(qpn, WcStatus::WrFlushErr)
     }
+    /// `psn` is one of this unfinished WQE's PSNs.
     pub(crate) fn contains(&self, psn: u32) -> bool {
-        !matches!(self.st, WqeSt::Pending | WqeSt::Done(_))
+        self.psn_valid
+            && !matches!(self.st, WqeSt::Done(_))
             && psn_cmp(psn, self.first_psn).is_ge()
             && psn_cmp(psn, self.last_psn).is_le()
     }
@@ -104,8 +111,11 @@ impl SendQueue {
 /// Requester state.
 #[derive(Debug, Default)]
 pub(crate) struct Requester {
-    /// Next PSN to send.
+    /// Next PSN to send (behind `max_psn` while a retry resends).
     pub psn: u32,
+    /// One past the highest PSN ever sent: responses for PSNs at or beyond it answer nothing
+    /// we sent and are ignored (IBA 9.7.5.1: outside the outstanding window).
+    pub max_psn: u32,
     pkts_since_ackreq: u32,
 }
 
@@ -151,6 +161,7 @@ pub(crate) fn for_pieces(
 impl Requester {
     pub(crate) fn start(&mut self, psn: u32) {
         self.psn = psn;
+        self.max_psn = psn;
         self.pkts_since_ackreq = 0;
     }
 
@@ -158,28 +169,26 @@ impl Requester {
         self.pkts_since_ackreq = 0;
     }
 
-    /// Go back to `psn` (go-back-N): the WQE containing it resumes there, later ones restart.
+    /// Restart sending at `psn`: go back (go-back-N after a NAK or timeout) or skip ahead
+    /// (an ACK acknowledged PSNs a retry had not resent yet). The WQE containing `psn`
+    /// resumes there and later unfinished ones restart. When no WQE contains it, every PSN
+    /// sent before `psn` has been acknowledged: the next new WQE starts at `psn`.
     pub(crate) fn rewind(&mut self, sq: &mut SendQueue, psn: u32) {
         let Some(idx) = sq.q.iter().position(|w| w.contains(psn)) else {
+            if psn_cmp(psn, self.psn).is_gt() && psn_cmp(psn, self.max_psn).is_le() {
+                self.psn = psn;
+                sq.cursor =
+                    sq.q.iter()
+                        .position(|w| !matches!(w.st, WqeSt::Done(_)))
+                        .unwrap_or(sq.q.len());
+            }
             return;
         };
         let k = psn_diff(psn, sq.q[idx].first_psn).max(0) as u32;
         {
             let w = &mut sq.q[idx];
-            match w.wr.opcode {
-                WrOpcode::RdmaRead => {
-                    w.sent = k;
-                    w.st = WqeSt::Sending;
-                }
-                o if o.is_atomic() => {
-                    w.sent = 0;
-                    w.st = WqeSt::Sending;
-                }
-                _ => {
-                    w.sent = k;
-                    w.st = WqeSt::Sending;
-                }
-            }
+            w.sent = if w.wr.opcode.is_atomic() { 0 } else { k };
+            w.st = WqeSt::Sending;
         }
         for w in sq.q.iter_mut().skip(idx + 1) {
             if !matches!(w.st, WqeSt::Done(_)) {
@@ -202,6 +211,12 @@ impl Requester {
     ) {
         if let Some(p) = comp.take_rewind(now) {
             self.rewind(sq, p);
+        }
+        if psn_cmp(comp.comp_psn, self.psn).is_gt() && !comp.rnr_pending() {
+            // An ACK covered PSNs this retry has not resent yet (the responder had them
+            // from an earlier copy): continue after them instead of resending duplicates,
+            // and above all never give a new WQE PSNs the responder already consumed.
+            self.rewind(sq, comp.comp_psn);
         }
         if comp.rnr_pending() {
             return;
@@ -261,6 +276,11 @@ impl Requester {
             }
             let w = &mut sq.q[idx];
             if w.st == WqeSt::Pending {
+                debug_assert!(
+                    !w.psn_valid || w.first_psn == self.psn,
+                    "a retried WQE keeps its PSNs"
+                );
+                w.psn_valid = true;
                 w.first_psn = self.psn;
                 w.npkts = if op.is_atomic() {
                     1
@@ -274,6 +294,7 @@ impl Requester {
             if op.is_rd_atomic() {
                 out.pkts.push(self.rd_atomic_packet(q, w));
                 self.psn = psn_add(w.last_psn, 1);
+                self.note_sent();
                 w.st = WqeSt::Wait;
                 rd_out += 1;
                 sq.cursor += 1;
@@ -295,9 +316,16 @@ impl Requester {
                 }
                 w.sent += 1;
                 self.psn = psn_add(self.psn, 1);
+                self.note_sent();
             }
             w.st = WqeSt::Wait;
             sq.cursor += 1;
+        }
+    }
+
+    fn note_sent(&mut self) {
+        if psn_cmp(self.psn, self.max_psn).is_gt() {
+            self.max_psn = self.psn;
         }
     }
 
