@@ -15,13 +15,13 @@
 //!   lands and the table lists the host's IPv4 addresses.
 
 use std::cell::UnsafeCell;
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_uint, c_void};
 use std::mem::offset_of;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use crate::abi::*;
+use crate::events::{add_completed, event_type as et, EventQueue, Router};
 use crate::ffi::{copy_prefix, guard, set_errno};
 
 /// Name of the device (`ibv_get_device_name`).
@@ -184,8 +184,10 @@ pub(crate) struct MrkitContext {
     pub(crate) vctx: verbs_context,
     magic: u64,
     pub(crate) soft: mrkit_soft::Context,
-    events: Mutex<VecDeque<ibv_async_event>>,
-    async_fd: OwnedFd,
+    /// This context's async events; its eventfd is `async_fd`.
+    pub(crate) events: Arc<EventQueue>,
+    /// The device instance's event router (shared by all contexts, `events.rs`).
+    pub(crate) router: Arc<Router>,
     /// CQ number → `*mut ibv_cq` (for `ibv_get_cq_event`).
     pub(crate) cqs: Mutex<HashMap<u32, usize>>,
 }
@@ -207,7 +209,10 @@ pub(crate) unsafe fn mctx<'a>(ctx: *mut ibv_context) -> Option<&'a MrkitContext>
 }
 
 /// Post an asynchronous event on a context: it is queued and the context's `async_fd` becomes
-/// readable, so `poll()` + `ibv_get_async_event` see it. (For the data path: QP/CQ/port events.)
+/// readable, so `poll()` + `ibv_get_async_event` see it. The device's own QP/CQ/SRQ events
+/// arrive through the router (`events.rs`); this is for other events (port, device) and tests:
+/// they are not counted against any object (`ibv_ack_async_event` on them must not name a
+/// QP/CQ/SRQ event type unless `element` is a live object of that kind).
 ///
 /// # Safety
 /// `ctx` must be a live context returned by `ibv_open_device`.
@@ -216,27 +221,21 @@ pub unsafe fn post_async_event(ctx: *mut ibv_context, element: u64, event_type: 
     let Some(m) = (unsafe { mctx(ctx) }) else {
         return false;
     };
-    m.events
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .push_back(ibv_async_event {
-            element,
-            event_type,
-        });
-    let one: u64 = 1;
-    // SAFETY: writes 8 bytes from a valid u64 to our own eventfd.
-    let r = unsafe { libc::write(m.async_fd.as_raw_fd(), (&one as *const u64).cast(), 8) };
-    r == 8
+    m.events.push_untracked(ibv_async_event {
+        element,
+        event_type,
+    })
 }
 
 /// The process's device instance, shared by every open context (a real RNIC is one device
 /// per host however often it is opened): one UDP address / GID, one QPN space, so two
 /// contexts of one process (pyverbs' client and server) reach each other through the GID.
 /// Counted by open contexts; the last `ibv_close_device` drops it (releasing everything still
-/// registered).
-static SHARED: Mutex<(Option<mrkit_soft::Context>, usize)> = Mutex::new((None, 0));
+/// registered). Its async events go through its [`Router`] (installed as mrkit-soft's hook).
+type Shared = (mrkit_soft::Context, Arc<Router>);
+static SHARED: Mutex<(Option<Shared>, usize)> = Mutex::new((None, 0));
 
-fn open_soft_context() -> Result<mrkit_soft::Context, String> {
+fn open_soft_context() -> Result<Shared, String> {
     let mut g = SHARED.lock().unwrap_or_else(|e| e.into_inner());
     if let Some(c) = &g.0 {
         let c = c.clone();
@@ -244,8 +243,11 @@ fn open_soft_context() -> Result<mrkit_soft::Context, String> {
         return Ok(c);
     }
     let c = new_soft_context()?;
-    *g = (Some(c.clone()), 1);
-    Ok(c)
+    let router = Arc::new(Router::default());
+    let r = router.clone();
+    c.set_async_event_hook(Some(Arc::new(move |e| r.deliver(e))));
+    *g = (Some((c.clone(), router.clone())), 1);
+    Ok((c, router))
 }
 
 fn release_soft_context() {
@@ -438,7 +440,7 @@ pub(crate) unsafe extern "C" fn ibv_open_device(device: *mut ibv_device) -> *mut
             set_errno(libc::ENODEV);
             return std::ptr::null_mut();
         }
-        let soft = match open_soft_context() {
+        let (soft, router) = match open_soft_context() {
             Ok(s) => s,
             Err(e) => {
                 eprintln!("libibverbs (mrkit): cannot open {DEVICE_NAME}: {e}");
@@ -446,21 +448,18 @@ pub(crate) unsafe extern "C" fn ibv_open_device(device: *mut ibv_device) -> *mut
                 return std::ptr::null_mut();
             }
         };
-        // SAFETY: plain eventfd creation; the result is checked.
-        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_SEMAPHORE) };
-        if fd < 0 {
+        let Some(events) = EventQueue::new() else {
             release_soft_context();
             return std::ptr::null_mut(); // errno set by eventfd
-        }
-        // SAFETY: fd is a fresh descriptor we own.
-        let async_fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        };
+        let fd = events.raw_fd();
         let mut b = Box::new(MrkitContext {
             _front: [0; 16],
             vctx: new_vctx(),
             magic: CTX_MAGIC,
             soft,
-            events: Mutex::new(VecDeque::new()),
-            async_fd,
+            events: Arc::new(events),
+            router,
             cqs: Mutex::new(HashMap::new()),
         });
         b.vctx.context.async_fd = fd;
@@ -476,10 +475,11 @@ pub(crate) unsafe extern "C" fn ibv_open_device(device: *mut ibv_device) -> *mut
 /// `ctx` must be NULL or an open context; it must not be used afterwards.
 pub(crate) unsafe extern "C" fn ibv_close_device(ctx: *mut ibv_context) -> c_int {
     // SAFETY: caller contract.
-    if unsafe { mctx(ctx) }.is_none() {
+    let Some(m) = (unsafe { mctx(ctx) }) else {
         set_errno(libc::EINVAL);
         return libc::EINVAL;
-    }
+    };
+    m.router.forget_queue(&m.events);
     guard(libc::EIO, || {
         // SAFETY: ctx belongs to a MrkitContext leaked by ibv_open_device (checked above); this
         // reclaims it exactly once per the caller contract. Dropping it closes the async fd and
@@ -860,7 +860,9 @@ pub(crate) unsafe extern "C" fn ibv_get_pkey_index(
 }
 
 /// `int ibv_get_async_event(ctx, struct ibv_async_event *event)`: blocks on the context's
-/// eventfd (unless the application made it non-blocking: then -1 with EAGAIN).
+/// eventfd (unless the application made it non-blocking: then -1 with EAGAIN). `element` is
+/// the application's `ibv_qp*` / `ibv_cq*` / `ibv_srq*`; the event counts as reported for that
+/// object (its destroy waits for the matching [`ibv_ack_async_event`]).
 ///
 /// # Safety
 /// `ctx` an open context; `event` valid for a write.
@@ -877,35 +879,73 @@ pub(crate) unsafe extern "C" fn ibv_get_async_event(
         set_errno(libc::EINVAL);
         return -1;
     }
-    let mut v: u64 = 0;
-    // SAFETY: reads 8 bytes into a valid u64 from our eventfd (semaphore mode: one event).
-    let r = unsafe { libc::read(m.async_fd.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
-    if r != 8 {
-        return -1; // errno from read (EAGAIN when non-blocking)
-    }
-    let ev = m
-        .events
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .pop_front();
-    match ev {
-        Some(ev) => {
+    match m.events.get() {
+        Ok(ev) => {
             // SAFETY: event valid for a write.
             unsafe { event.write(ev) };
             0
         }
-        None => {
-            set_errno(libc::EAGAIN);
-            -1
-        }
+        Err(()) => -1, // errno from read (EAGAIN when non-blocking)
     }
 }
 
-/// `void ibv_ack_async_event(struct ibv_async_event *event)`: nothing to release yet.
+/// `void ibv_ack_async_event(struct ibv_async_event *event)`: as libibverbs, by event type:
+/// `++cq->async_events_completed` (CQ_ERR), `++qp->events_completed` (QP events),
+/// `++srq->events_completed` (SRQ events), each under the object's mutex with its cond
+/// signalled (a pending `ibv_destroy_*` waits for it); other types need no ack.
 ///
 /// # Safety
-/// Any pointer is accepted; it is not dereferenced.
-pub(crate) unsafe extern "C" fn ibv_ack_async_event(_event: *mut ibv_async_event) {}
+/// `event` NULL or an event returned by [`ibv_get_async_event`] whose object was not
+/// destroyed (it cannot be: its destroy waits for this ack).
+pub(crate) unsafe extern "C" fn ibv_ack_async_event(event: *mut ibv_async_event) {
+    if event.is_null() {
+        return;
+    }
+    // SAFETY: a valid event (caller contract).
+    let ev = unsafe { *event };
+    if ev.element == 0 {
+        return;
+    }
+    let p = ev.element as usize;
+    // (mutex, cond, counter) of the object the event type names, by field offset (the
+    // element is the application's ibv_cq / ibv_qp / ibv_srq).
+    let (mutex, cond, counter) = match ev.event_type {
+        et::CQ_ERR => (
+            std::mem::offset_of!(ibv_cq, mutex),
+            std::mem::offset_of!(ibv_cq, cond),
+            std::mem::offset_of!(ibv_cq, async_events_completed),
+        ),
+        et::QP_FATAL
+        | et::QP_REQ_ERR
+        | et::QP_ACCESS_ERR
+        | et::COMM_EST
+        | et::SQ_DRAINED
+        | et::PATH_MIG
+        | et::PATH_MIG_ERR
+        | et::QP_LAST_WQE_REACHED => (
+            std::mem::offset_of!(ibv_qp, mutex),
+            std::mem::offset_of!(ibv_qp, cond),
+            std::mem::offset_of!(ibv_qp, events_completed),
+        ),
+        et::SRQ_ERR | et::SRQ_LIMIT_REACHED => (
+            std::mem::offset_of!(ibv_srq, mutex),
+            std::mem::offset_of!(ibv_srq, cond),
+            std::mem::offset_of!(ibv_srq, events_completed),
+        ),
+        _ => return,
+    };
+    // SAFETY: the element is the live object of the kind the event type names (caller
+    // contract), so the offsets of that type's fields address its initialised mutex and cond
+    // (zero = the static initialisers) and its counter, which is only written under the mutex.
+    unsafe {
+        add_completed(
+            (p + mutex) as *mut libc::pthread_mutex_t,
+            (p + cond) as *mut libc::pthread_cond_t,
+            (p + counter) as *mut u32,
+            1,
+        )
+    }
+}
 
 #[cfg(test)]
 mod tests {

@@ -18,7 +18,7 @@ use std::collections::VecDeque;
 use std::ffi::{c_int, c_void};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -32,7 +32,9 @@ use mrkit_soft::AccessFlags;
 
 use crate::abi::*;
 use crate::device::{mctx, MrkitContext};
+use crate::events::{add_completed, wait_until, Kind, ObjEvents};
 use crate::ffi::{guard, set_errno};
+use crate::verbs::pd_parts;
 
 fn fail_null<T>(e: c_int) -> *mut T {
     set_errno(e);
@@ -52,6 +54,149 @@ fn zeroed<T>() -> T {
     // SAFETY: only used for the plain-data C structs below (pointers, integers, pthread
     // objects), for which all-zero bytes are a valid value (PTHREAD_*_INITIALIZER is zero).
     unsafe { std::mem::zeroed() }
+}
+
+/// A library object handed to C as a pointer to its first member (`ibv_cq`, `ibv_srq`,
+/// `ibv_qp`), recognised by a magic word.
+trait Obj: Sized {
+    const MAGIC: u64;
+    fn magic(&self) -> u64;
+    /// The `ibv_context` it was created on.
+    fn context(&self) -> *mut ibv_context;
+}
+
+/// The library object `p` points to; None for NULL or an object of another origin (a zeroed
+/// struct: wrong magic).
+///
+/// # Safety
+/// `p` NULL or a live object of type `T` created by this library (or memory at least as large
+/// whose magic word does not match).
+unsafe fn obj<'a, T: Obj>(p: *mut c_void) -> Option<&'a mut T> {
+    if p.is_null() {
+        return None;
+    }
+    // SAFETY: caller contract: p starts a T.
+    let o = unsafe { &mut *p.cast::<T>() };
+    (o.magic() == T::MAGIC).then_some(o)
+}
+
+/// [`obj`] plus the open context it belongs to.
+///
+/// # Safety
+/// As [`obj`]; the object's context must be open.
+unsafe fn obj_ctx<'a, T: Obj>(p: *mut c_void) -> Option<(&'a mut T, &'a MrkitContext)> {
+    // SAFETY: forwarded contract.
+    let o = unsafe { obj::<T>(p) }?;
+    // SAFETY: the object's context is open (caller contract).
+    let m = unsafe { mctx(o.context()) }?;
+    Some((o, m))
+}
+
+/// A QP or SRQ: an object with affiliated async events and one `events_completed` counter.
+trait EventObj: Obj {
+    const KIND: Kind;
+    /// QPN / SRQN.
+    fn num(&self) -> u32;
+    fn events(&self) -> &Arc<ObjEvents>;
+    /// Mark it freed (wrong magic from now on).
+    fn kill(&mut self);
+    /// Its `(mutex, cond, events_completed)`.
+    ///
+    /// # Safety
+    /// `this` is live.
+    unsafe fn ack_sync(
+        this: *mut Self,
+    ) -> (
+        *mut libc::pthread_mutex_t,
+        *mut libc::pthread_cond_t,
+        *mut u32,
+    );
+}
+
+/// `impl Obj for $t` (`$field`: its leading `ibv_*` struct), and with `events: $kind, $num`
+/// also `impl EventObj` (`$num`: the QPN/SRQN field).
+macro_rules! impl_obj {
+    ($t:ty, $($field:ident).+, $magic:expr) => {
+        impl Obj for $t {
+            const MAGIC: u64 = $magic;
+            fn magic(&self) -> u64 {
+                self.magic
+            }
+            fn context(&self) -> *mut ibv_context {
+                self.$($field).+.context
+            }
+        }
+    };
+    ($t:ty, $field:ident, $magic:expr, events: $kind:expr, $num:ident) => {
+        impl_obj!($t, $field, $magic);
+        impl EventObj for $t {
+            const KIND: Kind = $kind;
+            fn num(&self) -> u32 {
+                self.$num
+            }
+            fn events(&self) -> &Arc<ObjEvents> {
+                &self.ev
+            }
+            fn kill(&mut self) {
+                self.magic = 0;
+            }
+            unsafe fn ack_sync(
+                this: *mut Self,
+            ) -> (
+                *mut libc::pthread_mutex_t,
+                *mut libc::pthread_cond_t,
+                *mut u32,
+            ) {
+                // SAFETY: caller contract (this is live); only addresses are taken.
+                unsafe {
+                    (
+                        std::ptr::addr_of_mut!((*this).$field.mutex),
+                        std::ptr::addr_of_mut!((*this).$field.cond),
+                        std::ptr::addr_of_mut!((*this).$field.events_completed),
+                    )
+                }
+            }
+        }
+    };
+}
+
+impl_obj!(MrkitCq, ex.cq, CQ_MAGIC);
+impl_obj!(MrkitSrq, srq, SRQ_MAGIC, events: Kind::Srq, srqn);
+impl_obj!(MrkitQp, qp, QP_MAGIC, events: Kind::Qp, qpn);
+
+/// The end of `ibv_destroy_qp` / `ibv_destroy_srq` once the device answered `r`: on success
+/// stop routing the object's events (its unread ones are dropped), wait until every event
+/// handed out for it was acked (libibverbs' `events_completed == events_reported` wait), free
+/// it and return 0; on failure return the errno value (errno set), the object stays valid.
+///
+/// # Safety
+/// `p` a live `T` allocated by Box in this library, not used after success; `m` its context.
+unsafe fn finish_destroy<T: EventObj>(
+    p: *mut T,
+    m: &MrkitContext,
+    r: mrkit_soft::Result<()>,
+) -> c_int {
+    if let Err(e) = r {
+        return fail(soft_errno(&e));
+    }
+    let reported = {
+        // SAFETY: p is live (caller contract).
+        let o = unsafe { &*p };
+        m.router.unregister(T::KIND, o.num(), o.events())
+    };
+    // SAFETY: p is live; its mutex/cond are initialised and events_completed is written under
+    // that mutex (ibv_ack_async_event).
+    unsafe {
+        let (mutex, cond, completed) = T::ack_sync(p);
+        wait_until(mutex, cond, || *completed == reported);
+    }
+    // SAFETY: p is live until the Box is freed below; allocated by Box in this library and
+    // freed once (caller contract).
+    unsafe {
+        (*p).kill();
+        drop(Box::from_raw(p));
+    }
+    0
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -192,34 +337,44 @@ pub(crate) unsafe extern "C" fn ibv_get_cq_event(
             .unwrap_or_else(|e| e.into_inner())
             .pop_front();
         let Some(cqn) = cqn else { continue };
-        let ptr = m
-            .cqs
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&cqn)
-            .copied();
-        if let Some(p) = ptr {
+        let cqs = m.cqs.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(&p) = cqs.get(&cqn) {
+            // SAFETY: p is a live MrkitCq of this context: ibv_destroy_cq removes it from the
+            // map (under this lock) before freeing it.
+            let c = unsafe { &*(p as *const MrkitCq) };
+            // Counted under the map lock, so ibv_destroy_cq reads a final value.
+            c.comp_reported.fetch_add(1, Ordering::AcqRel);
             let p = p as *mut ibv_cq;
-            // SAFETY: p is a live CQ of this context (removed from the map on destroy); the
-            // out-pointers are valid (caller contract).
+            // SAFETY: the out-pointers are valid (caller contract); p is live (above).
             unsafe {
                 *cq = p;
                 *cq_context = (*p).cq_context;
             }
             return 0;
         }
+        drop(cqs);
         // Event of a CQ destroyed meanwhile: skip it.
     }
 }
 
-/// `void ibv_ack_cq_events(struct ibv_cq *cq, unsigned int nevents)`.
+/// `void ibv_ack_cq_events(struct ibv_cq *cq, unsigned int nevents)`: as libibverbs,
+/// `comp_events_completed += nevents` under the CQ's mutex, signalling its cond (a pending
+/// `ibv_destroy_cq` waits for all events `ibv_get_cq_event` returned to be acked).
 ///
 /// # Safety
 /// `cq` NULL or a live CQ.
 pub(crate) unsafe extern "C" fn ibv_ack_cq_events(cq: *mut ibv_cq, nevents: u32) {
     if !cq.is_null() {
-        // SAFETY: live CQ (caller contract); single-threaded per verbs rules for acks.
-        unsafe { (*cq).comp_events_completed = (*cq).comp_events_completed.wrapping_add(nevents) };
+        // SAFETY: live CQ (caller contract) with initialised mutex/cond; the counter is only
+        // written under the mutex.
+        unsafe {
+            add_completed(
+                std::ptr::addr_of_mut!((*cq).mutex),
+                std::ptr::addr_of_mut!((*cq).cond),
+                std::ptr::addr_of_mut!((*cq).comp_events_completed),
+                nevents,
+            )
+        };
     }
 }
 
@@ -236,21 +391,19 @@ struct MrkitCq {
     cqn: u32,
     /// The completion the `ibv_cq_ex` poll API is positioned on.
     cur: Wc,
-    /// Completions taken out of the device CQ by a QP reset (see [`clean_cq`]), returned
-    /// first by the next polls.
-    pending: Mutex<VecDeque<Wc>>,
-    has_pending: AtomicBool,
+    /// Completion events `ibv_get_cq_event` returned for this CQ; incremented under the
+    /// context's `cqs` map lock, read by `ibv_destroy_cq` after removing the CQ from that map
+    /// (it then waits for `comp_events_completed` to reach it).
+    comp_reported: AtomicU32,
+    /// Async events (CQ_ERR) handed out for this CQ (`events.rs`).
+    ev: Arc<ObjEvents>,
 }
 
 /// # Safety
 /// `cq` NULL or a CQ created by this library, live.
 unsafe fn mcq<'a>(cq: *mut ibv_cq) -> Option<&'a mut MrkitCq> {
-    if cq.is_null() {
-        return None;
-    }
-    // SAFETY: every CQ of this library is a MrkitCq starting with the ibv_cq.
-    let c = unsafe { &mut *cq.cast::<MrkitCq>() };
-    (c.magic == CQ_MAGIC).then_some(c)
+    // SAFETY: forwarded contract.
+    unsafe { obj(cq.cast()) }
 }
 
 fn empty_wc() -> Wc {
@@ -320,8 +473,8 @@ unsafe fn create_cq_common(
             magic: CQ_MAGIC,
             cqn,
             cur: empty_wc(),
-            pending: Mutex::new(VecDeque::new()),
-            has_pending: AtomicBool::new(false),
+            comp_reported: AtomicU32::new(0),
+            ev: Arc::default(),
         }));
         if !channel.is_null() {
             // SAFETY: live channel.
@@ -331,6 +484,9 @@ unsafe fn create_cq_common(
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(cqn, p as usize);
+        // SAFETY: p was just allocated above and is not shared yet.
+        let ev = unsafe { &(*p).ev };
+        m.router.register(Kind::Cq, cqn, &m.events, p as usize, ev);
         p
     })
 }
@@ -383,17 +539,15 @@ pub(crate) unsafe extern "C" fn vctx_create_cq_ex(
     .cast()
 }
 
-/// `int ibv_destroy_cq(struct ibv_cq *)`: EBUSY while QPs use it.
+/// `int ibv_destroy_cq(struct ibv_cq *)`: EBUSY while QPs use it. Then, as libibverbs, waits
+/// until every completion event `ibv_get_cq_event` returned and every async event
+/// `ibv_get_async_event` returned for it were acked (unread async events are dropped).
 ///
 /// # Safety
 /// `cq` NULL or a live CQ; not used after success.
 pub(crate) unsafe extern "C" fn ibv_destroy_cq(cq: *mut ibv_cq) -> c_int {
-    // SAFETY: caller contract.
-    let Some(c) = (unsafe { mcq(cq) }) else {
-        return fail(libc::EINVAL);
-    };
-    // SAFETY: the CQ's context is open.
-    let Some(m) = (unsafe { mctx(c.ex.cq.context) }) else {
+    // SAFETY: caller contract (a live object of this library; its context is open).
+    let Some((c, m)) = (unsafe { obj_ctx::<MrkitCq>(cq.cast()) }) else {
         return fail(libc::EINVAL);
     };
     if let Err(e) = m.soft.destroy_cq(c.cqn) {
@@ -403,6 +557,20 @@ pub(crate) unsafe extern "C" fn ibv_destroy_cq(cq: *mut ibv_cq) -> c_int {
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .remove(&c.cqn);
+    let async_reported = m.router.unregister(Kind::Cq, c.cqn, &c.ev);
+    let comp_reported = c.comp_reported.load(Ordering::Acquire);
+    // SAFETY: cq is live (freed below); mutex/cond initialised; the counters are written
+    // under that mutex (ibv_ack_cq_events / ibv_ack_async_event).
+    unsafe {
+        wait_until(
+            std::ptr::addr_of_mut!((*cq).mutex),
+            std::ptr::addr_of_mut!((*cq).cond),
+            || {
+                (*cq).comp_events_completed == comp_reported
+                    && (*cq).async_events_completed == async_reported
+            },
+        )
+    };
     let ch = c.ex.cq.channel;
     if !ch.is_null() {
         // SAFETY: the channel outlives its CQs (destroy_comp_channel is EBUSY until then).
@@ -419,12 +587,8 @@ pub(crate) unsafe extern "C" fn ibv_destroy_cq(cq: *mut ibv_cq) -> c_int {
 /// # Safety
 /// `cq` NULL or a live CQ.
 pub(crate) unsafe extern "C" fn ibv_resize_cq(cq: *mut ibv_cq, cqe: c_int) -> c_int {
-    // SAFETY: caller contract.
-    let Some(c) = (unsafe { mcq(cq) }) else {
-        return fail(libc::EINVAL);
-    };
-    // SAFETY: the CQ's context is open.
-    let Some(m) = (unsafe { mctx(c.ex.cq.context) }) else {
+    // SAFETY: caller contract (a live object of this library; its context is open).
+    let Some((c, m)) = (unsafe { obj_ctx::<MrkitCq>(cq.cast()) }) else {
         return fail(libc::EINVAL);
     };
     if cqe <= 0 {
@@ -472,25 +636,7 @@ fn poll_into(c: &MrkitCq, m: &MrkitContext, max: usize, mut f: impl FnMut(usize,
     WC_BUF.with(|b| {
         let mut b = b.borrow_mut();
         b.clear();
-        if c.has_pending.load(Ordering::Acquire) {
-            let mut p = c.pending.lock().unwrap_or_else(|e| e.into_inner());
-            while b.len() < max {
-                match p.pop_front() {
-                    Some(w) => b.push(w),
-                    None => break,
-                }
-            }
-            if p.is_empty() {
-                c.has_pending.store(false, Ordering::Release);
-            }
-        }
-        let room = max - b.len();
-        let r = if room == 0 {
-            Ok(0)
-        } else {
-            m.soft.poll_cq(c.cqn, &mut b, room)
-        };
-        match r {
+        match m.soft.poll_cq(c.cqn, &mut b, max) {
             Ok(_) => {
                 for (i, w) in b.iter().enumerate() {
                     f(i, w);
@@ -507,12 +653,8 @@ fn poll_into(c: &MrkitCq, m: &MrkitContext, max: usize, mut f: impl FnMut(usize,
 /// # Safety
 /// `cq` a live CQ; `wc` valid for `n` entries.
 pub(crate) unsafe extern "C" fn op_poll_cq(cq: *mut c_void, n: c_int, wc: *mut c_void) -> c_int {
-    // SAFETY: caller contract.
-    let Some(c) = (unsafe { mcq(cq.cast()) }) else {
-        return -libc::EINVAL;
-    };
-    // SAFETY: the CQ's context is open.
-    let Some(m) = (unsafe { mctx(c.ex.cq.context) }) else {
+    // SAFETY: caller contract (a live object of this library; its context is open).
+    let Some((c, m)) = (unsafe { obj_ctx::<MrkitCq>(cq.cast()) }) else {
         return -libc::EINVAL;
     };
     if n <= 0 {
@@ -532,12 +674,8 @@ pub(crate) unsafe extern "C" fn op_poll_cq(cq: *mut c_void, n: c_int, wc: *mut c
 /// # Safety
 /// `cq` a live CQ.
 pub(crate) unsafe extern "C" fn op_req_notify_cq(cq: *mut c_void, solicited: c_int) -> c_int {
-    // SAFETY: caller contract.
-    let Some(c) = (unsafe { mcq(cq.cast()) }) else {
-        return libc::EINVAL;
-    };
-    // SAFETY: the CQ's context is open.
-    let Some(m) = (unsafe { mctx(c.ex.cq.context) }) else {
+    // SAFETY: caller contract (a live object of this library; its context is open).
+    let Some((c, m)) = (unsafe { obj_ctx::<MrkitCq>(cq.cast()) }) else {
         return libc::EINVAL;
     };
     match m.soft.req_notify_cq(c.cqn, solicited != 0) {
@@ -549,12 +687,8 @@ pub(crate) unsafe extern "C" fn op_req_notify_cq(cq: *mut c_void, solicited: c_i
 /// # Safety
 /// `cq` a live `ibv_cq_ex` of this library.
 unsafe fn cqex_poll_one(cq: *mut ibv_cq_ex) -> c_int {
-    // SAFETY: caller contract.
-    let Some(c) = (unsafe { mcq(cq.cast()) }) else {
-        return libc::EINVAL;
-    };
-    // SAFETY: the CQ's context is open.
-    let Some(m) = (unsafe { mctx(c.ex.cq.context) }) else {
+    // SAFETY: caller contract (a live object of this library; its context is open).
+    let Some((c, m)) = (unsafe { obj_ctx::<MrkitCq>(cq.cast()) }) else {
         return libc::EINVAL;
     };
     let mut got = None;
@@ -640,17 +774,15 @@ struct MrkitSrq {
     srq: ibv_srq,
     magic: u64,
     srqn: u32,
+    /// Async events (SRQ_LIMIT_REACHED) handed out for this SRQ (`events.rs`).
+    ev: Arc<ObjEvents>,
 }
 
 /// # Safety
 /// `srq` NULL or a live SRQ of this library.
 unsafe fn msrq<'a>(srq: *mut ibv_srq) -> Option<&'a mut MrkitSrq> {
-    if srq.is_null() {
-        return None;
-    }
-    // SAFETY: every SRQ of this library is a MrkitSrq.
-    let s = unsafe { &mut *srq.cast::<MrkitSrq>() };
-    (s.magic == SRQ_MAGIC).then_some(s)
+    // SAFETY: forwarded contract.
+    unsafe { obj(srq.cast()) }
 }
 
 /// `struct ibv_srq *ibv_create_srq(struct ibv_pd *, struct ibv_srq_init_attr *)`; the actual
@@ -662,15 +794,12 @@ pub(crate) unsafe extern "C" fn ibv_create_srq(
     pd: *mut ibv_pd,
     init: *mut ibv_srq_init_attr,
 ) -> *mut ibv_srq {
-    if pd.is_null() || init.is_null() {
-        return fail_null(libc::EINVAL);
-    }
-    // SAFETY: live PD and valid init (caller contract).
-    let (ctx, handle, ia) = unsafe { ((*pd).context, (*pd).handle, *init) };
-    // SAFETY: the PD's context is open.
-    let Some(m) = (unsafe { mctx(ctx) }) else {
+    // SAFETY: caller contract.
+    let (Some((ctx, handle, m)), false) = ((unsafe { pd_parts(pd) }), init.is_null()) else {
         return fail_null(libc::EINVAL);
     };
+    // SAFETY: valid init (caller contract).
+    let ia = unsafe { *init };
     guard(std::ptr::null_mut(), || {
         let attr = SrqAttr {
             max_wr: ia.attr.max_wr,
@@ -689,12 +818,16 @@ pub(crate) unsafe extern "C" fn ibv_create_srq(
                 srq.srq_context = ia.srq_context;
                 srq.pd = pd;
                 srq.handle = srqn;
-                Box::into_raw(Box::new(MrkitSrq {
+                let ev = Arc::<ObjEvents>::default();
+                let p = Box::into_raw(Box::new(MrkitSrq {
                     srq,
                     magic: SRQ_MAGIC,
                     srqn,
-                }))
-                .cast()
+                    ev: ev.clone(),
+                }));
+                m.router
+                    .register(Kind::Srq, srqn, &m.events, p as usize, &ev);
+                p.cast()
             }
             Err(e) => fail_null(soft_errno(&e)),
         }
@@ -710,17 +843,15 @@ pub(crate) unsafe extern "C" fn ibv_modify_srq(
     attr: *mut ibv_srq_attr,
     mask: c_int,
 ) -> c_int {
-    // SAFETY: caller contract.
-    let Some(s) = (unsafe { msrq(srq) }) else {
+    // SAFETY: caller contract (a live object of this library; its context is open).
+    let Some((s, m)) = (unsafe { obj_ctx::<MrkitSrq>(srq.cast()) }) else {
         return fail(libc::EINVAL);
     };
     if attr.is_null() {
         return fail(libc::EINVAL);
     }
-    // SAFETY: the SRQ's context is open; attr valid.
-    let (Some(m), a) = (unsafe { (mctx(s.srq.context), *attr) }) else {
-        return fail(libc::EINVAL);
-    };
+    // SAFETY: attr valid (caller contract).
+    let a = unsafe { *attr };
     let sa = SrqAttr {
         max_wr: a.max_wr,
         max_sge: a.max_sge,
@@ -737,12 +868,8 @@ pub(crate) unsafe extern "C" fn ibv_modify_srq(
 /// # Safety
 /// `srq` NULL or a live SRQ; `attr` valid for a write.
 pub(crate) unsafe extern "C" fn ibv_query_srq(srq: *mut ibv_srq, attr: *mut ibv_srq_attr) -> c_int {
-    // SAFETY: caller contract.
-    let Some(s) = (unsafe { msrq(srq) }) else {
-        return fail(libc::EINVAL);
-    };
-    // SAFETY: the SRQ's context is open.
-    let Some(m) = (unsafe { mctx(s.srq.context) }) else {
+    // SAFETY: caller contract (a live object of this library; its context is open).
+    let Some((s, m)) = (unsafe { obj_ctx::<MrkitSrq>(srq.cast()) }) else {
         return fail(libc::EINVAL);
     };
     if attr.is_null() {
@@ -764,28 +891,19 @@ pub(crate) unsafe extern "C" fn ibv_query_srq(srq: *mut ibv_srq, attr: *mut ibv_
     }
 }
 
-/// `int ibv_destroy_srq(struct ibv_srq *)`: EBUSY while QPs use it.
+/// `int ibv_destroy_srq(struct ibv_srq *)`: EBUSY while QPs use it; then waits until every
+/// async event returned for it was acked (unread ones are dropped), as libibverbs.
 ///
 /// # Safety
 /// `srq` NULL or a live SRQ; not used after success.
 pub(crate) unsafe extern "C" fn ibv_destroy_srq(srq: *mut ibv_srq) -> c_int {
-    // SAFETY: caller contract.
-    let Some(s) = (unsafe { msrq(srq) }) else {
+    // SAFETY: caller contract (a live object of this library; its context is open).
+    let Some((s, m)) = (unsafe { obj_ctx::<MrkitSrq>(srq.cast()) }) else {
         return fail(libc::EINVAL);
     };
-    // SAFETY: the SRQ's context is open.
-    let Some(m) = (unsafe { mctx(s.srq.context) }) else {
-        return fail(libc::EINVAL);
-    };
-    match m.soft.destroy_srq(s.srqn) {
-        Ok(()) => {
-            s.magic = 0;
-            // SAFETY: allocated by Box in ibv_create_srq; freed once.
-            drop(unsafe { Box::from_raw(srq.cast::<MrkitSrq>()) });
-            0
-        }
-        Err(e) => fail(soft_errno(&e)),
-    }
+    let r = m.soft.destroy_srq(s.srqn);
+    // SAFETY: srq is a live MrkitSrq (checked above); not used after success (caller contract).
+    unsafe { finish_destroy(srq.cast::<MrkitSrq>(), m, r) }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -901,17 +1019,8 @@ struct MrkitQp {
     qpn: u32,
     cap: ibv_qp_cap,
     sq_sig_all: c_int,
-}
-
-/// # Safety
-/// `qp` NULL or a live QP of this library.
-unsafe fn mqp<'a>(qp: *mut ibv_qp) -> Option<&'a mut MrkitQp> {
-    if qp.is_null() {
-        return None;
-    }
-    // SAFETY: every QP of this library is a MrkitQp.
-    let q = unsafe { &mut *qp.cast::<MrkitQp>() };
-    (q.magic == QP_MAGIC).then_some(q)
+    /// Async events handed out for this QP (`events.rs`).
+    ev: Arc<ObjEvents>,
 }
 
 /// `struct ibv_qp *ibv_create_qp(struct ibv_pd *, struct ibv_qp_init_attr *)`: RC only (other
@@ -923,15 +1032,12 @@ pub(crate) unsafe extern "C" fn ibv_create_qp(
     pd: *mut ibv_pd,
     init: *mut ibv_qp_init_attr,
 ) -> *mut ibv_qp {
-    if pd.is_null() || init.is_null() {
-        return fail_null(libc::EINVAL);
-    }
-    // SAFETY: live PD, valid init (caller contract).
-    let (ctx, pdh, ia) = unsafe { ((*pd).context, (*pd).handle, *init) };
-    // SAFETY: the PD's context is open.
-    let Some(m) = (unsafe { mctx(ctx) }) else {
+    // SAFETY: caller contract.
+    let (Some((ctx, pdh, m)), false) = ((unsafe { pd_parts(pd) }), init.is_null()) else {
         return fail_null(libc::EINVAL);
     };
+    // SAFETY: valid init (caller contract).
+    let ia = unsafe { *init };
     if ia.qp_type != IBV_QPT_RC {
         return fail_null(libc::EOPNOTSUPP);
     }
@@ -983,15 +1089,18 @@ pub(crate) unsafe extern "C" fn ibv_create_qp(
                 qp.qp_num = qpn;
                 qp.state = 0; // IBV_QPS_RESET
                 qp.qp_type = IBV_QPT_RC;
-                Box::into_raw(Box::new(MrkitQp {
+                let ev = Arc::<ObjEvents>::default();
+                let p = Box::into_raw(Box::new(MrkitQp {
                     qp,
                     _ex: [0; 24],
                     magic: QP_MAGIC,
                     qpn,
                     cap,
                     sq_sig_all: ia.sq_sig_all,
-                }))
-                .cast()
+                    ev: ev.clone(),
+                }));
+                m.router.register(Kind::Qp, qpn, &m.events, p as usize, &ev);
+                p.cast()
             }
             Err(e) => fail_null(soft_errno(&e)),
         }
@@ -1008,17 +1117,15 @@ pub(crate) unsafe extern "C" fn ibv_modify_qp(
     attr: *mut ibv_qp_attr,
     mask: c_int,
 ) -> c_int {
-    // SAFETY: caller contract.
-    let Some(q) = (unsafe { mqp(qp) }) else {
+    // SAFETY: caller contract (a live object of this library; its context is open).
+    let Some((q, m)) = (unsafe { obj_ctx::<MrkitQp>(qp.cast()) }) else {
         return fail(libc::EINVAL);
     };
     if attr.is_null() {
         return fail(libc::EINVAL);
     }
-    // SAFETY: the QP's context is open; attr valid.
-    let (Some(m), a) = (unsafe { (mctx(q.qp.context), *attr) }) else {
-        return fail(libc::EINVAL);
-    };
+    // SAFETY: attr valid (caller contract).
+    let a = unsafe { *attr };
     let sa = QpAttr {
         qp_state: a.qp_state,
         cur_qp_state: a.cur_qp_state,
@@ -1046,21 +1153,8 @@ pub(crate) unsafe extern "C" fn ibv_modify_qp(
         },
     };
     guard(libc::EIO, || {
-        let was = q.qp.state;
         match m.soft.modify_qp(q.qpn, &sa, mask as u32) {
             Ok(()) => {
-                if mask as u32 & mrkit_soft::qp::attr_mask::STATE != 0
-                    && a.qp_state == 0
-                    && was != 0
-                {
-                    // SAFETY: the QP's CQs are live (they cannot be destroyed before it).
-                    unsafe {
-                        clean_cq(m, q.qp.send_cq, q.qpn);
-                        if q.qp.recv_cq != q.qp.send_cq {
-                            clean_cq(m, q.qp.recv_cq, q.qpn);
-                        }
-                    }
-                }
                 if let Ok(st) = m.soft.qp_state(q.qpn) {
                     q.qp.state = st as u32;
                 }
@@ -1074,29 +1168,6 @@ pub(crate) unsafe extern "C" fn ibv_modify_qp(
     })
 }
 
-/// On a transition to RESET, remove the QP's completions from its CQs, as the kernel drivers
-/// do (`mlx5_ib_cq_clean`): a QP restated from ERR must not see its old flushed completions.
-/// The other QPs' completions keep their order (they are returned before newer ones).
-///
-/// # Safety
-/// `cq` NULL or a live CQ of this library.
-unsafe fn clean_cq(m: &MrkitContext, cq: *mut ibv_cq, qpn: u32) {
-    // SAFETY: caller contract.
-    let Some(c) = (unsafe { mcq(cq) }) else {
-        return;
-    };
-    let mut p = c.pending.lock().unwrap_or_else(|e| e.into_inner());
-    let mut all: Vec<Wc> = p.drain(..).collect();
-    loop {
-        let before = all.len();
-        if m.soft.poll_cq(c.cqn, &mut all, 1024).is_err() || all.len() == before {
-            break;
-        }
-    }
-    p.extend(all.into_iter().filter(|w| w.qp_num != qpn));
-    c.has_pending.store(!p.is_empty(), Ordering::Release);
-}
-
 /// `int ibv_query_qp(qp, struct ibv_qp_attr *, int attr_mask, struct ibv_qp_init_attr *)`:
 /// fills every attribute regardless of the mask (allowed by the verbs spec).
 ///
@@ -1108,12 +1179,8 @@ pub(crate) unsafe extern "C" fn ibv_query_qp(
     _mask: c_int,
     init: *mut ibv_qp_init_attr,
 ) -> c_int {
-    // SAFETY: caller contract.
-    let Some(q) = (unsafe { mqp(qp) }) else {
-        return fail(libc::EINVAL);
-    };
-    // SAFETY: the QP's context is open.
-    let Some(m) = (unsafe { mctx(q.qp.context) }) else {
+    // SAFETY: caller contract (a live object of this library; its context is open).
+    let Some((q, m)) = (unsafe { obj_ctx::<MrkitQp>(qp.cast()) }) else {
         return fail(libc::EINVAL);
     };
     if attr.is_null() || init.is_null() {
@@ -1175,28 +1242,19 @@ pub(crate) unsafe extern "C" fn ibv_query_qp(
     0
 }
 
-/// `int ibv_destroy_qp(struct ibv_qp *)`.
+/// `int ibv_destroy_qp(struct ibv_qp *)`; waits until every async event returned for the QP
+/// was acked (unread ones are dropped), as libibverbs.
 ///
 /// # Safety
 /// `qp` NULL or a live QP; not used after success.
 pub(crate) unsafe extern "C" fn ibv_destroy_qp(qp: *mut ibv_qp) -> c_int {
-    // SAFETY: caller contract.
-    let Some(q) = (unsafe { mqp(qp) }) else {
+    // SAFETY: caller contract (a live object of this library; its context is open).
+    let Some((q, m)) = (unsafe { obj_ctx::<MrkitQp>(qp.cast()) }) else {
         return fail(libc::EINVAL);
     };
-    // SAFETY: the QP's context is open.
-    let Some(m) = (unsafe { mctx(q.qp.context) }) else {
-        return fail(libc::EINVAL);
-    };
-    match m.soft.destroy_qp(q.qpn) {
-        Ok(()) => {
-            q.magic = 0;
-            // SAFETY: allocated by Box in ibv_create_qp; freed once.
-            drop(unsafe { Box::from_raw(qp.cast::<MrkitQp>()) });
-            0
-        }
-        Err(e) => fail(soft_errno(&e)),
-    }
+    let r = m.soft.destroy_qp(q.qpn);
+    // SAFETY: qp is a live MrkitQp (checked above); not used after success (caller contract).
+    unsafe { finish_destroy(qp.cast::<MrkitQp>(), m, r) }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1319,13 +1377,8 @@ pub(crate) unsafe extern "C" fn op_post_send(
             unsafe { bad_wr.write(p.cast()) };
         }
     };
-    // SAFETY: caller contract.
-    let Some(q) = (unsafe { mqp(qp.cast()) }) else {
-        set_bad(wr.cast());
-        return fail(libc::EINVAL);
-    };
-    // SAFETY: the QP's context is open.
-    let Some(m) = (unsafe { mctx(q.qp.context) }) else {
+    // SAFETY: caller contract (a live object of this library; its context is open).
+    let Some((q, m)) = (unsafe { obj_ctx::<MrkitQp>(qp.cast()) }) else {
         set_bad(wr.cast());
         return fail(libc::EINVAL);
     };
@@ -1387,6 +1440,42 @@ unsafe fn recv_chain(wr: *mut ibv_recv_wr) -> (Vec<*mut ibv_recv_wr>, Vec<RecvWr
     (ptrs, wrs)
 }
 
+/// Post a receive chain through `post` (the QP's RQ or an SRQ): `*bad_wr` is the first WR not
+/// posted on failure (all of them when `target` is not a live object of this library).
+///
+/// # Safety
+/// `target` NULL or a live `T` of this library; `wr` a valid chain; `bad_wr` NULL or valid for
+/// a write.
+unsafe fn post_recv_common<T: Obj>(
+    target: *mut c_void,
+    wr: *mut c_void,
+    bad_wr: *mut *mut c_void,
+    post: impl FnOnce(&MrkitContext, &T, &[RecvWr]) -> Result<(), PostError>,
+) -> c_int {
+    let set_bad = |p: *mut c_void| {
+        if !bad_wr.is_null() {
+            // SAFETY: valid out-pointer (caller contract).
+            unsafe { bad_wr.write(p) };
+        }
+    };
+    // SAFETY: caller contract (a live object of this library; its context is open).
+    let Some((t, m)) = (unsafe { obj_ctx::<T>(target) }) else {
+        set_bad(wr);
+        return fail(libc::EINVAL);
+    };
+    guard(libc::EIO, || {
+        // SAFETY: caller contract.
+        let (ptrs, wrs) = unsafe { recv_chain(wr.cast()) };
+        match post(m, t, &wrs) {
+            Ok(()) => 0,
+            Err(PostError { bad_wr: i, error }) => {
+                set_bad(ptrs[i].cast());
+                fail(soft_errno(&error))
+            }
+        }
+    })
+}
+
 /// `ops.post_recv(qp, wr, bad_wr)`.
 ///
 /// # Safety
@@ -1396,34 +1485,12 @@ pub(crate) unsafe extern "C" fn op_post_recv(
     wr: *mut c_void,
     bad_wr: *mut *mut c_void,
 ) -> c_int {
-    let set_bad = |p: *mut c_void| {
-        if !bad_wr.is_null() {
-            // SAFETY: valid out-pointer (caller contract).
-            unsafe { bad_wr.write(p) };
-        }
-    };
-    // SAFETY: caller contract.
-    let Some(q) = (unsafe { mqp(qp.cast()) }) else {
-        set_bad(wr);
-        return fail(libc::EINVAL);
-    };
-    // SAFETY: the QP's context is open.
-    let Some(m) = (unsafe { mctx(q.qp.context) }) else {
-        set_bad(wr);
-        return fail(libc::EINVAL);
-    };
-    let qpn = q.qpn;
-    guard(libc::EIO, || {
-        // SAFETY: caller contract.
-        let (ptrs, wrs) = unsafe { recv_chain(wr.cast()) };
-        match m.soft.post_recv(qpn, &wrs) {
-            Ok(()) => 0,
-            Err(PostError { bad_wr: i, error }) => {
-                set_bad(ptrs[i].cast());
-                fail(soft_errno(&error))
-            }
-        }
-    })
+    // SAFETY: forwarded contract.
+    unsafe {
+        post_recv_common(qp, wr, bad_wr, |m, q: &MrkitQp, wrs| {
+            m.soft.post_recv(q.qpn, wrs)
+        })
+    }
 }
 
 /// `ops.post_srq_recv(srq, wr, bad_wr)`.
@@ -1435,34 +1502,12 @@ pub(crate) unsafe extern "C" fn op_post_srq_recv(
     wr: *mut c_void,
     bad_wr: *mut *mut c_void,
 ) -> c_int {
-    let set_bad = |p: *mut c_void| {
-        if !bad_wr.is_null() {
-            // SAFETY: valid out-pointer (caller contract).
-            unsafe { bad_wr.write(p) };
-        }
-    };
-    // SAFETY: caller contract.
-    let Some(s) = (unsafe { msrq(srq.cast()) }) else {
-        set_bad(wr);
-        return fail(libc::EINVAL);
-    };
-    // SAFETY: the SRQ's context is open.
-    let Some(m) = (unsafe { mctx(s.srq.context) }) else {
-        set_bad(wr);
-        return fail(libc::EINVAL);
-    };
-    let srqn = s.srqn;
-    guard(libc::EIO, || {
-        // SAFETY: caller contract.
-        let (ptrs, wrs) = unsafe { recv_chain(wr.cast()) };
-        match m.soft.post_srq_recv(srqn, &wrs) {
-            Ok(()) => 0,
-            Err(PostError { bad_wr: i, error }) => {
-                set_bad(ptrs[i].cast());
-                fail(soft_errno(&error))
-            }
-        }
-    })
+    // SAFETY: forwarded contract.
+    unsafe {
+        post_recv_common(srq, wr, bad_wr, |m, s: &MrkitSrq, wrs| {
+            m.soft.post_srq_recv(s.srqn, wrs)
+        })
+    }
 }
 
 /// `struct ibv_mw_bind` (48 bytes): `wr_id`, `send_flags`, `bind_info {mr, addr, length,

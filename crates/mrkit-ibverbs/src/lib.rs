@@ -10,7 +10,9 @@
 //! * `exports`: the exported names with their version nodes (`ibv_reg_mr@@IBVERBS_1.1`), made
 //!   with `.symver` trampolines; the list is [`EXPORTS`].
 //! * `device`: the device list, contexts (`verbs_context` in front of `ibv_context`), queries,
-//!   GID table, async event fd.
+//!   GID table, `ibv_get_async_event` / `ibv_ack_async_event`.
+//! * `events`: per-context async event queues (the pollable `async_fd`), routing the device's
+//!   QP/CQ/SRQ events to the owning context, ack accounting for `ibv_destroy_*`.
 //! * `verbs`: PD, MR (reg/rereg/dereg), MW, fork support, string helpers.
 //! * `dp`: completion channels, CQs (and `ibv_cq_ex`), RC QPs, SRQs, AHs, and the `ctx->ops`
 //!   data-path entry points (post_send/recv, post_srq_recv, poll_cq, req_notify_cq, bind_mw).
@@ -23,6 +25,7 @@
 pub mod abi;
 mod device;
 mod dp;
+mod events;
 mod exports;
 mod ffi;
 mod stubs;

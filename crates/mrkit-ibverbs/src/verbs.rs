@@ -5,7 +5,7 @@
 //! `ibv_dealloc_pd` / `ibv_dereg_mr` / `ibv_dealloc_mw`, and `enum ibv_rereg_mr_err_code` with
 //! errno for `ibv_rereg_mr`.
 
-use std::ffi::{c_char, c_int, c_uint, c_void};
+use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use mrkit_soft::{AccessFlags, MwType, ReregFlags};
@@ -21,6 +21,60 @@ fn fail_null<T>(e: c_int) -> *mut T {
 
 fn soft_errno(e: &mrkit_soft::Error) -> c_int {
     e.errno().raw()
+}
+
+/// A PD's context, device handle and open context: None for a NULL PD or a closed context.
+///
+/// # Safety
+/// `pd` NULL or a live PD of this library.
+pub(crate) unsafe fn pd_parts<'a>(
+    pd: *mut ibv_pd,
+) -> Option<(*mut ibv_context, u32, &'a crate::device::MrkitContext)> {
+    if pd.is_null() {
+        return None;
+    }
+    // SAFETY: pd is a live PD (caller contract).
+    let (ctx, handle) = unsafe { ((*pd).context, (*pd).handle) };
+    // SAFETY: the PD's context is open (caller contract).
+    let m = unsafe { mctx(ctx) }?;
+    Some((ctx, handle, m))
+}
+
+/// The body of the release verbs whose struct this library allocated with `Box`
+/// (`ibv_dealloc_pd`, `ibv_dereg_mr`, `ops.dealloc_mw`): EINVAL (errno too) for NULL or a
+/// closed context; else `release(device, handle)`: on success the struct is freed and 0
+/// returned, on failure the struct stays valid and the errno value is returned (and set).
+///
+/// # Safety
+/// `obj` NULL or a live struct allocated as `Box<T>` by this library, not used after success;
+/// `parts` returns its `(context, device handle)`.
+unsafe fn release_boxed<T>(
+    obj: *mut T,
+    parts: impl FnOnce(&T) -> (*mut ibv_context, u32),
+    release: impl FnOnce(&mrkit_soft::Context, u32) -> mrkit_soft::Result<()>,
+) -> c_int {
+    if obj.is_null() {
+        set_errno(libc::EINVAL);
+        return libc::EINVAL;
+    }
+    // SAFETY: obj is live (caller contract).
+    let (ctx, handle) = parts(unsafe { &*obj });
+    // SAFETY: the object's context is open (caller contract).
+    let Some(m) = (unsafe { mctx(ctx) }) else {
+        set_errno(libc::EINVAL);
+        return libc::EINVAL;
+    };
+    guard(libc::EIO, || match release(&m.soft, handle) {
+        Ok(()) => {
+            // SAFETY: allocated by Box in this library; freed once (caller contract).
+            drop(unsafe { Box::from_raw(obj) });
+            0
+        }
+        Err(e) => {
+            set_errno(soft_errno(&e));
+            soft_errno(&e)
+        }
+    })
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -50,28 +104,8 @@ pub(crate) unsafe extern "C" fn ibv_alloc_pd(ctx: *mut ibv_context) -> *mut ibv_
 /// # Safety
 /// `pd` must be NULL or a PD from [`ibv_alloc_pd`] not yet deallocated.
 pub(crate) unsafe extern "C" fn ibv_dealloc_pd(pd: *mut ibv_pd) -> c_int {
-    if pd.is_null() {
-        set_errno(libc::EINVAL);
-        return libc::EINVAL;
-    }
-    // SAFETY: pd is a live PD (caller contract), its context is open.
-    let (ctx, handle) = unsafe { ((*pd).context, (*pd).handle) };
-    // SAFETY: the PD's context is open (caller contract).
-    let Some(m) = (unsafe { mctx(ctx) }) else {
-        set_errno(libc::EINVAL);
-        return libc::EINVAL;
-    };
-    guard(libc::EIO, || match m.soft.dealloc_pd(handle) {
-        Ok(()) => {
-            // SAFETY: allocated by Box in ibv_alloc_pd; freed once (caller contract).
-            drop(unsafe { Box::from_raw(pd) });
-            0
-        }
-        Err(e) => {
-            set_errno(soft_errno(&e));
-            soft_errno(&e)
-        }
-    })
+    // SAFETY: forwarded contract (allocated by Box in ibv_alloc_pd).
+    unsafe { release_boxed(pd, |p| (p.context, p.handle), |s, h| s.dealloc_pd(h)) }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -92,13 +126,8 @@ unsafe fn reg_common(
     iova: u64,
     access: u32,
 ) -> *mut ibv_mr {
-    if pd.is_null() {
-        return fail_null(libc::EINVAL);
-    }
-    // SAFETY: pd is a live PD (caller contract).
-    let (ctx, handle) = unsafe { ((*pd).context, (*pd).handle) };
-    // SAFETY: the PD's context is open.
-    let Some(m) = (unsafe { mctx(ctx) }) else {
+    // SAFETY: caller contract.
+    let Some((ctx, handle, m)) = (unsafe { pd_parts(pd) }) else {
         return fail_null(libc::EINVAL);
     };
     guard(std::ptr::null_mut(), || {
@@ -173,28 +202,8 @@ pub(crate) unsafe extern "C" fn ibv_reg_mr_iova2(
 /// # Safety
 /// `mr` must be NULL or a live MR from this library; it must not be used after success.
 pub(crate) unsafe extern "C" fn ibv_dereg_mr(mr: *mut ibv_mr) -> c_int {
-    if mr.is_null() {
-        set_errno(libc::EINVAL);
-        return libc::EINVAL;
-    }
-    // SAFETY: mr is a live MR (caller contract).
-    let (ctx, lkey) = unsafe { ((*mr).context, (*mr).lkey) };
-    // SAFETY: the MR's context is open.
-    let Some(m) = (unsafe { mctx(ctx) }) else {
-        set_errno(libc::EINVAL);
-        return libc::EINVAL;
-    };
-    guard(libc::EIO, || match m.soft.dereg_mr(lkey) {
-        Ok(()) => {
-            // SAFETY: allocated by Box in reg_common; freed once (caller contract).
-            drop(unsafe { Box::from_raw(mr) });
-            0
-        }
-        Err(e) => {
-            set_errno(soft_errno(&e));
-            soft_errno(&e)
-        }
-    })
+    // SAFETY: forwarded contract (allocated by Box in reg_common).
+    unsafe { release_boxed(mr, |r| (r.context, r.lkey), |s, k| s.dereg_mr(k)) }
 }
 
 /// `int ibv_rereg_mr(struct ibv_mr *mr, int flags, struct ibv_pd *pd, void *addr,
@@ -339,10 +348,8 @@ pub(crate) unsafe extern "C" fn op_alloc_mw(pd: *mut ibv_pd, ty: c_int) -> *mut 
         2 => MwType::Type2,
         _ => return fail_null(libc::EINVAL),
     };
-    // SAFETY: pd is live (caller contract).
-    let (ctx, handle) = unsafe { ((*pd).context, (*pd).handle) };
-    // SAFETY: the PD's context is open.
-    let Some(m) = (unsafe { mctx(ctx) }) else {
+    // SAFETY: caller contract.
+    let Some((ctx, handle, m)) = (unsafe { pd_parts(pd) }) else {
         return fail_null(libc::EINVAL);
     };
     guard(std::ptr::null_mut(), || {
@@ -364,28 +371,8 @@ pub(crate) unsafe extern "C" fn op_alloc_mw(pd: *mut ibv_pd, ty: c_int) -> *mut 
 /// # Safety
 /// `mw` NULL or a live MW from [`op_alloc_mw`]; not used after success.
 pub(crate) unsafe extern "C" fn op_dealloc_mw(mw: *mut ibv_mw) -> c_int {
-    if mw.is_null() {
-        set_errno(libc::EINVAL);
-        return libc::EINVAL;
-    }
-    // SAFETY: mw is live (caller contract).
-    let (ctx, handle) = unsafe { ((*mw).context, (*mw).handle) };
-    // SAFETY: the MW's context is open.
-    let Some(m) = (unsafe { mctx(ctx) }) else {
-        set_errno(libc::EINVAL);
-        return libc::EINVAL;
-    };
-    guard(libc::EIO, || match m.soft.dealloc_mw(handle) {
-        Ok(()) => {
-            // SAFETY: allocated by Box in op_alloc_mw; freed once.
-            drop(unsafe { Box::from_raw(mw) });
-            0
-        }
-        Err(e) => {
-            set_errno(soft_errno(&e));
-            soft_errno(&e)
-        }
-    })
+    // SAFETY: forwarded contract (allocated by Box in op_alloc_mw).
+    unsafe { release_boxed(mw, |w| (w.context, w.handle), |s, h| s.dealloc_mw(h)) }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -444,105 +431,118 @@ pub(crate) unsafe extern "C" fn ibv_is_fork_initialized() -> c_int {
 // ---------------------------------------------------------------------------------------------
 // String helpers (rdma-core's texts).
 
-macro_rules! cstr {
-    ($s:literal) => {
-        concat!($s, "\0").as_ptr().cast::<c_char>()
-    };
+/// `table[i]`, or "unknown" outside it (or where the table has no text): rdma-core's
+/// `*_str` helpers.
+fn table_str(table: &'static [Option<&'static CStr>], i: c_int) -> *const c_char {
+    usize::try_from(i)
+        .ok()
+        .and_then(|i| table.get(i).copied().flatten())
+        .unwrap_or(c"unknown")
+        .as_ptr()
 }
+
+/// Texts of `ibv_wc_status_str`, indexed by `enum ibv_wc_status`.
+static WC_STATUS_STR: [Option<&CStr>; 24] = [
+    Some(c"success"),
+    Some(c"local length error"),
+    Some(c"local QP operation error"),
+    Some(c"local EE context operation error"),
+    Some(c"local protection error"),
+    Some(c"Work Request Flushed Error"),
+    Some(c"memory management operation error"),
+    Some(c"bad response error"),
+    Some(c"local access error"),
+    Some(c"remote invalid request error"),
+    Some(c"remote access error"),
+    Some(c"remote operation error"),
+    Some(c"transport retry counter exceeded"),
+    Some(c"RNR retry counter exceeded"),
+    Some(c"local RDD violation error"),
+    Some(c"remote invalid RD request"),
+    Some(c"aborted error"),
+    Some(c"invalid EE context number"),
+    Some(c"invalid EE context state"),
+    Some(c"fatal error"),
+    Some(c"response timeout error"),
+    Some(c"general error"),
+    Some(c"TM error"),
+    Some(c"TM software rendezvous"),
+];
 
 /// `const char *ibv_wc_status_str(enum ibv_wc_status)`.
 ///
 /// # Safety
 /// No pointers involved; returns a static string.
 pub(crate) unsafe extern "C" fn ibv_wc_status_str(status: c_int) -> *const c_char {
-    match status {
-        0 => cstr!("success"),
-        1 => cstr!("local length error"),
-        2 => cstr!("local QP operation error"),
-        3 => cstr!("local EE context operation error"),
-        4 => cstr!("local protection error"),
-        5 => cstr!("Work Request Flushed Error"),
-        6 => cstr!("memory management operation error"),
-        7 => cstr!("bad response error"),
-        8 => cstr!("local access error"),
-        9 => cstr!("remote invalid request error"),
-        10 => cstr!("remote access error"),
-        11 => cstr!("remote operation error"),
-        12 => cstr!("transport retry counter exceeded"),
-        13 => cstr!("RNR retry counter exceeded"),
-        14 => cstr!("local RDD violation error"),
-        15 => cstr!("remote invalid RD request"),
-        16 => cstr!("aborted error"),
-        17 => cstr!("invalid EE context number"),
-        18 => cstr!("invalid EE context state"),
-        19 => cstr!("fatal error"),
-        20 => cstr!("response timeout error"),
-        21 => cstr!("general error"),
-        22 => cstr!("TM error"),
-        23 => cstr!("TM software rendezvous"),
-        _ => cstr!("unknown"),
-    }
+    table_str(&WC_STATUS_STR, status)
 }
+
+/// Texts of `ibv_node_type_str`, indexed by `enum ibv_node_type`.
+static NODE_TYPE_STR: [Option<&CStr>; 8] = [
+    None,
+    Some(c"InfiniBand channel adapter"),
+    Some(c"InfiniBand switch"),
+    Some(c"InfiniBand router"),
+    Some(c"iWARP NIC"),
+    Some(c"usNIC"),
+    Some(c"usNIC UDP"),
+    Some(c"unspecified"),
+];
 
 /// `const char *ibv_node_type_str(enum ibv_node_type)`.
 ///
 /// # Safety
 /// No pointers involved; returns a static string.
 pub(crate) unsafe extern "C" fn ibv_node_type_str(t: c_int) -> *const c_char {
-    match t {
-        1 => cstr!("InfiniBand channel adapter"),
-        2 => cstr!("InfiniBand switch"),
-        3 => cstr!("InfiniBand router"),
-        4 => cstr!("iWARP NIC"),
-        5 => cstr!("usNIC"),
-        6 => cstr!("usNIC UDP"),
-        7 => cstr!("unspecified"),
-        _ => cstr!("unknown"),
-    }
+    table_str(&NODE_TYPE_STR, t)
 }
+
+/// Texts of `ibv_port_state_str`, indexed by `enum ibv_port_state`.
+static PORT_STATE_STR: [Option<&CStr>; 6] = [
+    Some(c"no state change (NOP)"),
+    Some(c"down"),
+    Some(c"init"),
+    Some(c"armed"),
+    Some(c"active"),
+    Some(c"active defer"),
+];
 
 /// `const char *ibv_port_state_str(enum ibv_port_state)`.
 ///
 /// # Safety
 /// No pointers involved; returns a static string.
 pub(crate) unsafe extern "C" fn ibv_port_state_str(s: c_int) -> *const c_char {
-    match s {
-        0 => cstr!("no state change (NOP)"),
-        1 => cstr!("down"),
-        2 => cstr!("init"),
-        3 => cstr!("armed"),
-        4 => cstr!("active"),
-        5 => cstr!("active defer"),
-        _ => cstr!("unknown"),
-    }
+    table_str(&PORT_STATE_STR, s)
 }
+
+/// Texts of `ibv_event_type_str`, indexed by `enum ibv_event_type`.
+static EVENT_TYPE_STR: [Option<&CStr>; 20] = [
+    Some(c"CQ error"),
+    Some(c"local work queue catastrophic error"),
+    Some(c"invalid request local work queue error"),
+    Some(c"local access violation work queue error"),
+    Some(c"communication established"),
+    Some(c"send queue drained"),
+    Some(c"path migrated"),
+    Some(c"path migration request error"),
+    Some(c"local catastrophic error"),
+    Some(c"port active"),
+    Some(c"port error"),
+    Some(c"LID change"),
+    Some(c"P_Key change"),
+    Some(c"SM change"),
+    Some(c"SRQ catastrophic error"),
+    Some(c"SRQ limit reached"),
+    Some(c"last WQE reached"),
+    Some(c"client reregistration"),
+    Some(c"GID table change"),
+    Some(c"WQ fatal"),
+];
 
 /// `const char *ibv_event_type_str(enum ibv_event_type)`.
 ///
 /// # Safety
 /// No pointers involved; returns a static string.
 pub(crate) unsafe extern "C" fn ibv_event_type_str(e: c_int) -> *const c_char {
-    match e {
-        0 => cstr!("CQ error"),
-        1 => cstr!("local work queue catastrophic error"),
-        2 => cstr!("invalid request local work queue error"),
-        3 => cstr!("local access violation work queue error"),
-        4 => cstr!("communication established"),
-        5 => cstr!("send queue drained"),
-        6 => cstr!("path migrated"),
-        7 => cstr!("path migration request error"),
-        8 => cstr!("local catastrophic error"),
-        9 => cstr!("port active"),
-        10 => cstr!("port error"),
-        11 => cstr!("LID change"),
-        12 => cstr!("P_Key change"),
-        13 => cstr!("SM change"),
-        14 => cstr!("SRQ catastrophic error"),
-        15 => cstr!("SRQ limit reached"),
-        16 => cstr!("last WQE reached"),
-        17 => cstr!("client reregistration"),
-        18 => cstr!("GID table change"),
-        19 => cstr!("WQ fatal"),
-        _ => cstr!("unknown"),
-    }
+    table_str(&EVENT_TYPE_STR, e)
 }

@@ -6,6 +6,11 @@
 //! * Arming (`req_notify_cq`) is one-shot: the next completion (or, solicited-only, the next
 //!   solicited *or error* completion) posts one event on the CQ's channel and disarms.
 //! * A channel is a Condvar-backed queue of CQ numbers with a blocking `get_cq_event`.
+//! * **QP reset cleans the CQs**: moving a QP to RESET removes its completions still queued in
+//!   its send and receive CQs (also completions of receives it took from an SRQ), as the kernel
+//!   drivers do (mlx5: `mlx5_ib_cq_clean` on the RESET transition). Other QPs' completions in a
+//!   shared CQ stay, in order. So a QP recycled ERR → RESET → RTS never polls the flushed
+//!   completions of its previous life.
 #![forbid(unsafe_code)]
 
 use std::collections::VecDeque;
@@ -250,6 +255,15 @@ impl CqObject {
 
     pub(crate) fn overflowed(&self) -> bool {
         self.state.lock().overflowed
+    }
+
+    /// Remove every completion of QP `qpn` (the QP moved to RESET); the other QPs'
+    /// completions keep their order. Returns how many were removed.
+    pub(crate) fn clean_qp(&self, qpn: u32) -> usize {
+        let mut s = self.state.lock();
+        let before = s.q.len();
+        s.q.retain(|w| w.qp_num != qpn);
+        before - s.q.len()
     }
 
     pub(crate) fn resize(&self, cap: usize) -> Result<(), usize> {

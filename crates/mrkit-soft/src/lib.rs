@@ -32,6 +32,7 @@ mod copy;
 pub mod cq;
 pub mod device;
 pub mod error;
+pub mod events;
 mod fastpath;
 pub mod mem;
 pub mod mr;
@@ -103,6 +104,8 @@ pub struct DeviceInner {
     /// packets to their QPs, so packets reach a QP in the order the socket delivered them even
     /// when the application thread and the progress thread both make progress.
     pub(crate) rx: parking_lot::Mutex<net::udp::RecvBufs>,
+    /// Where asynchronous events go (`events.rs`).
+    pub(crate) event_hook: events::HookSlot,
 }
 
 /// An opened `mrkit0` device instance (`ibv_context`). Cheap to clone; all clones share the
@@ -125,6 +128,7 @@ impl Context {
                 udp_init: parking_lot::Mutex::new(()),
                 net_stats: net::udp::NetStats::default(),
                 rx: parking_lot::Mutex::new(net::udp::RecvBufs::default()),
+                event_hook: events::HookSlot::default(),
                 pds: KeyTable::new(1, (1 << 24) - 1, a.max_pd),
                 mrs: KeyTable::new(MR_INDEX.0, MR_INDEX.1, a.max_mr),
                 mws: KeyTable::new(MW_INDEX.0, MW_INDEX.1, a.max_mw),

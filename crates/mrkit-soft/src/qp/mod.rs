@@ -600,7 +600,7 @@ impl QpObject {
             || (st.state == QpState::Rts && st.sq.cursor < st.sq.q.len());
         drop(g);
         for e in out.events {
-            ctx.dev.dp.raise(e);
+            ctx.raise_async_event(e);
         }
         (out.pkts, needs_tick)
     }
@@ -785,6 +785,8 @@ impl Context {
     }
 
     /// `ibv_modify_qp` with the RC table and attribute rules of `docs/semantics.md` §8.
+    /// A transition to RESET empties the queues and removes the QP's completions from its send
+    /// and receive CQs (other QPs' completions stay; see `cq.rs`).
     pub fn modify_qp(&self, qpn: u32, attr: &QpAttr, mask: u32) -> Result<()> {
         use attr_mask as m;
         let q = self.qp(qpn)?;
@@ -940,6 +942,12 @@ impl Context {
                 g.comp = comp::Completer::new(Instant::now());
                 g.resp = resp::Responder::default();
                 q.inbox.lock().clear();
+                // CQ clean (cq.rs): under the QP lock, so no completion of this QP can be
+                // pushed between the clean and the state change becoming visible.
+                q.send_cq.clean_qp(qpn);
+                if !Arc::ptr_eq(&q.send_cq, &q.recv_cq) {
+                    q.recv_cq.clean_qp(qpn);
+                }
             }
             QpState::Rtr if cur == QpState::Init => g.resp.reset(a.rq_psn),
             QpState::Rts if cur == QpState::Rtr => {

@@ -1,0 +1,56 @@
+//! Where asynchronous events go: the device's queue ([`Context::get_async_event`]) or, once
+//! installed, a hook ([`Context::set_async_event_hook`]).
+//!
+//! mrkit-ibverbs installs a hook so each event reaches the `ibv_context` that owns the QP, CQ
+//! or SRQ it names (its `async_fd` becomes readable at once), with no thread polling the
+//! queue. The hook runs on the thread that raised the event (the progress thread, or an
+//! application thread running progress inline) after the QP's lock was released; it must be
+//! quick and must not block.
+#![forbid(unsafe_code)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::RwLock;
+
+use crate::progress::AsyncEvent;
+use crate::Context;
+
+/// Receives every asynchronous event of a device instance once installed.
+pub type AsyncEventHook = Arc<dyn Fn(AsyncEvent) + Send + Sync>;
+
+/// The installed hook, if any.
+#[derive(Default)]
+pub(crate) struct HookSlot(RwLock<Option<AsyncEventHook>>);
+
+impl std::fmt::Debug for HookSlot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("HookSlot")
+            .field(&self.0.read().is_some())
+            .finish()
+    }
+}
+
+impl Context {
+    /// Deliver asynchronous events to `hook` instead of queueing them for
+    /// [`Context::get_async_event`] (`None`: back to the queue). Events already queued are
+    /// handed to the new hook first. The hook must not keep a clone of this `Context` (the
+    /// device would then never be dropped).
+    pub fn set_async_event_hook(&self, hook: Option<AsyncEventHook>) {
+        *self.dev.event_hook.0.write() = hook.clone();
+        if let Some(h) = hook {
+            while let Some(e) = self.get_async_event(Duration::ZERO) {
+                h(e);
+            }
+        }
+    }
+
+    /// Raise `e`: to the hook if one is installed, else onto the device's queue.
+    pub(crate) fn raise_async_event(&self, e: AsyncEvent) {
+        let hook = self.dev.event_hook.0.read().clone();
+        match hook {
+            Some(h) => h(e),
+            None => self.dev.dp.raise(e),
+        }
+    }
+}
