@@ -8,57 +8,7 @@
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-fn sh(args: &[&str]) -> bool {
-    Command::new(args[0])
-        .args(&args[1..])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .map(|s| s.success())
-        .unwrap_or(false)
-}
-
-struct Netns {
-    a: String,
-    b: String,
-}
-
-impl Netns {
-    fn create() -> Option<Netns> {
-        let pid = std::process::id();
-        let n = Netns {
-            a: format!("mrk-a-{pid}"),
-            b: format!("mrk-b-{pid}"),
-        };
-        let (va, vb) = (format!("mka{pid}"), format!("mkb{pid}"));
-        let ok = sh(&["ip", "netns", "add", &n.a])
-            && sh(&["ip", "netns", "add", &n.b])
-            && sh(&[
-                "ip", "link", "add", &va, "type", "veth", "peer", "name", &vb,
-            ])
-            && sh(&["ip", "link", "set", &va, "netns", &n.a])
-            && sh(&["ip", "link", "set", &vb, "netns", &n.b])
-            && sh(&["ip", "-n", &n.a, "addr", "add", "192.0.2.1/24", "dev", &va])
-            && sh(&["ip", "-n", &n.b, "addr", "add", "192.0.2.2/24", "dev", &vb])
-            && sh(&["ip", "-n", &n.a, "link", "set", &va, "up"])
-            && sh(&["ip", "-n", &n.b, "link", "set", &vb, "up"])
-            && sh(&["ip", "-n", &n.a, "link", "set", "lo", "up"])
-            && sh(&["ip", "-n", &n.b, "link", "set", "lo", "up"]);
-        if ok {
-            Some(n)
-        } else {
-            drop(n);
-            None
-        }
-    }
-}
-
-impl Drop for Netns {
-    fn drop(&mut self) {
-        sh(&["ip", "netns", "del", &self.a]);
-        sh(&["ip", "netns", "del", &self.b]);
-    }
-}
+use mrkit_testsupport::{Netns, ADDR_A, ADDR_B};
 
 struct Kill(Child);
 impl Drop for Kill {
@@ -70,20 +20,7 @@ impl Drop for Kill {
 
 #[test]
 fn two_hosts_over_veth() {
-    if !rustix::process::geteuid().is_root() || !sh(&["ip", "-V"]) {
-        eprintln!("SKIP two_hosts_over_veth: needs root and iproute2");
-        assert!(
-            std::env::var("MRKIT_REQUIRE_NETNS").is_err(),
-            "MRKIT_REQUIRE_NETNS set but the test cannot run"
-        );
-        return;
-    }
-    let Some(ns) = Netns::create() else {
-        eprintln!("SKIP two_hosts_over_veth: cannot create network namespaces here");
-        assert!(
-            std::env::var("MRKIT_REQUIRE_NETNS").is_err(),
-            "MRKIT_REQUIRE_NETNS set but netns creation failed"
-        );
+    let Some(ns) = Netns::for_test("two_hosts_over_veth", "") else {
         return;
     };
     let bin = env!("CARGO_BIN_EXE_mrkit");
@@ -95,14 +32,7 @@ fn two_hosts_over_veth() {
     ];
     let server = Command::new("ip")
         .args([
-            "netns",
-            "exec",
-            &ns.a,
-            bin,
-            "perf",
-            "--server",
-            "--addr",
-            "192.0.2.1",
+            "netns", "exec", &ns.a, bin, "perf", "--server", "--addr", ADDR_A,
         ])
         .args(["--mtu", "1024", "--count", &ops.len().to_string()])
         .stdout(Stdio::null())
@@ -125,16 +55,9 @@ fn two_hosts_over_veth() {
     }
     for (op, size) in ops {
         let out = Command::new("ip")
-            .args(["netns", "exec", &ns.b, bin, "perf", "--client", "192.0.2.1"])
+            .args(["netns", "exec", &ns.b, bin, "perf", "--client", ADDR_A])
             .args([
-                "--addr",
-                "192.0.2.2",
-                "--mtu",
-                "1024",
-                "--op",
-                op,
-                "--size",
-                size,
+                "--addr", ADDR_B, "--mtu", "1024", "--op", op, "--size", size,
             ])
             .args(["--iters", "300", "--json"])
             .output()

@@ -39,8 +39,22 @@ fn mrkit() -> Command {
     c
 }
 
+/// `mrkit` with a clean MRKIT_* environment, its statistics files in `dir`.
+fn mrkit_in(dir: &Path) -> Command {
+    let mut c = mrkit();
+    c.env("MRKIT_STAT_DIR", dir);
+    c
+}
+
 fn run(c: &mut Command) -> Output {
     c.output().expect("run mrkit")
+}
+
+/// `run`, which must exit 0 (stderr in the message otherwise).
+fn run_ok(c: &mut Command) -> Output {
+    let o = run(c);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    o
 }
 
 fn json_of(o: &Output) -> Value {
@@ -77,6 +91,16 @@ fn golden(name: &str, actual: &str) {
 
 fn keys(v: &Value) -> Vec<String> {
     v.as_object().expect("object").keys().cloned().collect()
+}
+
+/// The check `id` of `mrkit doctor --json` output `v`.
+fn check<'a>(v: &'a Value, id: &str) -> &'a Value {
+    v["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["id"] == id)
+        .unwrap_or_else(|| panic!("no check {id}: {v}"))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -323,9 +347,7 @@ fn capacity_max_mr_size_from_profile() {
 #[test]
 fn doctor_real_run() {
     let dir = tempfile::tempdir().unwrap();
-    let o = run(mrkit()
-        .args(["doctor", "--json"])
-        .env("MRKIT_STAT_DIR", dir.path()));
+    let o = run(mrkit_in(dir.path()).args(["doctor", "--json"]));
     let v = json_of(&o);
     let checks = v["checks"].as_array().unwrap();
     let ids: Vec<&str> = checks.iter().map(|c| c["id"].as_str().unwrap()).collect();
@@ -363,9 +385,7 @@ fn doctor_real_run() {
     );
     assert!(v["system"]["page_size"].as_u64().unwrap() >= 4096);
     // Text form.
-    let t = stdout(&run(mrkit()
-        .arg("doctor")
-        .env("MRKIT_STAT_DIR", dir.path())));
+    let t = stdout(&run(mrkit_in(dir.path()).arg("doctor")));
     assert!(t.contains("[ok  ] device_config"), "{t}");
 }
 
@@ -376,13 +396,7 @@ fn doctor_fails_on_malformed_env() {
         .env("MRKIT_MAX_MR", "lots"));
     assert_eq!(o.status.code(), Some(1));
     let v = json_of(&o);
-    let c = v["checks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["id"] == "device_config")
-        .unwrap()
-        .clone();
+    let c = check(&v, "device_config");
     assert_eq!(c["status"], "fail");
     assert!(c["message"].as_str().unwrap().contains("MRKIT_MAX_MR=lots"));
 }
@@ -515,10 +529,9 @@ fn hold(dir: &Path, share: bool) -> (Child, u32) {
 }
 
 fn hold_with(dir: &Path, share: bool, extra: &[&str]) -> (Child, u32) {
-    let mut c = mrkit();
+    let mut c = mrkit_in(dir);
     c.args(["__stat-hold", "--seconds", "30", "--regs", "3"])
         .args(extra)
-        .env("MRKIT_STAT_DIR", dir)
         .env("MRKIT_STAT_INTERVAL_MS", "50")
         .stdout(Stdio::piped())
         .stderr(Stdio::null());
@@ -550,10 +563,7 @@ fn stat_reads_a_running_process() {
         .mode()
         & 0o777;
     assert_eq!(mode, 0o600);
-    let o = run(mrkit()
-        .args(["stat", "--json", "--pid", &pid.to_string()])
-        .env("MRKIT_STAT_DIR", dir.path()));
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = run_ok(mrkit_in(dir.path()).args(["stat", "--json", "--pid", &pid.to_string()]));
     let v = json_of(&o);
     let p = &v["processes"][0];
     assert_eq!(p["schema"], "mrkit-stat/1");
@@ -581,16 +591,8 @@ fn stat_reads_a_running_process() {
         "{t}"
     );
     // doctor sees it too.
-    let v = json_of(&run(mrkit()
-        .args(["doctor", "--json"])
-        .env("MRKIT_STAT_DIR", dir.path())));
-    let c = v["checks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["id"] == "device_limits")
-        .unwrap()
-        .clone();
+    let v = json_of(&run(mrkit_in(dir.path()).args(["doctor", "--json"])));
+    let c = check(&v, "device_limits");
     assert_eq!(c["status"], "ok");
     assert!(c["message"]
         .as_str()
@@ -603,10 +605,7 @@ fn stat_reads_a_running_process() {
 fn stat_export_starts_with_the_first_device() {
     let dir = tempfile::tempdir().unwrap();
     let (_child, pid) = hold_with(dir.path(), false, &["--no-install"]);
-    let o = run(mrkit()
-        .args(["stat", "--json", "--pid", &pid.to_string()])
-        .env("MRKIT_STAT_DIR", dir.path()));
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = run_ok(mrkit_in(dir.path()).args(["stat", "--json", "--pid", &pid.to_string()]));
     let v = json_of(&o);
     let p = &v["processes"][0];
     assert_eq!(p["pid"], pid);
@@ -621,16 +620,12 @@ fn stat_export_starts_with_the_first_device() {
 #[test]
 fn stat_export_disabled_and_cleaned_up() {
     let dir = tempfile::tempdir().unwrap();
-    let o = run(mrkit()
+    let o = run(mrkit_in(dir.path())
         .args(["__stat-hold", "--seconds", "0", "--no-install"])
-        .env("MRKIT_STAT_DIR", dir.path())
         .env("MRKIT_STAT", "0"));
     assert!(o.status.success());
     assert_eq!(stdout(&o).trim(), "disabled");
-    let o = run(mrkit()
-        .args(["reg", "--size", "4096", "--json"])
-        .env("MRKIT_STAT_DIR", dir.path()));
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    run_ok(mrkit_in(dir.path()).args(["reg", "--size", "4096", "--json"]));
     let left: Vec<_> = std::fs::read_dir(dir.path())
         .unwrap()
         .map(|e| e.unwrap().file_name())
@@ -648,9 +643,8 @@ fn stat_share_mode_and_watch() {
     assert_eq!(m(format!("{pid}.stat")), 0o644);
     assert_eq!(m(format!("{pid}.req")), 0o666);
     let mut w = Child(
-        mrkit()
+        mrkit_in(dir.path())
             .args(["stat", "--watch", "0.1"])
-            .env("MRKIT_STAT_DIR", dir.path())
             .stdout(Stdio::piped())
             .spawn()
             .unwrap(),
@@ -667,14 +661,10 @@ fn stat_share_mode_and_watch() {
 #[test]
 fn stat_without_processes() {
     let dir = tempfile::tempdir().unwrap();
-    let o = run(mrkit()
-        .args(["stat", "--json"])
-        .env("MRKIT_STAT_DIR", dir.path()));
+    let o = run(mrkit_in(dir.path()).args(["stat", "--json"]));
     assert!(o.status.success());
     assert_eq!(json_of(&o)["processes"], serde_json::json!([]));
-    let o = run(mrkit()
-        .args(["stat", "--pid", "999999999"])
-        .env("MRKIT_STAT_DIR", dir.path()));
+    let o = run(mrkit_in(dir.path()).args(["stat", "--pid", "999999999"]));
     assert_eq!(o.status.code(), Some(1));
 }
 
@@ -685,8 +675,7 @@ fn stat_without_processes() {
 fn bench_quick_writes_report() {
     let dir = tempfile::tempdir().unwrap();
     let t = Instant::now();
-    let o = run(mrkit().args(["bench", "--quick", "--out"]).arg(dir.path()));
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    run_ok(mrkit().args(["bench", "--quick", "--out"]).arg(dir.path()));
     assert!(t.elapsed() < Duration::from_secs(60));
     for f in [
         "report.md",
@@ -773,9 +762,8 @@ fn closed_stdout_is_a_normal_exit() {
         &["completions", "bash"],
     ];
     for args in cmds {
-        let mut child = mrkit()
+        let mut child = mrkit_in(dir.path())
             .args(*args)
-            .env("MRKIT_STAT_DIR", dir.path())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()

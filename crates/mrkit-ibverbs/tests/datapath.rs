@@ -10,6 +10,7 @@
 mod common;
 
 use common::lib_dir;
+use mrkit_testsupport::{Netns, ADDR_A, ADDR_B};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -317,88 +318,17 @@ fn perftest_seven_tools_two_processes() {
     );
 }
 
-fn sh(args: &[&str]) -> bool {
-    Command::new(args[0])
-        .args(&args[1..])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .map(|s| s.success())
-        .unwrap_or(false)
-}
-
-struct Netns {
-    a: String,
-    b: String,
-}
-
-impl Netns {
-    fn create() -> Option<Netns> {
-        let pid = std::process::id();
-        let n = Netns {
-            a: format!("mrkv-a-{pid}"),
-            b: format!("mrkv-b-{pid}"),
-        };
-        let (va, vb) = (format!("mkva{pid}"), format!("mkvb{pid}"));
-        let ok = sh(&["ip", "netns", "add", &n.a])
-            && sh(&["ip", "netns", "add", &n.b])
-            && sh(&[
-                "ip", "link", "add", &va, "type", "veth", "peer", "name", &vb,
-            ])
-            && sh(&["ip", "link", "set", &va, "netns", &n.a])
-            && sh(&["ip", "link", "set", &vb, "netns", &n.b])
-            && sh(&["ip", "-n", &n.a, "addr", "add", "192.0.2.1/24", "dev", &va])
-            && sh(&["ip", "-n", &n.b, "addr", "add", "192.0.2.2/24", "dev", &vb])
-            && sh(&["ip", "-n", &n.a, "link", "set", &va, "up"])
-            && sh(&["ip", "-n", &n.b, "link", "set", &vb, "up"])
-            && sh(&["ip", "-n", &n.a, "link", "set", "lo", "up"])
-            && sh(&["ip", "-n", &n.b, "link", "set", "lo", "up"]);
-        ok.then_some(n)
-    }
-}
-
-impl Drop for Netns {
-    fn drop(&mut self) {
-        sh(&["ip", "netns", "del", &self.a]);
-        sh(&["ip", "netns", "del", &self.b]);
-    }
-}
-
-fn skip(why: &str) {
-    eprintln!("SKIP rc_pingpong_two_namespaces: {why}");
-    assert!(
-        std::env::var("MRKIT_REQUIRE_NETNS").is_err(),
-        "MRKIT_REQUIRE_NETNS set but the test cannot run: {why}"
-    );
-}
-
 #[test]
 fn rc_pingpong_two_namespaces() {
     let _one = serialize();
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 || !sh(&["ip", "-V"]) {
-        return skip("needs root and iproute2");
-    }
-    let Some(ns) = Netns::create() else {
-        return skip("cannot create network namespaces here");
+    let Some(ns) = Netns::for_test("rc_pingpong_two_namespaces", "v") else {
+        return;
     };
     let prog = bin("ibv_rc_pingpong", "ibverbs-utils");
-    let (pa, pb) = (
-        ["ip", "netns", "exec", ns.a.as_str()],
-        ["ip", "netns", "exec", ns.b.as_str()],
-    );
+    let (pa, pb) = (ns.exec_a(), ns.exec_b());
     // veth MTU 1500 → active MTU 1024 (rxe rule: ≤ 1500 − 80), rc_pingpong's default -m.
     let args = s(&["-g", "0", "-c", "-n", "500", "-p", "18640"]);
-    let (st, ct) = pair(
-        &prog,
-        &args,
-        18640,
-        "192.0.2.1",
-        "192.0.2.2",
-        "192.0.2.1",
-        &pa,
-        &pb,
-    );
+    let (st, ct) = pair(&prog, &args, 18640, ADDR_A, ADDR_B, ADDR_A, &pa, &pb);
     assert!(
         ct.contains("GID ::ffff:192.0.2.2") && ct.contains("GID ::ffff:192.0.2.1"),
         "{ct}"
@@ -410,7 +340,7 @@ fn rc_pingpong_two_namespaces() {
          {cl:.2} usec/iter, server {sb:.2} Mbit/s"
     );
     // The device reports the veth's MTU as rxe would.
-    let devinfo = command(&pa, Path::new("/usr/bin/ibv_devinfo"), "192.0.2.1", &[])
+    let devinfo = command(&pa, Path::new("/usr/bin/ibv_devinfo"), ADDR_A, &[])
         .output()
         .expect("ibv_devinfo");
     let d = text(&devinfo);

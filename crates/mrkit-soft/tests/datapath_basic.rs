@@ -1,52 +1,12 @@
 //! Basic data movement between two device instances on the loopback link.
+mod common;
+
 use std::time::{Duration, Instant};
 
+use common::{all, pair_with, reg, Host};
 use mrkit_soft::cq::{Wc, WcOpcode, WcStatus};
 use mrkit_soft::net::loopback::drive_until_idle;
-use mrkit_soft::qp::{
-    rc_connect, send_flags, QpCap, QpInitAttr, QpState, RecvWr, SendWr, Sge, WrOpcode,
-};
-use mrkit_soft::{AccessFlags, Context, DeviceConfig};
-
-pub struct Host {
-    pub ctx: Context,
-    pub pd: u32,
-    pub cq: u32,
-    pub qp: u32,
-}
-
-pub fn host(manual: bool) -> Host {
-    let ctx = Context::open(DeviceConfig::rxe());
-    if manual {
-        ctx.set_manual_progress();
-    }
-    let pd = ctx.alloc_pd().unwrap();
-    let cq = ctx.create_cq(256, None).unwrap();
-    let (qp, _) = ctx
-        .create_qp(QpInitAttr {
-            pd,
-            send_cq: cq,
-            recv_cq: cq,
-            cap: QpCap::default(),
-            sq_sig_all: false,
-        })
-        .unwrap();
-    Host { ctx, pd, cq, qp }
-}
-
-pub fn pair(manual: bool, access: AccessFlags) -> (Host, Host) {
-    let a = host(manual);
-    let b = host(manual);
-    rc_connect(&a.ctx, a.qp, &b.ctx, b.qp, access, 3).unwrap();
-    (a, b)
-}
-
-fn all() -> AccessFlags {
-    AccessFlags::LOCAL_WRITE
-        | AccessFlags::REMOTE_WRITE
-        | AccessFlags::REMOTE_READ
-        | AccessFlags::REMOTE_ATOMIC
-}
+use mrkit_soft::qp::{send_flags, QpState, RecvWr, SendWr, Sge, WrOpcode};
 
 fn poll_one(h: &Host, other: &Host, manual: bool) -> Wc {
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -66,17 +26,10 @@ fn poll_one(h: &Host, other: &Host, manual: bool) -> Wc {
 }
 
 fn run(manual: bool) {
-    let (a, b) = pair(manual, all());
-    let src: Vec<u8> = (0..20_000u32).map(|i| (i % 251) as u8).collect();
+    let (a, b) = pair_with(manual, all());
+    let mut src: Vec<u8> = (0..20_000u32).map(|i| (i % 251) as u8).collect();
     let mut dst = vec![0u8; 20_000];
-    let ma = a
-        .ctx
-        .reg_mr_va(a.pd, src.as_ptr() as u64, src.len() as u64, all())
-        .unwrap();
-    let mb = b
-        .ctx
-        .reg_mr_va(b.pd, dst.as_mut_ptr() as u64, dst.len() as u64, all())
-        .unwrap();
+    let (ma, mb) = (reg(&a, &mut src), reg(&b, &mut dst));
     // WRITE 20000 bytes (20 packets at MTU 1024), two SGEs.
     let wr = SendWr::new(1, WrOpcode::RdmaWrite)
         .sge(ma.iova, 7000, ma.lkey)
@@ -91,10 +44,7 @@ fn run(manual: bool) {
     assert_eq!(src, dst);
     // READ back into a fresh buffer.
     let mut back = vec![0u8; 20_000];
-    let mc = a
-        .ctx
-        .reg_mr_va(a.pd, back.as_mut_ptr() as u64, back.len() as u64, all())
-        .unwrap();
+    let mc = reg(&a, &mut back);
     let wr = SendWr::new(2, WrOpcode::RdmaRead)
         .sge(mc.iova, 20_000, mc.lkey)
         .remote(mb.iova, mb.rkey);
@@ -107,10 +57,7 @@ fn run(manual: bool) {
     assert_eq!(back, src);
     // Atomics on dst[0..8].
     let mut res = [0u8; 8];
-    let mr_res = a
-        .ctx
-        .reg_mr_va(a.pd, res.as_mut_ptr() as u64, 8, all())
-        .unwrap();
+    let mr_res = reg(&a, &mut res);
     let before = u64::from_ne_bytes(dst[..8].try_into().unwrap());
     let mut wr = SendWr::new(3, WrOpcode::AtomicFetchAndAdd)
         .sge(mr_res.iova, 8, mr_res.lkey)
@@ -130,10 +77,7 @@ fn run(manual: bool) {
     assert_eq!(u64::from_ne_bytes(dst[..8].try_into().unwrap()), 42);
     // SEND with immediate into a two-SGE receive; inline SEND.
     let mut rbuf = vec![0u8; 3000];
-    let mr = b
-        .ctx
-        .reg_mr_va(b.pd, rbuf.as_mut_ptr() as u64, 3000, all())
-        .unwrap();
+    let mr = reg(&b, &mut rbuf);
     b.ctx
         .post_recv(
             b.qp,
@@ -237,17 +181,10 @@ fn datapath_progress_thread() {
 
 #[test]
 fn rnr_then_success() {
-    let (a, b) = pair(true, all());
-    let src = vec![7u8; 100];
+    let (a, b) = pair_with(true, all());
+    let mut src = vec![7u8; 100];
     let mut dst = vec![0u8; 100];
-    let ma = a
-        .ctx
-        .reg_mr_va(a.pd, src.as_ptr() as u64, 100, all())
-        .unwrap();
-    let mb = b
-        .ctx
-        .reg_mr_va(b.pd, dst.as_mut_ptr() as u64, 100, all())
-        .unwrap();
+    let (ma, mb) = (reg(&a, &mut src), reg(&b, &mut dst));
     a.ctx
         .post_send(
             a.qp,

@@ -1,9 +1,12 @@
 //! Several QPs on several threads share one CQ: no lost or duplicate completion.
+mod common;
+
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
+use common::init;
 use mrkit_soft::cq::WcStatus;
-use mrkit_soft::qp::{rc_connect, QpCap, QpInitAttr, SendWr, WrOpcode};
+use mrkit_soft::qp::{rc_connect, SendWr, WrOpcode};
 use mrkit_soft::{AccessFlags as A, Context, DeviceConfig, Errno};
 
 #[test]
@@ -30,15 +33,8 @@ fn shared_cq_many_threads() {
         .unwrap();
     let mut threads = Vec::new();
     for t in 0..QPS {
-        let init = |pd, cq| QpInitAttr {
-            pd,
-            send_cq: cq,
-            recv_cq: cq,
-            cap: QpCap::default(),
-            sq_sig_all: true,
-        };
-        let (qa, _) = a.create_qp(init(pa, cq)).unwrap();
-        let (qb, _) = b.create_qp(init(pb, cqb)).unwrap();
+        let (qa, _) = a.create_qp(init(pa, cq, true)).unwrap();
+        let (qb, _) = b.create_qp(init(pb, cqb, true)).unwrap();
         rc_connect(&a, qa, &b, qb, A::REMOTE_WRITE, 3).unwrap();
         let a = a.clone();
         threads.push(std::thread::spawn(move || {

@@ -1,12 +1,15 @@
 //! Dereg while WRITEs stream in: after dereg returns, no byte of that memory is written.
 //! The target region sits between PROT_NONE guard pages, with canary bytes just outside the
 //! registered range.
+mod common;
+
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::init_cap;
 use mrkit_soft::cq::WcStatus;
-use mrkit_soft::qp::{rc_connect, QpCap, QpInitAttr, SendWr, WrOpcode};
+use mrkit_soft::qp::{rc_connect, QpCap, SendWr, WrOpcode};
 use mrkit_soft::{AccessFlags as A, Context, DeviceConfig};
 use rustix::mm::{mmap_anonymous, mprotect, MapFlags, MprotectFlags, ProtFlags};
 
@@ -52,24 +55,8 @@ fn run(round: u64) {
         max_send_wr: 256,
         ..QpCap::default()
     };
-    let (qa, _) = a
-        .create_qp(QpInitAttr {
-            pd: pa,
-            send_cq: ca,
-            recv_cq: ca,
-            cap,
-            sq_sig_all: true,
-        })
-        .unwrap();
-    let (qb, _) = b
-        .create_qp(QpInitAttr {
-            pd: pb,
-            send_cq: cb,
-            recv_cq: cb,
-            cap,
-            sq_sig_all: false,
-        })
-        .unwrap();
+    let (qa, _) = a.create_qp(init_cap(pa, ca, cap, true)).unwrap();
+    let (qb, _) = b.create_qp(init_cap(pb, cb, cap, false)).unwrap();
     rc_connect(&a, qa, &b, qb, A::REMOTE_WRITE, 5).unwrap();
     let src = vec![0xAAu8; 16 * 1024];
     let ms = a

@@ -11,7 +11,7 @@ use mrkit_soft::progress::AsyncEvent;
 use mrkit_soft::qp::{
     attr_mask as m, send_flags as f, AddressVector, BindWr, QpAttr, QpState, SendWr, WrOpcode,
 };
-use mrkit_soft::{AccessFlags as A, Context, Errno};
+use mrkit_soft::{AccessFlags as A, Context, Errno, MrInfo};
 
 fn write(wr_id: u64, l: &mrkit_soft::MrInfo, r: &mrkit_soft::MrInfo, len: u32) -> SendWr {
     SendWr::new(wr_id, WrOpcode::RdmaWrite)
@@ -23,10 +23,9 @@ fn write(wr_id: u64, l: &mrkit_soft::MrInfo, r: &mrkit_soft::MrInfo, len: u32) -
 fn cq_overflow_moves_qp_to_err_and_raises_cq_err() {
     let a = host_with(ctx(true), 2, true);
     let b = host_with(ctx(true), 16, false);
-    mrkit_soft::qp::rc_connect(&a.ctx, a.qp, &b.ctx, b.qp, all(), 3).unwrap();
-    let mut sb = vec![1u8; 64];
-    let mut rb = vec![0u8; 64];
-    let (sm, rm) = (reg(&a, &mut sb), reg(&b, &mut rb));
+    connect(&a, &b, all(), 3);
+    let (_sb, sm) = buf_mr(&a, 1, 64);
+    let (_rb, rm) = buf_mr(&b, 0, 64);
     let wrs: Vec<_> = (0..3).map(|i| write(i, &sm, &rm, 8)).collect();
     a.ctx.post_send(a.qp, &wrs).unwrap();
     drive(&a, &b);
@@ -51,9 +50,8 @@ fn cq_overflow_moves_qp_to_err_and_raises_cq_err() {
 #[test]
 fn resize_cq_grow_shrink_and_einval_below_entries() {
     let (a, b) = pair();
-    let mut sb = vec![1u8; 64];
-    let mut rb = vec![0u8; 64];
-    let (sm, rm) = (reg(&a, &mut sb), reg(&b, &mut rb));
+    let (_sb, sm) = buf_mr(&a, 1, 64);
+    let (_rb, rm) = buf_mr(&b, 0, 64);
     let max = a.ctx.query_device().max_cqe;
     a.ctx.resize_cq(a.cq, 4).unwrap();
     assert_eq!(a.ctx.cq_len(a.cq).unwrap(), (0, 4));
@@ -85,7 +83,10 @@ fn resize_cq_grow_shrink_and_einval_below_entries() {
     assert_eq!(a.ctx.qp_state(a.qp).unwrap(), QpState::Rts);
 }
 
-fn chan_pair() -> (Host, Host, u32) {
+/// a → b connected, b's CQ on a completion channel (returned): a 64-byte buffer of 3s
+/// registered on a (its MR returned), four 64-byte receives posted on b. The buffers are
+/// returned too: keep them alive while the hosts are used.
+fn chan_pair() -> (Host, Host, u32, MrInfo, [Vec<u8>; 2]) {
     let a = host_with(ctx(true), 64, true);
     let bc = ctx(true);
     let pd = bc.alloc_pd().unwrap();
@@ -98,8 +99,17 @@ fn chan_pair() -> (Host, Host, u32) {
         cq,
         qp,
     };
-    mrkit_soft::qp::rc_connect(&a.ctx, a.qp, &b.ctx, b.qp, all(), 3).unwrap();
-    (a, b, ch)
+    connect(&a, &b, all(), 3);
+    let (sb, sm) = buf_mr(&a, 3, 64);
+    let (rb, rm) = buf_mr(&b, 0, 1024);
+    let recvs: Vec<_> = (0..4).map(|i| recv_wr(i, &rm, i * 64, 64)).collect();
+    b.ctx.post_recv(b.qp, &recvs).unwrap();
+    (a, b, ch, sm, [sb, rb])
+}
+
+/// The CQ whose event arrives on completion channel `ch` of `h` within `wait`, if any.
+fn cq_event(h: &Host, ch: u32, wait: Duration) -> Option<u32> {
+    h.ctx.get_cq_event(ch, Some(wait)).unwrap()
 }
 
 fn send(a: &Host, mr: &mrkit_soft::MrInfo, wr_id: u64, flags: u32) {
@@ -115,12 +125,7 @@ fn send(a: &Host, mr: &mrkit_soft::MrInfo, wr_id: u64, flags: u32) {
 
 #[test]
 fn comp_channel_blocking_wait_and_rearm() {
-    let (a, b, ch) = chan_pair();
-    let mut sb = vec![3u8; 64];
-    let mut rb = vec![0u8; 1024];
-    let (sm, rm) = (reg(&a, &mut sb), reg(&b, &mut rb));
-    let recvs: Vec<_> = (0..4).map(|i| recv_wr(i, &rm, i * 64, 64)).collect();
-    b.ctx.post_recv(b.qp, &recvs).unwrap();
+    let (a, b, ch, sm, _bufs) = chan_pair();
     assert_eq!(
         b.ctx.get_cq_event(ch + 5, None).unwrap_err().errno(),
         Errno::EINVAL
@@ -138,81 +143,50 @@ fn comp_channel_blocking_wait_and_rearm() {
         .unwrap();
         mrkit_soft::net::loopback::drive_until_idle(&[&actx, &bctx]);
     });
-    let got = b
-        .ctx
-        .get_cq_event(ch, Some(Duration::from_secs(10)))
-        .unwrap();
+    let got = cq_event(&b, ch, Duration::from_secs(10));
     t.join().unwrap();
     assert_eq!(got, Some(b.cq));
     assert_eq!(drain(&b).len(), 1);
     // One-shot: without re-arming, the next completion posts no event.
     send(&a, &sm, 2, f::SIGNALED);
     drive(&a, &b);
-    assert_eq!(
-        b.ctx
-            .get_cq_event(ch, Some(Duration::from_millis(20)))
-            .unwrap(),
-        None
-    );
+    assert_eq!(cq_event(&b, ch, Duration::from_millis(20)), None);
     assert_eq!(drain(&b).len(), 1);
     // Re-armed: fires again.
     b.ctx.req_notify_cq(b.cq, false).unwrap();
     send(&a, &sm, 3, f::SIGNALED);
     drive(&a, &b);
-    assert_eq!(
-        b.ctx
-            .get_cq_event(ch, Some(Duration::from_secs(1)))
-            .unwrap(),
-        Some(b.cq)
-    );
+    assert_eq!(cq_event(&b, ch, Duration::from_secs(1)), Some(b.cq));
 }
 
 #[test]
 fn solicited_only_arm_ignores_unsolicited_send() {
-    let (a, b, ch) = chan_pair();
-    let mut sb = vec![3u8; 64];
-    let mut rb = vec![0u8; 1024];
-    let (sm, rm) = (reg(&a, &mut sb), reg(&b, &mut rb));
-    let recvs: Vec<_> = (0..4).map(|i| recv_wr(i, &rm, i * 64, 64)).collect();
-    b.ctx.post_recv(b.qp, &recvs).unwrap();
+    let (a, b, ch, sm, _bufs) = chan_pair();
     b.ctx.req_notify_cq(b.cq, true).unwrap();
     send(&a, &sm, 1, f::SIGNALED);
     drive(&a, &b);
     assert_eq!(drain(&b).len(), 1, "the message arrived");
     assert_eq!(
-        b.ctx
-            .get_cq_event(ch, Some(Duration::from_millis(20)))
-            .unwrap(),
+        cq_event(&b, ch, Duration::from_millis(20)),
         None,
         "an unsolicited SEND does not wake a solicited-only arm"
     );
     send(&a, &sm, 2, f::SIGNALED | f::SOLICITED);
     drive(&a, &b);
-    assert_eq!(
-        b.ctx
-            .get_cq_event(ch, Some(Duration::from_secs(1)))
-            .unwrap(),
-        Some(b.cq)
-    );
+    assert_eq!(cq_event(&b, ch, Duration::from_secs(1)), Some(b.cq));
     let w = drain(&b);
     assert_eq!((w[0].wr_id, w[0].status), (1, WcStatus::Success));
     // Disarmed after firing: another solicited SEND posts nothing.
     send(&a, &sm, 3, f::SIGNALED | f::SOLICITED);
     drive(&a, &b);
-    assert_eq!(
-        b.ctx
-            .get_cq_event(ch, Some(Duration::from_millis(20)))
-            .unwrap(),
-        None
-    );
+    assert_eq!(cq_event(&b, ch, Duration::from_millis(20)), None);
 }
 
 #[test]
 fn sqd_drain_raises_sq_drained() {
     let (a, b) = pair();
-    let mut sb = vec![1u8; 8192];
-    let mut rb = vec![0u8; 8192];
-    let (sm, rm) = (reg(&a, &mut sb), reg(&b, &mut rb));
+    let (_sb, sm) = buf_mr(&a, 1, 8192);
+    let (rb, rm) = buf_mr(&b, 0, 8192);
     a.ctx.post_send(a.qp, &[write(1, &sm, &rm, 4096)]).unwrap();
     a.ctx.progress_once(std::time::Instant::now()); // WRITE 1 in flight
     let at = QpAttr {
@@ -510,10 +484,9 @@ fn fence_waits_for_preceding_read_and_atomic() {
 fn spinning_poll_completes_writes_with_the_fast_path() {
     let a = host_with(ctx(false), 64, true);
     let b = host_with(ctx(false), 64, false);
-    mrkit_soft::qp::rc_connect(&a.ctx, a.qp, &b.ctx, b.qp, all(), 5).unwrap();
-    let mut sb = vec![0u8; 4096];
-    let mut rb = vec![0u8; 4096];
-    let (sm, rm) = (reg(&a, &mut sb), reg(&b, &mut rb));
+    connect(&a, &b, all(), 5);
+    let (_sb, sm) = buf_mr(&a, 0, 4096);
+    let (_rb, rm) = buf_mr(&b, 0, 4096);
     let mut v = Vec::new();
     for i in 0..2000u64 {
         let off = (i % 512) * 8;

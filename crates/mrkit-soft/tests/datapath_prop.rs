@@ -5,7 +5,7 @@ mod common;
 
 use common::*;
 use mrkit_soft::cq::WcStatus;
-use mrkit_soft::qp::{attr_mask, rc_connect, QpAttr, QpState, SendWr, WrOpcode};
+use mrkit_soft::qp::{attr_mask, QpAttr, QpState, SendWr, WrOpcode};
 use proptest::prelude::*;
 
 const LOCAL: usize = 4096;
@@ -97,7 +97,7 @@ fn reconnect(a: &Host, b: &Host) {
     b.ctx.modify_qp(b.qp, &reset, attr_mask::STATE).unwrap();
     drain(a);
     drain(b);
-    rc_connect(&a.ctx, a.qp, &b.ctx, b.qp, all(), 1).unwrap();
+    connect(a, b, all(), 1);
 }
 
 fn run(sizes: Vec<usize>, seed: u64, ops: Vec<Op>) {

@@ -1,43 +1,23 @@
 //! Table-driven protection tests: every violation, both status models, status on each side
 //! and the QP states after (docs/datapath.md has the same table).
+mod common;
+
 use std::time::{Duration, Instant};
 
-use mrkit_soft::cq::{Wc, WcStatus as S};
+use common::{connect, ctx_with, drain, host_with, init, Host};
+use mrkit_soft::cq::WcStatus as S;
 use mrkit_soft::mw::{BindInfo, MwType};
 use mrkit_soft::net::loopback::drive_until_idle;
-use mrkit_soft::qp::{
-    rc_connect, BindWr, QpCap, QpInitAttr, QpState, RecvWr, SendWr, Sge, WrOpcode as O,
-};
-use mrkit_soft::{AccessFlags as A, Context, DeviceConfig, Errno, StatusModel};
+use mrkit_soft::qp::{BindWr, QpState, RecvWr, SendWr, Sge, WrOpcode as O};
+use mrkit_soft::{AccessFlags as A, DeviceConfig, Errno, StatusModel};
 
-struct Side {
-    ctx: Context,
-    pd: u32,
-    cq: u32,
-    qp: u32,
-}
-
-fn side(model: StatusModel) -> Side {
-    let ctx = Context::open(DeviceConfig::rxe().status_model(model));
-    ctx.set_manual_progress();
-    let pd = ctx.alloc_pd().unwrap();
-    let cq = ctx.create_cq(64, None).unwrap();
-    let (qp, _) = ctx
-        .create_qp(QpInitAttr {
-            pd,
-            send_cq: cq,
-            recv_cq: cq,
-            cap: QpCap::default(),
-            sq_sig_all: true,
-        })
-        .unwrap();
-    Side { ctx, pd, cq, qp }
-}
-
-fn drain(s: &Side) -> Vec<Wc> {
-    let mut v = Vec::new();
-    s.ctx.poll_cq(s.cq, &mut v, 64).unwrap();
-    v
+/// Manual progress under `model`, CQ of 64, every WR signaled.
+fn side(model: StatusModel) -> Host {
+    host_with(
+        ctx_with(DeviceConfig::rxe().status_model(model), true),
+        64,
+        true,
+    )
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -78,7 +58,7 @@ fn scenario(model: StatusModel, case: Case) -> Outcome {
         AtomicQpLacksRemoteAtomic => A::REMOTE_WRITE | A::REMOTE_READ,
         _ => full,
     };
-    rc_connect(&a.ctx, a.qp, &b.ctx, b.qp, qp_access, 3).unwrap();
+    connect(&a, &b, qp_access, 3);
     let src = vec![1u8; 8192];
     let mut dst = vec![0u8; 8192];
     let mut small = vec![0u8; 64];
@@ -284,7 +264,7 @@ fn violation_table_both_models() {
 fn misaligned_atomic_is_einval_at_post_and_flush_after_error() {
     let a = side(StatusModel::Hardware);
     let b = side(StatusModel::Hardware);
-    rc_connect(&a.ctx, a.qp, &b.ctx, b.qp, A::REMOTE_WRITE, 3).unwrap();
+    connect(&a, &b, A::REMOTE_WRITE, 3);
     let buf = vec![0u8; 4096];
     let m = a
         .ctx
@@ -322,16 +302,7 @@ fn misaligned_atomic_is_einval_at_post_and_flush_after_error() {
     drive_until_idle(&[&a.ctx, &b.ctx]);
     assert_eq!(drain(&a)[0].status, S::WrFlushErr);
     // Posting in RESET/INIT/RTR → EINVAL.
-    let (q2, _) = a
-        .ctx
-        .create_qp(QpInitAttr {
-            pd: a.pd,
-            send_cq: a.cq,
-            recv_cq: a.cq,
-            cap: QpCap::default(),
-            sq_sig_all: false,
-        })
-        .unwrap();
+    let (q2, _) = a.ctx.create_qp(init(a.pd, a.cq, false)).unwrap();
     let e = a.ctx.post_send(q2, &[SendWr::new(1, O::Send)]).unwrap_err();
     assert_eq!(e.error.errno(), Errno::EINVAL);
     let e = a.ctx.post_recv(q2, &[RecvWr::default()]).unwrap_err();

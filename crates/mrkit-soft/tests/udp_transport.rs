@@ -1,89 +1,26 @@
 //! RoCEv2 over real UDP sockets between two device instances in one process (each binds its
 //! own 127.x.y.z:4791), with and without injected faults.
-use std::net::IpAddr;
+mod common;
+
 use std::time::{Duration, Instant};
 
-use mrkit_soft::cq::{Wc, WcOpcode, WcStatus};
+use common::{all, connect_udp, ctx_with, host_with_cap, poll_n, udp_ip, BufHost};
+use mrkit_soft::cq::{WcOpcode, WcStatus};
 use mrkit_soft::net::fault::FaultConfig;
-use mrkit_soft::qp::connect::{connect_qp, ConnectOpts, RemoteQp};
-use mrkit_soft::qp::{send_flags, QpCap, QpInitAttr, RecvWr, SendWr, Sge, WrOpcode};
-use mrkit_soft::{AccessFlags, Context, DeviceConfig};
-
-struct Host {
-    ctx: Context,
-    pd: u32,
-    cq: u32,
-    qp: u32,
-    buf: Vec<u8>,
-    mr: mrkit_soft::MrInfo,
-}
+use mrkit_soft::qp::connect::ConnectOpts;
+use mrkit_soft::qp::{send_flags, QpCap, RecvWr, SendWr, Sge, WrOpcode};
+use mrkit_soft::DeviceConfig;
 
 const LEN: usize = 1 << 20;
 
-fn host(cfg: DeviceConfig) -> Host {
-    let ctx = Context::open(cfg);
-    let pd = ctx.alloc_pd().unwrap();
-    let cq = ctx.create_cq(4096, None).unwrap();
-    let (qp, _) = ctx
-        .create_qp(QpInitAttr {
-            pd,
-            send_cq: cq,
-            recv_cq: cq,
-            cap: QpCap {
-                max_send_wr: 1024,
-                max_recv_wr: 1024,
-                ..QpCap::default()
-            },
-            sq_sig_all: false,
-        })
-        .unwrap();
-    let buf = vec![0u8; LEN];
-    let all = AccessFlags::LOCAL_WRITE
-        | AccessFlags::REMOTE_WRITE
-        | AccessFlags::REMOTE_READ
-        | AccessFlags::REMOTE_ATOMIC;
-    let mr = ctx
-        .reg_mr_va(pd, buf.as_ptr() as u64, LEN as u64, all)
-        .unwrap();
-    Host {
-        ctx,
-        pd,
-        cq,
-        qp,
-        buf,
-        mr,
-    }
-}
-
-fn ip(h: &Host) -> IpAddr {
-    h.ctx.udp_port().unwrap().local_addr().ip()
-}
-
-fn connect(a: &Host, b: &Host, opts: ConnectOpts) {
-    for (x, y) in [(a, b), (b, a)] {
-        connect_qp(
-            &x.ctx,
-            x.qp,
-            RemoteQp {
-                qpn: y.qp,
-                psn: 0,
-                ip: Some(ip(y)),
-                node: 0,
-            },
-            opts,
-        )
-        .unwrap();
-    }
-}
-
-fn poll(h: &Host, n: usize, timeout: Duration) -> Vec<Wc> {
-    let end = Instant::now() + timeout;
-    let mut out = Vec::new();
-    while out.len() < n && Instant::now() < end {
-        let want = n - out.len();
-        h.ctx.poll_cq(h.cq, &mut out, want).unwrap();
-    }
-    out
+/// Progress thread, CQ of 4096, 1024-deep queues, sq_sig_all off, a 1 MiB buffer.
+fn host(cfg: DeviceConfig) -> BufHost {
+    let cap = QpCap {
+        max_send_wr: 1024,
+        max_recv_wr: 1024,
+        ..QpCap::default()
+    };
+    host_with_cap(ctx_with(cfg, false), 4096, cap, false).with_buf(LEN, all())
 }
 
 fn pattern(seed: u8, n: usize) -> Vec<u8> {
@@ -92,7 +29,7 @@ fn pattern(seed: u8, n: usize) -> Vec<u8> {
         .collect()
 }
 
-fn write(a: &Host, b: &Host, wr_id: u64, off: u64, len: u32) -> SendWr {
+fn write(a: &BufHost, b: &BufHost, wr_id: u64, off: u64, len: u32) -> SendWr {
     let mut w = SendWr::new(wr_id, WrOpcode::RdmaWrite);
     w.sg_list = vec![Sge {
         addr: a.mr.iova + off,
@@ -108,8 +45,8 @@ fn write(a: &Host, b: &Host, wr_id: u64, off: u64, len: u32) -> SendWr {
 fn write_read_send_atomic_over_udp() {
     let mut a = host(DeviceConfig::rxe());
     let b = host(DeviceConfig::rxe());
-    connect(&a, &b, ConnectOpts::default());
-    assert_ne!(ip(&a), ip(&b));
+    connect_udp(&a, &b, ConnectOpts::default());
+    assert_ne!(udp_ip(&a), udp_ip(&b));
     let gid = a.ctx.query_gid().unwrap();
     assert_eq!(&gid[10..12], &[0xff, 0xff], "IPv4-mapped GID");
 
@@ -119,7 +56,7 @@ fn write_read_send_atomic_over_udp() {
     a.ctx
         .post_send(a.qp, &[write(&a, &b, 1, 0, data.len() as u32)])
         .unwrap();
-    let wc = poll(&a, 1, Duration::from_secs(10));
+    let wc = poll_n(&a, 1, Duration::from_secs(10));
     assert_eq!(
         wc.len(),
         1,
@@ -142,7 +79,7 @@ fn write_read_send_atomic_over_udp() {
     r.remote_addr = b.mr.iova;
     r.rkey = b.mr.rkey;
     a.ctx.post_send(a.qp, &[r]).unwrap();
-    let wc = poll(&a, 1, Duration::from_secs(10));
+    let wc = poll_n(&a, 1, Duration::from_secs(10));
     assert_eq!(wc[0].status, WcStatus::Success, "{wc:?}");
     assert_eq!(&a.buf[512 << 10..(512 << 10) + 100_000], &data[..100_000]);
 
@@ -173,10 +110,10 @@ fn write_read_send_atomic_over_udp() {
     s.flags |= send_flags::SOLICITED;
     a.ctx.post_send(a.qp, &[s]).unwrap();
     assert_eq!(
-        poll(&a, 1, Duration::from_secs(10))[0].status,
+        poll_n(&a, 1, Duration::from_secs(10))[0].status,
         WcStatus::Success
     );
-    let rw = poll(&b, 1, Duration::from_secs(10));
+    let rw = poll_n(&b, 1, Duration::from_secs(10));
     assert_eq!(rw[0].status, WcStatus::Success);
     assert_eq!(rw[0].opcode, WcOpcode::Recv);
     assert_eq!(rw[0].byte_len, 5000);
@@ -197,7 +134,7 @@ fn write_read_send_atomic_over_udp() {
     f.compare_add = 5;
     a.ctx.post_send(a.qp, &[f]).unwrap();
     assert_eq!(
-        poll(&a, 1, Duration::from_secs(10))[0].status,
+        poll_n(&a, 1, Duration::from_secs(10))[0].status,
         WcStatus::Success
     );
     assert_eq!(u64::from_ne_bytes(a.buf[8..16].try_into().unwrap()), before);
@@ -223,7 +160,7 @@ fn exactly_once_under_loss_reordering_duplication() {
     let faults = FaultConfig::parse("loss=10%,reorder=5%,dup=3%,corrupt=1%,seed=11").unwrap();
     let a = host(DeviceConfig::rxe().faults(faults));
     let b = host(DeviceConfig::rxe().faults(FaultConfig { seed: 12, ..faults }));
-    connect(
+    connect_udp(
         &a,
         &b,
         ConnectOpts {
@@ -258,14 +195,14 @@ fn exactly_once_under_loss_reordering_duplication() {
         wrs.push(s);
     }
     a.ctx.post_send(a.qp, &wrs).unwrap();
-    let wcs = poll(&a, 64, Duration::from_secs(60));
+    let wcs = poll_n(&a, 64, Duration::from_secs(60));
     assert_eq!(wcs.len(), 64, "every WR completes");
     let mut ids: Vec<u64> = wcs.iter().map(|w| w.wr_id).collect();
     assert!(wcs.iter().all(|w| w.status == WcStatus::Success), "{wcs:?}");
     ids.sort_unstable();
     ids.dedup();
     assert_eq!(ids.len(), 64, "no duplicate completion");
-    let rwcs = poll(&b, 32, Duration::from_secs(30));
+    let rwcs = poll_n(&b, 32, Duration::from_secs(30));
     assert_eq!(rwcs.len(), 32);
     let mut rids: Vec<u64> = rwcs.iter().map(|w| w.wr_id).collect();
     rids.sort_unstable();
@@ -302,7 +239,7 @@ fn exactly_once_under_loss_reordering_duplication() {
 fn peer_death_gives_retry_exc_err() {
     let a = host(DeviceConfig::rxe());
     let b = host(DeviceConfig::rxe());
-    connect(
+    connect_udp(
         &a,
         &b,
         ConnectOpts {
@@ -315,7 +252,7 @@ fn peer_death_gives_retry_exc_err() {
     drop(b); // the peer goes away: nothing answers any more
     let t0 = Instant::now();
     a.ctx.post_send(a.qp, &[w]).unwrap();
-    let wc = poll(&a, 1, Duration::from_secs(10));
+    let wc = poll_n(&a, 1, Duration::from_secs(10));
     let took = t0.elapsed();
     assert_eq!(wc.len(), 1);
     assert_eq!(wc[0].status, WcStatus::RetryExcErr, "{wc:?}");
@@ -336,7 +273,7 @@ fn reads_and_atomics(spec: &str, n_ops: u64) {
         seed: faults.seed + 1000,
         ..faults
     }));
-    connect(
+    connect_udp(
         &a,
         &b,
         ConnectOpts {
@@ -371,7 +308,7 @@ fn reads_and_atomics(spec: &str, n_ops: u64) {
     }
     a.ctx.post_send(a.qp, &wrs).unwrap();
     let n = 2 * n_ops as usize;
-    let wcs = poll(&a, n, Duration::from_secs(20));
+    let wcs = poll_n(&a, n, Duration::from_secs(20));
     assert_eq!(
         wcs.len(),
         n,
@@ -435,7 +372,7 @@ fn many_sends_under_loss_with_reposted_receives() {
             seed: seed + 100,
             ..faults
         }));
-        connect(
+        connect_udp(
             &a,
             &b,
             ConnectOpts {

@@ -4,80 +4,35 @@
 //! device sends. Needs root (capture) and tshark (installed by scripts/test.sh); without them
 //! the test says SKIP loudly and fails if `MRKIT_REQUIRE_TSHARK=1` (set by CI).
 
+mod common;
+
 use std::collections::BTreeSet;
 use std::net::{IpAddr, Ipv4Addr};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::{all, connect_udp, ctx_with, host_with, poll_n, BufHost};
 use mrkit_soft::cq::{Wc, WcStatus};
 use mrkit_soft::mw::BindInfo;
-use mrkit_soft::qp::connect::{connect_qp, ConnectOpts, RemoteQp};
-use mrkit_soft::qp::{BindWr, QpCap, QpInitAttr, RecvWr, SendWr, Sge, WrOpcode};
+use mrkit_soft::qp::connect::ConnectOpts;
+use mrkit_soft::qp::{BindWr, RecvWr, SendWr, WrOpcode};
 use mrkit_soft::wire::{udp_sport_for_qpn, IcrcInputs, Opcode};
-use mrkit_soft::{AccessFlags, Context, DeviceConfig, MrInfo, MwType};
+use mrkit_soft::{AccessFlags, DeviceConfig, MwType};
 
-struct Host {
-    ctx: Context,
-    pd: u32,
-    cq: u32,
-    qp: u32,
-    buf: Vec<u8>,
-    mr: MrInfo,
+/// A device bound to `ip` (GSO off: one datagram per packet on the wire), CQ of 1024,
+/// sq_sig_all on, a 64 KiB buffer that also allows binding windows.
+fn host(ip: Ipv4Addr) -> BufHost {
+    let cfg = DeviceConfig::rxe()
+        .gso(false)
+        .udp_addr((IpAddr::V4(ip), 4791).into());
+    host_with(ctx_with(cfg, false), 1024, true).with_buf(1 << 16, all() | AccessFlags::MW_BIND)
 }
 
-fn host(ip: Ipv4Addr) -> Host {
-    let ctx = Context::open(
-        DeviceConfig::rxe()
-            .gso(false)
-            .udp_addr((IpAddr::V4(ip), 4791).into()),
-    );
-    let pd = ctx.alloc_pd().unwrap();
-    let cq = ctx.create_cq(1024, None).unwrap();
-    let (qp, _) = ctx
-        .create_qp(QpInitAttr {
-            pd,
-            send_cq: cq,
-            recv_cq: cq,
-            cap: QpCap::default(),
-            sq_sig_all: true,
-        })
-        .unwrap();
-    let buf = vec![0u8; 1 << 16];
-    let all = AccessFlags::LOCAL_WRITE
-        | AccessFlags::REMOTE_WRITE
-        | AccessFlags::REMOTE_READ
-        | AccessFlags::REMOTE_ATOMIC
-        | AccessFlags::MW_BIND;
-    let mr = ctx
-        .reg_mr_va(pd, buf.as_ptr() as u64, buf.len() as u64, all)
-        .unwrap();
-    Host {
-        ctx,
-        pd,
-        cq,
-        qp,
-        buf,
-        mr,
-    }
-}
-
-fn poll(h: &Host, n: usize) -> Vec<Wc> {
-    let end = Instant::now() + Duration::from_secs(10);
-    let mut out = Vec::new();
-    while out.len() < n && Instant::now() < end {
-        let want = n - out.len();
-        h.ctx.poll_cq(h.cq, &mut out, want).unwrap();
-    }
+/// Exactly `n` completions of `h` within 10 s.
+fn poll(h: &BufHost, n: usize) -> Vec<Wc> {
+    let out = poll_n(h, n, Duration::from_secs(10));
     assert_eq!(out.len(), n, "completions");
     out
-}
-
-fn sge(h: &Host, off: u64, len: u32) -> Vec<Sge> {
-    vec![Sge {
-        addr: h.mr.iova + off,
-        length: len,
-        lkey: h.mr.lkey,
-    }]
 }
 
 fn skip(why: &str) {
@@ -139,26 +94,21 @@ fn every_opcode_on_the_wire_decodes_and_checks() {
 
     let mut a = host(ip_a);
     let b = host(ip_b);
-    for (x, y, peer_ip) in [(&a, &b, ip_b), (&b, &a, ip_a)] {
-        let remote = RemoteQp {
-            qpn: y.qp,
-            psn: 100,
-            ip: Some(IpAddr::V4(peer_ip)),
-            node: 0,
-        };
-        let opts = ConnectOpts {
+    connect_udp(
+        &a,
+        &b,
+        ConnectOpts {
             path_mtu: 3, // 1024: multi-packet messages from 3000 bytes
-            sq_psn: 100,
+            sq_psn: 100, // both sides start at PSN 100
             ..ConnectOpts::default()
-        };
-        connect_qp(&x.ctx, x.qp, remote, opts).unwrap();
-    }
+        },
+    );
     a.buf.iter_mut().enumerate().for_each(|(i, v)| *v = i as u8);
     // Receives for SENDs and WRITE_WITH_IMMs.
     let recvs: Vec<RecvWr> = (0..7)
         .map(|i| RecvWr {
             wr_id: 500 + i,
-            sg_list: sge(&b, 8192 * (1 + i % 4), 4096),
+            sg_list: b.sge(8192 * (1 + i % 4), 4096),
         })
         .collect();
     b.ctx.post_recv(b.qp, &recvs).unwrap();
@@ -181,7 +131,7 @@ fn every_opcode_on_the_wire_decodes_and_checks() {
 
     let rdma = |op: WrOpcode, id: u64, len: u32| {
         let mut wr = SendWr::new(id, op);
-        wr.sg_list = sge(&a, 0, len);
+        wr.sg_list = a.sge(0, len);
         wr.remote_addr = b.mr.iova;
         wr.rkey = b.mr.rkey;
         wr
@@ -200,22 +150,22 @@ fn every_opcode_on_the_wire_decodes_and_checks() {
         (9, WrOpcode::SendWithInv, 100),
     ] {
         let mut s = SendWr::new(id, op);
-        s.sg_list = sge(&a, 0, len);
+        s.sg_list = a.sge(0, len);
         s.imm_data = 0xabcd;
         s.invalidate_rkey = window_rkey;
         wrs.push(s);
     }
     let mut r = rdma(WrOpcode::RdmaRead, 10, 3000); // READ REQUEST + RESPONSE FIRST/MIDDLE/LAST
-    r.sg_list = sge(&a, 16384, 3000);
+    r.sg_list = a.sge(16384, 3000);
     wrs.push(r);
     let mut r = rdma(WrOpcode::RdmaRead, 11, 100); // RESPONSE ONLY
-    r.sg_list = sge(&a, 20480, 100);
+    r.sg_list = a.sge(20480, 100);
     wrs.push(r);
     let mut c = rdma(WrOpcode::AtomicCmpAndSwp, 12, 8);
-    c.sg_list = sge(&a, 24576, 8);
+    c.sg_list = a.sge(24576, 8);
     wrs.push(c);
     let mut f = rdma(WrOpcode::AtomicFetchAndAdd, 13, 8);
-    f.sg_list = sge(&a, 24584, 8);
+    f.sg_list = a.sge(24584, 8);
     f.compare_add = 3;
     wrs.push(f);
     a.ctx.post_send(a.qp, &wrs).unwrap();
@@ -225,7 +175,7 @@ fn every_opcode_on_the_wire_decodes_and_checks() {
     let wcs = poll(&b, 7);
     assert!(wcs.iter().all(|w| w.status == WcStatus::Success), "{wcs:?}");
     let mut s = SendWr::new(14, WrOpcode::Send);
-    s.sg_list = sge(&a, 0, 64);
+    s.sg_list = a.sge(0, 64);
     a.ctx.post_send(a.qp, &[s]).unwrap();
     // b's 7 receives completed above (5 SENDs, 2 WRITE_WITH_IMM); none is left for it.
     std::thread::sleep(Duration::from_millis(5));
@@ -234,7 +184,7 @@ fn every_opcode_on_the_wire_decodes_and_checks() {
             b.qp,
             &[RecvWr {
                 wr_id: 600,
-                sg_list: sge(&b, 40960, 4096),
+                sg_list: b.sge(40960, 4096),
             }],
         )
         .unwrap();

@@ -75,6 +75,21 @@ struct Point {
     error: Option<String>,
 }
 
+impl Point {
+    /// A point of `size` bytes (4 KiB pages or THP) that could not be measured.
+    fn failed(size: u64, thp: bool, error: String) -> Point {
+        Point {
+            size,
+            page: if thp { "thp" } else { "4k" },
+            reg_ns: None,
+            dereg_ns: None,
+            page_size_seen: 0,
+            entries: 0,
+            error: Some(error),
+        }
+    }
+}
+
 fn alloc(size: u64, thp: bool) -> Option<Buffer> {
     Buffer::with_options(
         size as usize,
@@ -104,17 +119,7 @@ fn reg_point(ctx: &Context, pd: u32, buf: &Buffer, thp: bool) -> Point {
                 deregs.push(t.elapsed().as_nanos() as u64);
                 regs.push(reg);
             }
-            Err(e) => {
-                return Point {
-                    size,
-                    page: if thp { "thp" } else { "4k" },
-                    reg_ns: None,
-                    dereg_ns: None,
-                    page_size_seen: 0,
-                    entries: 0,
-                    error: Some(e.to_string()),
-                }
-            }
+            Err(e) => return Point::failed(size, thp, e.to_string()),
         }
     }
     Point {
@@ -414,15 +419,7 @@ pub fn run(a: BenchArgs) -> u8 {
                 if thp { "THP" } else { "4 KiB pages" }
             ));
             let Some(buf) = alloc(size, thp) else {
-                points.push(Point {
-                    size,
-                    page: if thp { "thp" } else { "4k" },
-                    reg_ns: None,
-                    dereg_ns: None,
-                    page_size_seen: 0,
-                    entries: 0,
-                    error: Some("allocation failed".into()),
-                });
+                points.push(Point::failed(size, thp, "allocation failed".into()));
                 pb.inc(1);
                 continue;
             };
@@ -502,33 +499,35 @@ pub fn run(a: BenchArgs) -> u8 {
         })
         .collect();
     let mut notes: Vec<String> = Vec::new();
-    if let Err(e) = plot(
-        &a.out.join("reg_cost.svg"),
-        "registration cost vs size",
-        "buffer size",
-        "µs (median)",
-        &lat,
-    ) {
-        notes.push(format!("reg_cost.svg not drawn: {e}"));
-    }
-    if let Err(e) = plot(
-        &a.out.join("reg_throughput.svg"),
-        "registration throughput",
-        "buffer size",
-        "GiB/s",
-        &thr,
-    ) {
-        notes.push(format!("reg_throughput.svg not drawn: {e}"));
-    }
     let dp_series = data_path_series(&dp_in, &dp_two);
-    if let Err(e) = plot(
-        &a.out.join("data_bw.svg"),
-        "WRITE/READ bandwidth vs message size",
-        "message size",
-        "GB/s (10^9 B/s)",
-        &dp_series,
-    ) {
-        notes.push(format!("data_bw.svg not drawn: {e}"));
+    // (file, title, x label, y label, series)
+    let plots = [
+        (
+            "reg_cost.svg",
+            "registration cost vs size",
+            "buffer size",
+            "µs (median)",
+            &lat,
+        ),
+        (
+            "reg_throughput.svg",
+            "registration throughput",
+            "buffer size",
+            "GiB/s",
+            &thr,
+        ),
+        (
+            "data_bw.svg",
+            "WRITE/READ bandwidth vs message size",
+            "message size",
+            "GB/s (10^9 B/s)",
+            &dp_series,
+        ),
+    ];
+    for (file, title, x, y, series) in plots {
+        if let Err(e) = plot(&a.out.join(file), title, x, y, series) {
+            notes.push(format!("{file} not drawn: {e}"));
+        }
     }
     if let Some(e) = dp_in["error"].as_str() {
         notes.push(format!("in-process data path: not (fully) measured ({e})"));
@@ -976,33 +975,13 @@ fn data_path_in_process(quick: bool) -> Value {
 /// server with this process as the client and fewer messages per point (`bench transport
 /// --quick` alone takes about 30 s, mostly in its one-outstanding latency passes).
 fn data_path_two_process(quick: bool) -> Value {
-    if quick {
-        return match two_process_light() {
-            Ok(v) => json!({
-                "transport": "RoCEv2/UDP between two processes (`mrkit perf --server` and this process as the client), loopback addresses",
-                "result": v,
-                "error": null,
-            }),
-            Err(e) => {
-                json!({"transport": "RoCEv2/UDP between two processes", "result": null, "error": e})
-            }
-        };
-    }
-    use std::os::unix::process::CommandExt;
-    use std::process::{Command, Stdio};
-    let run = || -> Result<Value, String> {
-        let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-        let mut c = Command::new(exe);
-        c.args(["bench", "transport", "--json"]);
+    use std::process::Stdio;
+    let full = || -> Result<Value, String> {
+        let mut c = helper_command(&["bench", "transport", "--json"])?;
         if quick {
             c.arg("--quick");
         }
         let mut child = c
-            // Its own process group, so a timeout can stop the perf server too.
-            .process_group(0)
-            // Short-lived helpers: no statistics files left behind.
-            .env("MRKIT_STAT", "0")
-            .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -1026,11 +1005,7 @@ fn data_path_two_process(quick: bool) -> Value {
                 break Some(s);
             }
             if t.elapsed() > limit {
-                if let Some(pg) = rustix::process::Pid::from_raw(child.id() as i32) {
-                    let _ = rustix::process::kill_process_group(pg, rustix::process::Signal::KILL);
-                }
-                let _ = child.kill();
-                let _ = child.wait();
+                kill_group(&mut child);
                 break None;
             }
             std::thread::sleep(std::time::Duration::from_millis(20));
@@ -1047,9 +1022,14 @@ fn data_path_two_process(quick: bool) -> Value {
                 .map_err(|e| format!("unparsable `mrkit bench transport --json` output: {e}")),
         }
     };
-    match run() {
+    let (client, result) = if quick {
+        ("this process as the client", two_process_light())
+    } else {
+        ("a client", full())
+    };
+    match result {
         Ok(v) => json!({
-            "transport": "RoCEv2/UDP between two processes (`mrkit perf --server` and a client), loopback addresses",
+            "transport": format!("RoCEv2/UDP between two processes (`mrkit perf --server` and {client}), loopback addresses"),
             "result": v,
             "error": null,
         }),
@@ -1093,6 +1073,12 @@ fn data_path_series<'a>(dp_in: &Value, dp_two: &Value) -> Vec<(&'a str, Vec<(u64
     .collect()
 }
 
+/// One row of a markdown table: `| a | b | … |`.
+fn md_row(s: &mut String, cells: &[String]) {
+    use std::fmt::Write;
+    let _ = writeln!(s, "| {} |", cells.join(" | "));
+}
+
 fn data_path_report(s: &mut String, dp: &Value) {
     use std::fmt::Write;
     let f = |v: &Value, d: usize| {
@@ -1100,6 +1086,10 @@ fn data_path_report(s: &mut String, dp: &Value) {
             .map(|x| format!("{x:.d$}"))
             .unwrap_or_else(|| "-".into())
     };
+    // Cells of a row of the data-path tables.
+    let op = |r: &Value| r["op"].as_str().unwrap_or("?").to_uppercase();
+    let size = |r: &Value| human(r["size"].as_u64().unwrap_or(0));
+    let us = |v: &Value, d: usize| format!("{} µs", f(v, d));
     let _ = writeln!(s, "\n## Data path: WRITE/READ bandwidth and latency\n");
     let _ = writeln!(s, "![bandwidth vs message size](data_bw.svg)\n");
     let dpi = &dp["in_process"];
@@ -1110,14 +1100,10 @@ fn data_path_report(s: &mut String, dp: &Value) {
         "| op | size | GB/s | memcpy GB/s | ÷ memcpy |\n|---|---:|---:|---:|---:|"
     );
     for r in dpi["bandwidth"].as_array().into_iter().flatten() {
-        let _ = writeln!(
+        let (gbps, memcpy) = (f(&r["gbps"], 2), f(&r["memcpy_gbps"], 2));
+        md_row(
             s,
-            "| {} | {} | {} | {} | {} |",
-            r["op"].as_str().unwrap_or("?").to_uppercase(),
-            human(r["size"].as_u64().unwrap_or(0)),
-            f(&r["gbps"], 2),
-            f(&r["memcpy_gbps"], 2),
-            f(&r["ratio_to_memcpy"], 2)
+            &[op(r), size(r), gbps, memcpy, f(&r["ratio_to_memcpy"], 2)],
         );
     }
     let _ = writeln!(
@@ -1125,13 +1111,8 @@ fn data_path_report(s: &mut String, dp: &Value) {
         "\n| op | size | round trip p50 | p99 |\n|---|---:|---:|---:|"
     );
     for r in dpi["latency"].as_array().into_iter().flatten() {
-        let _ = writeln!(
-            s,
-            "| {} | 8 B | {} µs | {} µs |",
-            r["op"].as_str().unwrap_or("?").to_uppercase(),
-            f(&r["lat_us_p50"], 2),
-            f(&r["lat_us_p99"], 2)
-        );
+        let (p50, p99) = (us(&r["lat_us_p50"], 2), us(&r["lat_us_p99"], 2));
+        md_row(s, &[op(r), "8 B".into(), p50, p99]);
     }
     let _ = writeln!(s, "\nmemcpy of 8 bytes: {} ns.", f(&dpi["memcpy_8b_ns"], 1));
     if let Some(e) = dpi["error"].as_str() {
@@ -1160,15 +1141,19 @@ fn data_path_report(s: &mut String, dp: &Value) {
     let _ = writeln!(s, "| op | size | MB/s | ÷ raw UDP stream | RTT p50 | RTT p99 | errors |\n|---|---:|---:|---:|---:|---:|---:|");
     for x in r["mrkit"].as_array().into_iter().flatten() {
         let bw = x["bw_mbps"].as_f64().unwrap_or(0.0);
-        let _ = writeln!(
+        let (p50, p99) = (us(&x["lat_us_p50"], 1), us(&x["lat_us_p99"], 1));
+        let (bw_s, ratio_s) = (format!("{bw:.0}"), ratio(bw, stream));
+        md_row(
             s,
-            "| {} | {} | {bw:.0} | {} | {} µs | {} µs | {} |",
-            x["op"].as_str().unwrap_or("?").to_uppercase(),
-            human(x["size"].as_u64().unwrap_or(0)),
-            ratio(bw, stream),
-            f(&x["lat_us_p50"], 1),
-            f(&x["lat_us_p99"], 1),
-            x["errors"]
+            &[
+                op(x),
+                size(x),
+                bw_s,
+                ratio_s,
+                p50,
+                p99,
+                x["errors"].to_string(),
+            ],
         );
     }
     for (k, name) in [("write_lat", "WRITE"), ("send_lat", "SEND")] {
@@ -1211,11 +1196,33 @@ fn data_path_report(s: &mut String, dp: &Value) {
     }
 }
 
+/// `mrkit <args>` (this executable) as a helper child: in its own process group, so that
+/// [`kill_group`] also stops what it starts (a perf server); short-lived, so no statistics
+/// files left behind; stdin closed.
+fn helper_command(args: &[&str]) -> Result<std::process::Command, String> {
+    use std::os::unix::process::CommandExt;
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let mut c = std::process::Command::new(exe);
+    c.args(args)
+        .process_group(0)
+        .env("MRKIT_STAT", "0")
+        .stdin(std::process::Stdio::null());
+    Ok(c)
+}
+
+/// Kill the process group of a [`helper_command`] child and the child itself, and reap it.
+fn kill_group(child: &mut std::process::Child) {
+    if let Some(pg) = rustix::process::Pid::from_raw(child.id() as i32) {
+        let _ = rustix::process::kill_process_group(pg, rustix::process::Signal::KILL);
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
 /// `--quick` two-process run: `mrkit perf --server` in a child, the clients here.
 fn two_process_light() -> Result<Value, String> {
     use super::perf::{run_client_with, Op};
-    use std::os::unix::process::CommandExt;
-    use std::process::{Command, Stdio};
+    use std::process::Stdio;
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map_err(|e| e.to_string())?
@@ -1223,14 +1230,9 @@ fn two_process_light() -> Result<Value, String> {
     let server_addr = "127.79.0.1";
     // Each bandwidth point, two latency runs, the start-up probe and the warm-up.
     let runs = DP_SIZES.len() * 2 + 2 + 2;
-    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-    let server = Command::new(exe)
-        .args(["perf", "--server", "--addr", server_addr, "--port"])
+    let server = helper_command(&["perf", "--server", "--addr", server_addr, "--port"])?
         .arg(port.to_string())
         .args(["--count", &runs.to_string()])
-        .process_group(0)
-        .env("MRKIT_STAT", "0")
-        .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -1238,11 +1240,7 @@ fn two_process_light() -> Result<Value, String> {
     struct Reap(std::process::Child);
     impl Drop for Reap {
         fn drop(&mut self) {
-            if let Some(pg) = rustix::process::Pid::from_raw(self.0.id() as i32) {
-                let _ = rustix::process::kill_process_group(pg, rustix::process::Signal::KILL);
-            }
-            let _ = self.0.kill();
-            let _ = self.0.wait();
+            kill_group(&mut self.0);
         }
     }
     let _server = Reap(server);

@@ -67,14 +67,7 @@ fn run_inner() -> mrkit::Result<()> {
         "Register 64 KiB for remote writes: pinned pages, translation, keys",
     );
     let pd = ctx.alloc_pd()?;
-    let buf = Buffer::with_options(
-        64 << 10,
-        BufferOptions {
-            populate: true,
-            ..Default::default()
-        },
-    )
-    .map_err(|e| mrkit::Error::new(mrkit::Errno::ENOMEM, e.to_string()))?;
+    let buf = buffer(64 << 10)?;
     let mr = pd.register(buf, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE)?;
     let i = mr.info();
     crate::outln!(
@@ -101,31 +94,18 @@ fn run_inner() -> mrkit::Result<()> {
         &mut n,
         "Classic mistake: a writable registration of a read-only mapping",
     );
-    let mut ro = Buffer::with_options(
-        8192,
-        BufferOptions {
-            populate: true,
-            ..Default::default()
-        },
-    )
-    .expect("alloc");
-    ro.make_readonly().expect("mprotect");
+    let readonly = || {
+        let mut ro = buffer(8192).expect("alloc");
+        ro.make_readonly().expect("mprotect");
+        ro
+    };
     show(
         "register(read-only buffer, LOCAL_WRITE)",
-        pd.register(ro, AccessFlags::LOCAL_WRITE),
+        pd.register(readonly(), AccessFlags::LOCAL_WRITE),
     );
-    let mut ro = Buffer::with_options(
-        8192,
-        BufferOptions {
-            populate: true,
-            ..Default::default()
-        },
-    )
-    .expect("alloc");
-    ro.make_readonly().expect("mprotect");
     if let Some(mr_ro) = show(
         "register(read-only buffer, REMOTE_READ)",
-        pd.register(ro, AccessFlags::REMOTE_READ),
+        pd.register(readonly(), AccessFlags::REMOTE_READ),
     ) {
         crate::outln!(
             "   pinned through {} (io_uring always pins writable)",
@@ -154,14 +134,7 @@ fn run_inner() -> mrkit::Result<()> {
     );
     let small = mrkit_soft::Context::open(DeviceConfig::rxe().max_mr(1000));
     let spd = small.alloc_pd()?;
-    let page = Buffer::with_options(
-        4096,
-        BufferOptions {
-            populate: true,
-            ..Default::default()
-        },
-    )
-    .expect("alloc");
+    let page = buffer(4096).expect("alloc");
     let mut keys = Vec::new();
     for _ in 0..1000 {
         keys.push(
@@ -185,14 +158,7 @@ fn run_inner() -> mrkit::Result<()> {
     );
     let tiny = Context::open(DeviceConfig::rxe().log_num_mtt(9));
     let tpd = tiny.alloc_pd()?;
-    let small_pages = Buffer::with_options(
-        4 << 20,
-        BufferOptions {
-            populate: true,
-            ..Default::default()
-        },
-    )
-    .expect("alloc");
+    let small_pages = buffer(4 << 20).expect("alloc");
     show(
         "4 MiB of 4 KiB pages (1024 entries)",
         tpd.register(small_pages, AccessFlags::LOCAL_WRITE),
@@ -221,14 +187,7 @@ fn run_inner() -> mrkit::Result<()> {
     let raw = Context::open(DeviceConfig::rxe());
     let s = raw.soft().expect("embedded");
     let p = s.alloc_pd()?;
-    let b = Buffer::with_options(
-        4096,
-        BufferOptions {
-            populate: true,
-            ..Default::default()
-        },
-    )
-    .expect("alloc");
+    let b = buffer(4096).expect("alloc");
     let m = s.reg_mr_va(p, b.addr(), 4096, AccessFlags::empty())?;
     show("dealloc_pd with a live MR", s.dealloc_pd(p));
     s.dereg_mr(m.lkey)?;

@@ -5,7 +5,7 @@ use std::os::unix::fs::FileExt;
 
 use mrkit::cache::RegHandle;
 use mrkit::{AccessFlags, Context, ProtectionDomain};
-use mrkit_soft::mr::KeyUse;
+use mrkit_soft::mr::{AccessDenied, KeyUse, MrGuard};
 
 pub fn open() -> (Context, ProtectionDomain) {
     let ctx = Context::open(mrkit::DeviceConfig::rxe());
@@ -95,34 +95,32 @@ impl Drop for Map {
     }
 }
 
+/// The device's local-key check of `key` for `[addr, addr+len)` in `pd` (no access rights
+/// asked for): the guard keeps the MR and its pinned pages while it lives.
+pub fn check_local(
+    ctx: &Context,
+    pd: &ProtectionDomain,
+    key: u32,
+    addr: u64,
+    len: u64,
+) -> Result<MrGuard, AccessDenied> {
+    ctx.soft().unwrap().check_access(
+        key,
+        pd.handle(),
+        AccessFlags::empty(),
+        addr,
+        len,
+        KeyUse::Local,
+        0,
+    )
+}
+
 pub fn key_valid(ctx: &Context, pd: &ProtectionDomain, key: u32, addr: u64) -> bool {
-    ctx.soft()
-        .unwrap()
-        .check_access(
-            key,
-            pd.handle(),
-            AccessFlags::empty(),
-            addr,
-            1,
-            KeyUse::Local,
-            0,
-        )
-        .is_ok()
+    check_local(ctx, pd, key, addr, 1).is_ok()
 }
 
 pub fn assert_translates_key(ctx: &Context, pd: &ProtectionDomain, key: u32, addr: u64, len: u64) {
-    let g = ctx
-        .soft()
-        .unwrap()
-        .check_access(
-            key,
-            pd.handle(),
-            AccessFlags::empty(),
-            addr,
-            len,
-            KeyUse::Local,
-            0,
-        )
+    let g = check_local(ctx, pd, key, addr, len)
         .unwrap_or_else(|e| panic!("key {key:#x} refuses {addr:#x}+{len}: {e:?}"));
     assert_eq!(g.va, addr);
 }
@@ -141,19 +139,7 @@ pub fn read_through_key(
     addr: u64,
     len: u64,
 ) -> Vec<u8> {
-    let g = ctx
-        .soft()
-        .unwrap()
-        .check_access(
-            key,
-            pd.handle(),
-            AccessFlags::empty(),
-            addr,
-            len,
-            KeyUse::Local,
-            0,
-        )
-        .unwrap();
+    let g = check_local(ctx, pd, key, addr, len).unwrap();
     // SAFETY: the guard keeps the MR (and its pinned pages) registered; the VA is mapped.
     unsafe { std::slice::from_raw_parts(g.va as *const u8, len as usize) }.to_vec()
 }
