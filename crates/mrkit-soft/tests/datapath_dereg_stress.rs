@@ -74,7 +74,9 @@ fn run(round: u64) {
     let stop = Arc::new(AtomicBool::new(false));
     // Set by the streamer once a WRITE completes with an error (the dereg took effect).
     let failed = Arc::new(AtomicBool::new(false));
-    let (a2, stop2, failed2) = (a.clone(), stop.clone(), failed.clone());
+    // Set by the streamer once a WRITE completed successfully (the stream is flowing).
+    let landed = Arc::new(AtomicBool::new(false));
+    let (a2, stop2, failed2, landed2) = (a.clone(), stop.clone(), failed.clone(), landed.clone());
     let (iova, rkey, lkey, siova) = (mt.iova, mt.rkey, ms.lkey, ms.iova);
     let streamer = std::thread::spawn(move || {
         let mut statuses = Vec::new();
@@ -100,6 +102,8 @@ fn run(round: u64) {
             statuses.extend(wcs.iter().map(|w| w.status));
             if wcs.iter().any(|w| w.status != WcStatus::Success) {
                 failed2.store(true, Ordering::Relaxed);
+            } else if n > 0 {
+                landed2.store(true, Ordering::Relaxed);
             }
             if n == 0 {
                 std::thread::yield_now();
@@ -107,7 +111,13 @@ fn run(round: u64) {
         }
         statuses
     });
-    std::thread::sleep(Duration::from_millis(20));
+    // Deregister mid-stream: once WRITEs are landing (on a loaded 2-vCPU machine the first
+    // completion can take far longer than the usual few milliseconds), plus a little more.
+    let t = Instant::now();
+    while !landed.load(Ordering::Relaxed) && t.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    std::thread::sleep(Duration::from_millis(10));
     b.dereg_mr(mt.lkey).unwrap();
     // From here on the device must never touch the memory: overwrite it with a pattern.
     mem[reg_off..reg_off + reg_len].fill(0x3C);
