@@ -171,6 +171,17 @@ pub fn run(json_out: bool, quick: bool) -> u8 {
     }
 }
 
+/// The perf server child: killed, reaped and its log removed however the run ends.
+struct ServerGuard(std::process::Child, std::path::PathBuf);
+
+impl Drop for ServerGuard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+        let _ = std::fs::remove_file(&self.1);
+    }
+}
+
 fn run_inner(quick: bool) -> anyhow::Result<serde_json::Value> {
     let dur = Duration::from_millis(if quick { 300 } else { 1500 });
     let stream = raw_stream(4096, dur)?;
@@ -179,11 +190,18 @@ fn run_inner(quick: bool) -> anyhow::Result<serde_json::Value> {
         let l = std::net::TcpListener::bind("127.0.0.1:0")?;
         l.local_addr()?.port()
     };
-    let server_addr = "127.78.0.1";
+    // Addresses of our own (127.78.<pid>.x): two benchmark runs at once (two users, a test
+    // beside a manual run) must not fight over one UDP port 4791.
+    let net = (std::process::id() % 250 + 1) as u8;
+    let server_ip = std::net::Ipv4Addr::new(127, 78, net, 1);
+    let server_addr = server_ip.to_string();
+    let server_addr = server_addr.as_str();
     let exe = std::env::current_exe()?;
+    let server_log =
+        std::env::temp_dir().join(format!("mrkit-bench-server-{}.log", std::process::id()));
     let sizes: &[u64] = &[4096, 65536, 1 << 20];
     let runs = sizes.len() * 2 + 2 + 2; // + the start-up probe and the warm-up
-    let mut server = Command::new(exe)
+    let server = Command::new(exe)
         .args([
             "perf",
             "--server",
@@ -194,11 +212,18 @@ fn run_inner(quick: bool) -> anyhow::Result<serde_json::Value> {
         ])
         .args(["--count", &runs.to_string()])
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stderr(Stdio::from(std::fs::File::create(&server_log)?))
         .spawn()?;
+    let mut server = ServerGuard(server, server_log.clone());
     let end = Instant::now() + Duration::from_secs(10);
-    while std::net::TcpStream::connect(SocketAddr::from(([127, 78, 0, 1], port))).is_err() {
-        anyhow::ensure!(Instant::now() < end, "perf server did not start");
+    while std::net::TcpStream::connect(SocketAddr::from((server_ip, port))).is_err() {
+        if let Some(st) = server.0.try_wait()? {
+            let err = std::fs::read_to_string(&server_log).unwrap_or_default();
+            anyhow::bail!("perf server exited ({st}): {}", err.trim());
+        }
+        if Instant::now() >= end {
+            anyhow::bail!("perf server did not start within 10 s");
+        }
         std::thread::sleep(Duration::from_millis(20));
     }
     // The probe connection above was one of the counted clients: serve it.
@@ -207,7 +232,7 @@ fn run_inner(quick: bool) -> anyhow::Result<serde_json::Value> {
     // linger for a moment).
     let next = std::cell::Cell::new(2u8);
     let one = |op: Op, size: u64, iters: u32| -> anyhow::Result<serde_json::Value> {
-        let ip = format!("127.78.0.{}", next.get());
+        let ip = format!("127.78.{net}.{}", next.get());
         next.set(next.get() + 1);
         let r = run_client_with(server_addr, port, Some(&ip), op, size, iters, 32)?;
         Ok(serde_json::to_value(r)?)
@@ -226,8 +251,7 @@ fn run_inner(quick: bool) -> anyhow::Result<serde_json::Value> {
     }
     let wlat = one(Op::Write, 8, if quick { 2000 } else { 20000 })?;
     let slat = one(Op::Send, 8, if quick { 2000 } else { 20000 })?;
-    let _ = server.kill();
-    let _ = server.wait();
+    drop(server);
     let ucx_bw = ucx("ucp_put_bw", 65536, if quick { 2000 } else { 20000 });
     let ucx_am_lat = ucx("ucp_am_lat", 8, if quick { 20000 } else { 100000 });
     Ok(json!({
