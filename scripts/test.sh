@@ -36,11 +36,12 @@ echo "==> cargo test"
 cargo test --workspace --all-targets -- --test-threads=2
 cargo test --workspace --doc
 RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test -p mrkit --release --test loom_pool --test loom_cache
-echo "==> fuzzing (bounded): packet parser and responder"
+echo "==> fuzzing (bounded): packet parser, responder and completer"
 command -v cargo-fuzz >/dev/null 2>&1 || cargo install -q cargo-fuzz --locked
 # `-s none` builds without sanitizers, which works on the stable toolchain.
 (cd fuzz && cargo fuzz run -s none wire_parse -- -max_total_time=20 -print_final_stats=1 2>&1 | tail -3)
 (cd fuzz && cargo fuzz run -s none responder -- -max_total_time=20 -print_final_stats=1 2>&1 | tail -3)
+(cd fuzz && cargo fuzz run -s none completer -- -max_total_time=20 -print_final_stats=1 2>&1 | tail -3)
 echo "==> CLI smoke"
 cargo run -q -p mrkit-cli -- demo >/dev/null
 echo "all tests passed"
