@@ -184,6 +184,7 @@ pub struct DeviceConfig {
     dontfork: bool,
     udp_addr: Option<std::net::SocketAddr>,
     gso: bool,
+    progress: crate::progress::ProgressPolicy,
     faults: Option<crate::net::fault::FaultConfig>,
     sources: BTreeMap<&'static str, Source>,
 }
@@ -226,6 +227,10 @@ pub const ENV_VARS: &[(&str, &str)] = &[
     (
         "MRKIT_GSO",
         "1 (default): send runs of packets as one UDP GSO buffer; 0: one datagram per packet",
+    ),
+    (
+        "MRKIT_PROGRESS",
+        "auto (default), spin or block: what the progress thread does when idle and no application thread polls",
     ),
     (
         "MRKIT_FAULTS",
@@ -324,6 +329,7 @@ impl DeviceConfig {
             dontfork: true,
             udp_addr: None,
             gso: true,
+            progress: crate::progress::ProgressPolicy::Auto,
             faults: None,
             sources: BTreeMap::new(),
         }
@@ -455,6 +461,11 @@ impl DeviceConfig {
             c.gso = !matches!(v.as_str(), "0" | "off" | "no" | "false");
             c.sources.insert("gso", Source::Env("MRKIT_GSO"));
         }
+        if let Some(v) = get("MRKIT_PROGRESS").filter(|v| !v.trim().is_empty()) {
+            c.progress = crate::progress::ProgressPolicy::parse(&v)
+                .ok_or_else(|| format!("MRKIT_PROGRESS={v}: expected auto, spin or block"))?;
+            c.sources.insert("progress", Source::Env("MRKIT_PROGRESS"));
+        }
         if let Some(v) = get("MRKIT_FAULTS").filter(|v| !v.trim().is_empty()) {
             c.faults = Some(
                 crate::net::fault::FaultConfig::parse(&v)
@@ -537,6 +548,16 @@ impl DeviceConfig {
     /// Whether UDP segmentation offload is used.
     pub fn uses_gso(&self) -> bool {
         self.gso
+    }
+    /// What the progress thread does while idle (see [`crate::progress`]).
+    pub fn progress(mut self, policy: crate::progress::ProgressPolicy) -> Self {
+        self.progress = policy;
+        self.sources.insert("progress", Source::Builder);
+        self
+    }
+    /// The progress-thread policy.
+    pub fn progress_policy(&self) -> crate::progress::ProgressPolicy {
+        self.progress
     }
     /// Configured UDP address (None: default 127.x.y.z).
     pub fn configured_udp_addr(&self) -> Option<std::net::SocketAddr> {

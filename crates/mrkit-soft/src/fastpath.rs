@@ -31,13 +31,13 @@ impl Context {
     }
 
     /// Progress-on-poll: called by `poll_cq` when the CQ was empty. Returns whether any QP ran.
-    pub(crate) fn progress_on_poll(&self) -> bool {
+    pub(crate) fn progress_on_poll(&self, now: Instant) -> bool {
         // Another thread (the progress thread, another poller) is making progress right now:
         // let it, rather than contend for the same QPs.
         if self.dev.dp.manual() || self.dev.progress_runners.load(Ordering::Acquire) > 0 {
             return false;
         }
-        self.progress_once(Instant::now()) > 0
+        self.progress_once(now) > 0
     }
 }
 

@@ -3,19 +3,37 @@
 //! Every QP with work (posted WRs, packets in its inbox, timers) is put on the device's run
 //! queue. A progress thread (started with the first QP, unless
 //! [`Context::set_manual_progress`] was called) runs the QPs, so one-sided WRITE/READ/atomics
-//! complete without the target calling any verb. Its idle policy ([`progress_thread`]) is
-//! built for a 2-vCPU machine where a cross-CPU wakeup costs ~45 µs but spinners easily
-//! outnumber cores:
+//! complete without the target calling any verb.
 //!
-//! * **App-driven**: while an application thread keeps calling `poll_cq` on an empty CQ (it runs
-//!   progress inline, `fastpath.rs`), the thread parks in poll() (scheduled QPs do not kick
-//!   it; a datagram the application leaves unread does) and re-checks when the application
-//!   has been quiet for [`APP_WINDOW`]. A blocking `wait_cq`/`get_cq_event` unparks it at once.
-//! * Otherwise it **spins adaptively** after work: the budget doubles (up to [`SPIN_MAX`])
-//!   when work arrived during the spin and halves (down to [`SPIN_MIN`]) when it ran out idle.
-//!   Each spin iteration yields the CPU; an iteration that took longer than [`PREEMPTED`]
-//!   means another thread (e.g. an application spinning on memory) holds this CPU, so spinning
-//!   is pointless: it then blocks straight away for [`CONTENDED_FOR`].
+//! # Who drives progress: one mechanism, chosen per workload
+//!
+//! On a 2-vCPU machine a blocking cross-CPU wake-up costs ~45 µs (reference/perf.md §0), so a
+//! latency path must *poll*; but every spinning thread beyond the core count steals a CPU from
+//! someone. Exactly one party should poll the device at a time, and which one depends on the
+//! workload. The progress thread decides at every idle moment ([`progress_thread`]):
+//!
+//! * **The application drives** (it called `poll_cq` on an empty CQ within [`APP_WINDOW`];
+//!   such a poll runs progress inline, `fastpath.rs`): the thread **parks** on a condition
+//!   variable, *not* on the UDP socket, so datagrams the application is about to pick up do
+//!   not wake it (each such wake-up is an IPI that preempts a spinning thread on the other
+//!   vCPU). It re-checks when the window closes; while the application keeps polling, the
+//!   re-check period backs off from [`APP_WINDOW`] to [`PARK_MAX`]. A blocking
+//!   `wait_cq`/`get_cq_event` (and shutdown) unparks it at once.
+//! * **Nobody polls** (the target of one-sided operations, an application that blocks, or
+//!   perftest's `ib_write_lat` spinning on memory): the thread makes progress itself. What it
+//!   does while idle is the device's [`ProgressPolicy`] (`MRKIT_PROGRESS`,
+//!   [`DeviceConfig::progress`](crate::device::DeviceConfig::progress)):
+//!   * [`ProgressPolicy::Auto`] (default): **spin adaptively**, yielding the CPU every
+//!     iteration once idle for [`SPIN_NO_YIELD`]. The budget doubles (up to [`SPIN_MAX`]) when work arrived during the spin
+//!     and halves (down to [`SPIN_MIN`]) when it ran out idle. A yield that took longer than
+//!     [`PREEMPTED`] means another runnable thread wanted this CPU; two such yields within
+//!     [`CONTENTION_CONFIRM`] mean contention (e.g. an application spinning on memory):
+//!     spinning would only steal the CPU, so the thread blocks straight away for
+//!     [`CONTENDED_FOR`] and lets datagrams wake it. (One preemption alone is often a daemon
+//!     or a timer; reacting to it cost latency runs a blocking wake-up per packet.)
+//!   * [`ProgressPolicy::Spin`]: a core is dedicated to the device: spin (yielding) for up to
+//!     [`SPIN_DEDICATED`] of idleness before blocking, ignoring preemption.
+//!   * [`ProgressPolicy::Block`]: an oversubscribed machine: never spin; block at once.
 //! * **Blocking** is poll() on the UDP socket and the eventfd (1 ms timeout for timers), or a
 //!   condvar without a UDP port.
 //!
@@ -63,7 +81,7 @@ pub enum AsyncEvent {
         /// QP number.
         qpn: u32,
     },
-    /// IBV_EVENT_QP_LAST_WQE_REACHED (13): a QP attached to an SRQ entered ERR.
+    /// IBV_EVENT_QP_LAST_WQE_REACHED (16): a QP attached to an SRQ entered ERR.
     QpLastWqeReached {
         /// QP number.
         qpn: u32,
@@ -100,13 +118,18 @@ fn ns_since_epoch(t: Instant) -> u64 {
     (t.saturating_duration_since(epoch()).as_nanos() as u64).max(1)
 }
 
+/// Hasher for the QP and CQ tables: their keys are small numbers chosen by the device (not
+/// by a peer), so FxHash is enough and much cheaper than SipHash on the per-packet and
+/// per-poll lookups.
+type NumHash = rustc_hash::FxBuildHasher;
+
 /// Data-path state of one device instance.
 #[derive(Debug)]
 pub(crate) struct DataPath {
     pub node_id: u64,
-    pub qps: RwLock<HashMap<u32, Arc<QpObject>>>,
+    pub qps: RwLock<HashMap<u32, Arc<QpObject>, NumHash>>,
     next_qpn: AtomicU32,
-    pub cqs: RwLock<HashMap<u32, Arc<CqObject>>>,
+    pub cqs: RwLock<HashMap<u32, Arc<CqObject>, NumHash>>,
     next_cqn: AtomicU32,
     channels: RwLock<HashMap<u32, Arc<CompChannel>>>,
     next_ch: AtomicU32,
@@ -122,9 +145,9 @@ impl DataPath {
     pub(crate) fn new() -> DataPath {
         DataPath {
             node_id: loopback::new_node_id(),
-            qps: RwLock::new(HashMap::new()),
+            qps: RwLock::new(HashMap::default()),
             next_qpn: AtomicU32::new(16),
-            cqs: RwLock::new(HashMap::new()),
+            cqs: RwLock::new(HashMap::default()),
             next_cqn: AtomicU32::new(1),
             channels: RwLock::new(HashMap::new()),
             next_ch: AtomicU32::new(1),
@@ -185,6 +208,8 @@ impl DataPath {
     /// An application thread is about to block: the progress thread must drive the device.
     pub(crate) fn app_blocks(&self) {
         if self.sched.app_poll_ns.swap(0, Ordering::AcqRel) != 0 {
+            // Taking the lock orders this with a park() that has just checked app_poll_ns.
+            drop(self.sched.runq.lock());
             self.sched.cond.notify_all();
             self.sched.kick();
         }
@@ -203,17 +228,18 @@ impl DataPath {
         self.sched.kick();
     }
 
-    /// Hand a packet to its QP; false (and the packet dropped) when no such QP exists.
-    pub(crate) fn enqueue_packet_checked(&self, p: Pkt) -> bool {
-        let q = self.qps.read().get(&p.bth.dest_qpn).cloned();
-        match q {
-            Some(q) => {
-                q.inbox.lock().push(p);
-                self.schedule_obj(&q);
-                true
-            }
-            None => false,
+    /// The QP object with number `qpn`, if it exists.
+    pub(crate) fn qp_object(&self, qpn: u32) -> Option<Arc<QpObject>> {
+        self.qps.read().get(&qpn).cloned()
+    }
+
+    /// Hand a batch of packets for one QP to it (one inbox lock, one scheduling).
+    pub(crate) fn enqueue_batch(&self, q: &Arc<QpObject>, pkts: &mut Vec<Pkt>) {
+        if pkts.is_empty() {
+            return;
         }
+        q.inbox.lock().append(pkts);
+        self.schedule_obj(q);
     }
 
     pub(crate) fn enqueue_packet(&self, p: Pkt) {
@@ -245,15 +271,13 @@ impl Sched {
     }
 
     /// Sleep until work is scheduled, a datagram arrives on `udp`, or `timeout` passes.
-    /// `parked`: the application drives progress, so scheduling a QP does not wake this
-    /// thread (only a datagram, [`DataPath::app_blocks`], shutdown or the timeout do).
-    fn sleep(&self, udp: Option<&crate::net::udp::UdpPort>, timeout: Duration, parked: bool) {
+    fn sleep(&self, udp: Option<&crate::net::udp::UdpPort>, timeout: Duration) {
         use rustix::event::{poll, PollFd, PollFlags, Timespec};
         let mut g = self.runq.lock();
-        if !g.is_empty() && !parked {
+        if !g.is_empty() {
             return;
         }
-        self.sleeping.store(!parked, Ordering::Release);
+        self.sleeping.store(true, Ordering::Release);
         match (udp, self.wake.get()) {
             (Some(port), Some(wake)) => {
                 drop(g);
@@ -265,7 +289,7 @@ impl Sched {
                     tv_sec: timeout.as_secs() as i64,
                     tv_nsec: i64::from(timeout.subsec_nanos()),
                 };
-                if parked || self.runq.lock().is_empty() {
+                if self.runq.lock().is_empty() {
                     let _ = poll(&mut fds, Some(&ts));
                 }
                 let mut buf = [0u8; 8];
@@ -276,6 +300,18 @@ impl Sched {
             }
         }
         self.sleeping.store(false, Ordering::Release);
+    }
+
+    /// The application drives progress: sleep for `timeout` on the condition variable only.
+    /// Neither datagrams nor scheduled QPs wake this thread (the application's polls handle
+    /// them); [`DataPath::app_blocks`], shutdown and the timeout do.
+    fn park(&self, timeout: Duration) {
+        let mut g = self.runq.lock();
+        // Checked under the lock that app_blocks takes before notifying: no lost wake-up.
+        if self.app_poll_ns.load(Ordering::Acquire) == 0 || self.shutdown.load(Ordering::Acquire) {
+            return;
+        }
+        self.cond.wait_for(&mut g, timeout);
     }
 }
 
@@ -301,29 +337,81 @@ impl Drop for DataPath {
     }
 }
 
+/// What the progress thread does while idle and no application thread polls the device
+/// (module docs). `MRKIT_PROGRESS=auto|spin|block`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ProgressPolicy {
+    /// Spin adaptively and yield; block when preempted (shared CPUs). The default.
+    #[default]
+    Auto,
+    /// Spin up to [`SPIN_DEDICATED`] of idleness, even when preempted (a dedicated core).
+    Spin,
+    /// Block at once when idle (oversubscribed CPUs; every wake-up then costs a context switch).
+    Block,
+}
+
+impl ProgressPolicy {
+    /// Parse `auto`, `spin` or `block`.
+    pub fn parse(s: &str) -> Option<ProgressPolicy> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" | "adaptive" => Some(ProgressPolicy::Auto),
+            "spin" | "poll" => Some(ProgressPolicy::Spin),
+            "block" | "sleep" => Some(ProgressPolicy::Block),
+            _ => None,
+        }
+    }
+}
+
 /// An application that polled an empty CQ this recently is driving progress itself.
 pub const APP_WINDOW: Duration = Duration::from_micros(50);
+/// Longest park while the application keeps polling (the re-check period backs off to it).
+pub const PARK_MAX: Duration = Duration::from_millis(2);
 /// Adaptive spin budget bounds (and the initial budget).
 pub const SPIN_MIN: Duration = Duration::from_micros(10);
 /// Largest spin budget.
 pub const SPIN_MAX: Duration = Duration::from_micros(200);
 const SPIN_INIT: Duration = Duration::from_micros(50);
+/// A spin polls without yielding for this long before it starts yielding every iteration.
+pub const SPIN_NO_YIELD: Duration = Duration::from_micros(20);
+/// Idle spin of [`ProgressPolicy::Spin`] before blocking.
+pub const SPIN_DEDICATED: Duration = Duration::from_millis(10);
 /// A yield that took this long means another thread holds the CPU.
 pub const PREEMPTED: Duration = Duration::from_micros(100);
-/// How long to block instead of spinning after being preempted while spinning.
+/// Two preemptions within this interval mean the CPU is contended.
+pub const CONTENTION_CONFIRM: Duration = Duration::from_millis(10);
+/// How long to block instead of spinning once the CPU is found contended.
 pub const CONTENDED_FOR: Duration = Duration::from_millis(20);
 
 fn progress_thread(weak: Weak<DeviceInner>, sched: Arc<Sched>) {
+    let policy = match weak.upgrade() {
+        Some(d) => d.config.progress_policy(),
+        None => return,
+    };
     let mut idle_since: Option<Instant> = None;
     let mut budget = SPIN_INIT;
     let mut contended_until: Option<Instant> = None;
+    let mut preempted_at: Option<Instant> = None;
+    let mut park_for = APP_WINDOW;
     loop {
         if sched.shutdown.load(Ordering::Acquire) {
             return;
         }
+        // One clock read per idle iteration (they are not cheap in a VM); the pass and the
+        // idle bookkeeping below share it.
+        let now = Instant::now();
+        if let Some(left) = sched.app_driving(now) {
+            // The application polls and runs progress inline: stay out of its way (do not
+            // even run a pass: that would take packets from under it) until it stops;
+            // checked again when its window closes, less often the longer it drives.
+            idle_since = None;
+            sched.park(left.max(park_for) + Duration::from_micros(5));
+            park_for = (park_for * 2).min(PARK_MAX);
+            continue;
+        }
+        park_for = APP_WINDOW;
         let Some(dev) = weak.upgrade() else { return };
         let ctx = Context { dev };
-        let n = ctx.progress_once(Instant::now());
+        let n = ctx.progress_once(now);
         drop(ctx);
         if n > 0 {
             if idle_since.take().is_some() {
@@ -332,34 +420,41 @@ fn progress_thread(weak: Weak<DeviceInner>, sched: Arc<Sched>) {
             }
             continue;
         }
-        let now = Instant::now();
-        if let Some(left) = sched.app_driving(now) {
-            // The application polls and runs progress inline: stay out of its way (a datagram
-            // it does not pick up still wakes us).
-            idle_since = None;
-            let udp = weak.upgrade().and_then(|d| d.udp.get().cloned());
-            sched.sleep(udp.as_deref(), left + Duration::from_micros(5), true);
-            continue;
-        }
         let contended = contended_until.is_some_and(|t| now < t);
         let since = *idle_since.get_or_insert(now);
-        if !contended && now.duration_since(since) < budget {
+        let spin_for = match policy {
+            ProgressPolicy::Auto if !contended => budget,
+            ProgressPolicy::Spin => SPIN_DEDICATED,
+            _ => Duration::ZERO,
+        };
+        let idle = now.duration_since(since);
+        if idle < spin_for {
             std::hint::spin_loop();
-            if sched.runq.lock().is_empty() {
+            // The first microseconds of a spin poll without yielding (a reply is usually
+            // that close); after that every iteration yields, so a runnable thread that
+            // wants this CPU gets it and the preemption check below can see it.
+            if idle >= SPIN_NO_YIELD && sched.runq.lock().is_empty() {
                 std::thread::yield_now();
-                if now.elapsed() >= PREEMPTED {
-                    // Someone else holds this CPU (e.g. an application spinning on memory):
-                    // block and let a packet wake us instead.
-                    contended_until = Some(Instant::now() + CONTENDED_FOR);
+                if policy == ProgressPolicy::Auto && now.elapsed() >= PREEMPTED {
+                    // Someone else wants this CPU (e.g. an application spinning on memory):
+                    // block and let a packet wake us instead. Once is chance (a daemon, a
+                    // timer): only a second preemption soon after makes it contention.
+                    let t = Instant::now();
+                    if preempted_at.is_some_and(|p| t.duration_since(p) < CONTENTION_CONFIRM) {
+                        contended_until = Some(t + CONTENDED_FOR);
+                        preempted_at = None;
+                    } else {
+                        preempted_at = Some(t);
+                    }
                 }
             }
             continue;
         }
-        if idle_since.take().is_some() && !contended {
+        if idle_since.take().is_some() && policy == ProgressPolicy::Auto && !contended {
             budget = (budget / 2).max(SPIN_MIN);
         }
         let udp = weak.upgrade().and_then(|d| d.udp.get().cloned());
-        sched.sleep(udp.as_deref(), Duration::from_millis(1), false);
+        sched.sleep(udp.as_deref(), Duration::from_millis(1));
     }
 }
 
@@ -548,11 +643,10 @@ impl Context {
     pub fn poll_cq(&self, cqn: u32, out: &mut Vec<Wc>, max: usize) -> Result<usize> {
         let cq = self.cq(cqn)?;
         let n = cq.poll(out, max);
-        if n == 0 && max > 0 {
-            if !self.dev.dp.manual() {
-                self.dev.dp.note_app_poll(Instant::now());
-            }
-            if self.progress_on_poll() {
+        if n == 0 && max > 0 && !self.dev.dp.manual() {
+            let now = Instant::now();
+            self.dev.dp.note_app_poll(now);
+            if self.progress_on_poll(now) {
                 return Ok(cq.poll(out, max));
             }
         }
@@ -579,5 +673,36 @@ impl Context {
     /// `(queued completions, capacity)`.
     pub fn cq_len(&self, cqn: u32) -> Result<(usize, usize)> {
         Ok(self.cq(cqn)?.len_cap())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn progress_policy_parses() {
+        assert_eq!(ProgressPolicy::parse("auto"), Some(ProgressPolicy::Auto));
+        assert_eq!(ProgressPolicy::parse(" Spin "), Some(ProgressPolicy::Spin));
+        assert_eq!(ProgressPolicy::parse("block"), Some(ProgressPolicy::Block));
+        assert_eq!(ProgressPolicy::parse("fast"), None);
+        assert_eq!(ProgressPolicy::default(), ProgressPolicy::Auto);
+    }
+
+    #[test]
+    fn app_window_and_park() {
+        let s = Sched::default();
+        let _ = epoch(); // the time origin precedes `now`
+        let now = Instant::now();
+        assert!(s.app_driving(now).is_none(), "nobody polled yet");
+        s.app_poll_ns.store(ns_since_epoch(now), Ordering::Relaxed);
+        assert!(s.app_driving(now).is_some());
+        let later = now + APP_WINDOW + Duration::from_micros(1);
+        assert!(s.app_driving(later).is_none(), "window closed");
+        // park() returns at once when the application has blocked since (app_poll_ns 0).
+        s.app_poll_ns.store(0, Ordering::Relaxed);
+        let t = Instant::now();
+        s.park(Duration::from_secs(5));
+        assert!(t.elapsed() < Duration::from_secs(1));
     }
 }

@@ -216,37 +216,41 @@ impl Pkt {
 
 /// ICRC check of a datagram received on a plain UDP socket. IPv6 is exact. For IPv4 the IP
 /// identification and flags are not visible to a UDP socket: packets from mrkit peers carry
-/// ID 0 with DF unless they were segmented by UDP GSO (IDs 0, 1, 2, ...), so the check tries
-/// ID 0 and falls back to the linear solve over the 17 unknown bits (roce.md §2.4), which accepts
-/// any ID and DF value and still rejects a corrupted packet with probability 1 - 2^-15.
+/// ID 0 with DF unless they were segmented by UDP GSO (IDs 0, 1, 2, ...), so the check solves
+/// for the 17 unknown bits (roce.md §2.4), which accepts any ID and DF value (ID 0 with DF
+/// among them) and still rejects a corrupted packet with probability 1 - 2^-15. The CRC over
+/// the packet is computed once (with ID 0, DF clear); the solve works on that value alone.
 fn icrc_ok(
     view: &crate::wire::PacketView<'_>,
     src: std::net::SocketAddr,
     dst: std::net::SocketAddr,
 ) -> bool {
     let inputs = IcrcInputs::from_socket_addrs(src, dst);
-    if view.verify_icrc(&inputs).is_ok() {
-        return true;
+    if !inputs.is_ipv4() {
+        return view.verify_icrc(&inputs).is_ok();
     }
-    if inputs.is_ipv4() {
-        // The solver's basis depends only on the datagram length: cache a few per thread.
-        thread_local! {
-            static SOLVERS: std::cell::RefCell<std::collections::HashMap<usize, crate::wire::Ipv4IdSolver>> =
-                std::cell::RefCell::new(std::collections::HashMap::new());
+    let datagram = view.datagram();
+    let Some((body, found)) = datagram.split_last_chunk::<{ crate::wire::ICRC_LEN }>() else {
+        return false;
+    };
+    let found = u32::from_le_bytes(*found);
+    let expected = inputs.with_ipv4_id(0, 0).compute(body);
+    // The solver's basis depends only on the datagram length: cache a few per thread.
+    thread_local! {
+        static SOLVERS: std::cell::RefCell<std::collections::HashMap<usize, crate::wire::Ipv4IdSolver>> =
+            std::cell::RefCell::new(std::collections::HashMap::new());
+    }
+    let len = datagram.len();
+    SOLVERS.with(|c| {
+        let mut c = c.borrow_mut();
+        if c.len() > 64 && !c.contains_key(&len) {
+            c.clear();
         }
-        let len = view.datagram().len();
-        return SOLVERS.with(|c| {
-            let mut c = c.borrow_mut();
-            if c.len() > 64 && !c.contains_key(&len) {
-                c.clear();
-            }
-            c.entry(len)
-                .or_insert_with(|| crate::wire::Ipv4IdSolver::new(len))
-                .solve(&inputs, view.datagram())
-                .is_ok()
-        });
-    }
-    false
+        c.entry(len)
+            .or_insert_with(|| crate::wire::Ipv4IdSolver::new(len))
+            .solve_values(expected, found)
+            .is_some()
+    })
 }
 
 /// Send packets: over the in-process loopback link, or as RoCEv2 datagrams over UDP when the

@@ -278,23 +278,43 @@ impl UdpPort {
     pub fn recv(
         &self,
         bufs: &mut RecvBufs,
+        f: impl FnMut(SocketAddr, &std::sync::Arc<Vec<u8>>, usize, usize),
+    ) -> io::Result<usize> {
+        self.recv_some(bufs, RECV_BATCH, usize::MAX, f)
+    }
+
+    /// As [`recv`](Self::recv), with at most `slots` (1..=[`RECV_BATCH`]) receive buffers per
+    /// `recvmmsg` and at most `calls` calls.
+    pub fn recv_some(
+        &self,
+        bufs: &mut RecvBufs,
+        slots: usize,
+        calls: usize,
         mut f: impl FnMut(SocketAddr, &std::sync::Arc<Vec<u8>>, usize, usize),
     ) -> io::Result<usize> {
+        let slots = slots.clamp(1, RECV_BATCH);
         let mut total = 0;
-        loop {
+        for _ in 0..calls {
             bufs.refill();
             let mut meta = [RecvMeta::default(); RECV_BATCH];
             let r = {
-                let mut slices: Vec<IoSliceMut<'_>> = bufs
-                    .bufs
-                    .iter_mut()
-                    .map(|b| IoSliceMut::new(std::sync::Arc::get_mut(b).expect("unique")))
-                    .collect();
-                self.rx_state
-                    .recv(UdpSockRef::from(&self.rx), &mut slices, &mut meta)
+                // Only the slots in use: each Arc::get_mut is an atomic compare-exchange.
+                let mut it = bufs.bufs.iter_mut().take(slots);
+                let mut slices: [IoSliceMut<'_>; RECV_BATCH] =
+                    std::array::from_fn(|_| match it.next() {
+                        Some(b) => IoSliceMut::new(std::sync::Arc::get_mut(b).expect("unique")),
+                        None => IoSliceMut::new(&mut []),
+                    });
+                self.rx_state.recv(
+                    UdpSockRef::from(&self.rx),
+                    &mut slices[..slots],
+                    &mut meta[..slots],
+                )
             };
             match r {
                 Ok(n) => {
+                    // Packets may now refer to the first `n` buffers.
+                    bufs.dirty = n;
                     for (m, buf) in meta.iter().zip(bufs.bufs.iter()).take(n) {
                         let stride = m.stride.max(1);
                         let mut off = 0;
@@ -305,7 +325,7 @@ impl UdpPort {
                             total += 1;
                         }
                     }
-                    if n < RECV_BATCH {
+                    if n < slots {
                         return Ok(total);
                     }
                 }
@@ -314,6 +334,7 @@ impl UdpPort {
                 Err(e) => return Err(e),
             }
         }
+        Ok(total)
     }
 
     /// The receive socket (to wait on it with poll()).
@@ -337,13 +358,17 @@ const SPARE_BUFS: usize = 64;
 pub struct RecvBufs {
     bufs: Vec<std::sync::Arc<Vec<u8>>>,
     spare: Vec<std::sync::Arc<Vec<u8>>>,
+    /// Slots `..dirty` were filled by the last receive and may be referenced by packets; the
+    /// others have not been handed out since they were last made unique.
+    dirty: usize,
 }
 
 impl RecvBufs {
     /// Make every receive slot a buffer no packet refers to.
     fn refill(&mut self) {
         use std::sync::Arc;
-        for i in 0..self.bufs.len() {
+        let dirty = std::mem::take(&mut self.dirty).min(self.bufs.len());
+        for i in 0..dirty {
             if Arc::get_mut(&mut self.bufs[i]).is_some() {
                 continue;
             }
@@ -378,6 +403,7 @@ impl Default for RecvBufs {
                 .map(|_| std::sync::Arc::new(vec![0u8; RECV_BUF]))
                 .collect(),
             spare: Vec::new(),
+            dirty: 0,
         }
     }
 }
@@ -501,20 +527,45 @@ fn send_runs(
     }
 }
 
-/// Receive every ready datagram on the device's port and hand the packets to their QPs.
+/// `recvmmsg` slots one progress pass receives (each a datagram or a GRO batch of up to
+/// 64 KiB).
+const RX_SLOTS_PER_PASS: usize = 4;
+
+/// Receive ready datagrams (one bounded batch) on the device's port and hand the packets to
+/// their QPs.
 /// Returns how many datagrams arrived.
 pub(crate) fn poll_rx(ctx: &crate::Context, port: &UdpPort, bufs: &mut RecvBufs) -> usize {
     use std::sync::atomic::Ordering::Relaxed;
     let local = port.local_addr();
     let node = ctx.dev.dp.node_id;
     let st = &ctx.dev.net_stats;
-    let r = port.recv(bufs, |src, buf, off, len| {
-        st.rx_datagrams.fetch_add(1, Relaxed);
+    let dp = &ctx.dev.dp;
+    // Consecutive packets for one QP (a GRO batch is one flow) are handed over together:
+    // one QP lookup, one inbox lock and one scheduling per run instead of per packet.
+    let mut cur: Option<(u32, std::sync::Arc<crate::qp::QpObject>)> = None;
+    let mut run: Vec<super::Pkt> = Vec::new();
+    let mut dropped = 0u64;
+    let mut received = 0u64;
+    // One bounded receive per progress pass: the QPs then run and send their ACKs before
+    // the next batch is taken. Draining the socket first would let a receiver that fell
+    // behind take a sender's whole window at once and acknowledge it only at the end, and
+    // the two sides would then take turns instead of overlapping.
+    let r = port.recv_some(bufs, RX_SLOTS_PER_PASS, 1, |src, buf, off, len| {
+        received += 1;
         let d = &buf[off..off + len];
         match super::Pkt::from_wire_in(d, Some((buf, off)), src, local, node) {
             Ok(p) => {
-                if !ctx.dev.dp.enqueue_packet_checked(p) {
-                    st.rx_unknown_qp.fetch_add(1, Relaxed);
+                let qpn = p.bth.dest_qpn;
+                if cur.as_ref().map_or(true, |(n, _)| *n != qpn) {
+                    if let Some((_, q)) = &cur {
+                        dp.enqueue_batch(q, &mut run);
+                    }
+                    cur = dp.qp_object(qpn).map(|q| (qpn, q));
+                }
+                if cur.is_some() {
+                    run.push(p);
+                } else {
+                    dropped += 1;
                 }
             }
             Err(super::Drop::Malformed) => {
@@ -528,6 +579,15 @@ pub(crate) fn poll_rx(ctx: &crate::Context, port: &UdpPort, bufs: &mut RecvBufs)
             }
         }
     });
+    if let Some((_, q)) = &cur {
+        dp.enqueue_batch(q, &mut run);
+    }
+    if dropped > 0 {
+        st.rx_unknown_qp.fetch_add(dropped, Relaxed);
+    }
+    if received > 0 {
+        st.rx_datagrams.fetch_add(received, Relaxed);
+    }
     match r {
         Ok(n) => n,
         Err(e) => {

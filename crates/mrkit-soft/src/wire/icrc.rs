@@ -135,9 +135,12 @@ impl IcrcInputs {
     /// The ICRC value of a UDP payload `body` (BTH through pad, **without** the 4 ICRC bytes).
     /// The wire bytes are `value.to_le_bytes()`.
     pub fn compute(&self, body: &[u8]) -> u32 {
+        // The pseudo-header (LRH stand-in, IP, UDP) and the first 5 BTH bytes (byte 4 masked)
+        // are laid out in one buffer and fed in one update: small updates are slow.
+        const MAX_PREFIX: usize = LRH_STANDIN.len() + IPV6_HDR_LEN + UDP_HDR_LEN + 5;
         let udp_len = UDP_HDR_LEN + body.len() + ICRC_LEN;
-        let mut h = crc32fast::Hasher::new();
-        h.update(&LRH_STANDIN);
+        let mut pre = [0xFFu8; MAX_PREFIX];
+        let mut at = LRH_STANDIN.len();
         match self.ip {
             IpInfo::V4 {
                 src,
@@ -146,7 +149,7 @@ impl IcrcInputs {
                 flags_fragment,
             } => {
                 let total = (IPV4_HDR_LEN + udp_len) as u16;
-                let mut ip = [0u8; IPV4_HDR_LEN];
+                let ip = &mut pre[at..at + IPV4_HDR_LEN];
                 ip[0] = 0x45;
                 ip[1] = 0xFF; // TOS
                 ip[2..4].copy_from_slice(&total.to_be_bytes());
@@ -158,25 +161,36 @@ impl IcrcInputs {
                 ip[11] = 0xFF;
                 ip[12..16].copy_from_slice(&src.octets());
                 ip[16..20].copy_from_slice(&dst.octets());
-                h.update(&ip);
+                at += IPV4_HDR_LEN;
             }
             IpInfo::V6 { src, dst } => {
-                let mut ip = [0u8; IPV6_HDR_LEN];
+                let ip = &mut pre[at..at + IPV6_HDR_LEN];
                 ip[0..4].copy_from_slice(&[0x6F, 0xFF, 0xFF, 0xFF]); // TC + flow label
                 ip[4..6].copy_from_slice(&(udp_len as u16).to_be_bytes());
                 ip[6] = IPPROTO_UDP;
                 ip[7] = 0xFF; // hop limit
                 ip[8..24].copy_from_slice(&src.octets());
                 ip[24..40].copy_from_slice(&dst.octets());
-                h.update(&ip);
+                at += IPV6_HDR_LEN;
             }
         }
-        let mut udp = [0xFFu8; UDP_HDR_LEN];
+        let udp = &mut pre[at..at + UDP_HDR_LEN];
         udp[0..2].copy_from_slice(&self.src_port.to_be_bytes());
         udp[2..4].copy_from_slice(&self.dst_port.to_be_bytes());
         udp[4..6].copy_from_slice(&(udp_len as u16).to_be_bytes());
-        h.update(&udp);
-        update_masked_ib(&mut h, body);
+        udp[6..8].copy_from_slice(&[0xFF, 0xFF]); // checksum
+        at += UDP_HDR_LEN;
+        let mut h = crc32fast::Hasher::new();
+        if body.len() > 4 {
+            // BTH bytes 0-3 as they are, byte 4 (FECN/BECN/resv6a) replaced by 0xFF.
+            pre[at..at + 4].copy_from_slice(&body[..4]);
+            pre[at + 4] = 0xFF;
+            h.update(&pre[..at + 5]);
+            h.update(&body[5..]);
+        } else {
+            h.update(&pre[..at]);
+            h.update(body);
+        }
         h.finalize()
     }
 
@@ -218,17 +232,6 @@ fn as_v6(a: IpAddr) -> Ipv6Addr {
     match a {
         IpAddr::V4(v) => v.to_ipv6_mapped(),
         IpAddr::V6(v) => v,
-    }
-}
-
-/// Feeds the IB part with BTH byte 4 (FECN/BECN/resv6a) replaced by `0xFF`.
-fn update_masked_ib(h: &mut crc32fast::Hasher, body: &[u8]) {
-    if body.len() > 4 {
-        h.update(&body[..4]);
-        h.update(&[0xFF]);
-        h.update(&body[5..]);
-    } else {
-        h.update(body);
     }
 }
 
@@ -494,6 +497,15 @@ impl Ipv4IdSolver {
         }
         let (body, found) = split_icrc(datagram)?;
         let expected = inputs.with_ipv4_id(0, 0).compute(body);
+        self.solve_values(expected, found)
+            .ok_or(WireError::BadIcrc { expected, found })
+    }
+
+    /// [`solve`](Self::solve) from the two CRC values alone: `expected` is the ICRC computed
+    /// with ID 0 and DF clear (`inputs.with_ipv4_id(0, 0).compute(body)`), `found` the one
+    /// carried. Lets a receiver compute the CRC over the packet once and both check the common
+    /// case and solve for the ID.
+    pub fn solve_values(&self, expected: u32, found: u32) -> Option<(u16, bool)> {
         let mut d = expected ^ found;
         let mut c = 0u32;
         for p in (0..32).rev() {
@@ -503,9 +515,9 @@ impl Ipv4IdSolver {
             }
         }
         if d != 0 {
-            return Err(WireError::BadIcrc { expected, found });
+            return None;
         }
-        Ok(((c & 0xFFFF) as u16, c & (1 << 16) != 0))
+        Some(((c & 0xFFFF) as u16, c & (1 << 16) != 0))
     }
 }
 
