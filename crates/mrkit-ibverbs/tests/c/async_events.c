@@ -29,20 +29,7 @@
 #include <unistd.h>
 #include <infiniband/verbs.h>
 
-#define CHECK(cond, ...)                                                                 \
-	do {                                                                             \
-		if (cond) {                                                              \
-			printf("ok   ");                                                 \
-			printf(__VA_ARGS__);                                             \
-			printf("\n");                                                    \
-		} else {                                                                 \
-			printf("FAIL %s:%d: ", __FILE__, __LINE__);                      \
-			printf(__VA_ARGS__);                                             \
-			printf(" (errno %d: %s)\n", errno, strerror(errno));             \
-			exit(1);                                                         \
-		}                                                                        \
-		fflush(stdout);                                                          \
-	} while (0)
+#include "check.h"
 
 static struct ibv_context *open_mrkit(void)
 {

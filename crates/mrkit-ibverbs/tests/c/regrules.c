@@ -24,19 +24,7 @@
 
 static int failed;
 
-#define CHECK(cond, ...)                                                                 \
-	do {                                                                             \
-		if (cond) {                                                              \
-			printf("ok   ");                                                 \
-			printf(__VA_ARGS__);                                             \
-			printf("\n");                                                    \
-		} else {                                                                 \
-			printf("FAIL %s:%d: ", __FILE__, __LINE__);                      \
-			printf(__VA_ARGS__);                                             \
-			printf(" (errno %d: %s)\n", errno, strerror(errno));             \
-			exit(1);                                                         \
-		}                                                                        \
-	} while (0)
+#include "check.h"
 
 /* Runtime access values (not compile-time constants), as programs usually pass them. */
 static volatile int v_access;

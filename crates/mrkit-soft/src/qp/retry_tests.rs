@@ -25,6 +25,14 @@ struct Rig {
     now: Instant,
 }
 
+/// The QP's engines, borrowed for one call.
+struct Engines<'a> {
+    req: &'a mut Requester,
+    comp: &'a mut Completer,
+    sq: &'a mut SendQueue,
+    now: Instant,
+}
+
 impl Rig {
     /// A requester at PSN 0 with `n` one-packet inline SENDs posted (every one signaled).
     fn new(n: u64) -> Rig {
@@ -50,8 +58,12 @@ impl Rig {
         }
     }
 
-    fn qctx(&self) -> QpCtx<'_> {
-        QpCtx {
+    /// Run one engine call with the QP's context; it must not move the QP to ERR.
+    fn engine<R>(
+        &mut self,
+        f: impl FnOnce(&QpCtx<'_>, &mut Engines<'_>, &mut Out) -> R,
+    ) -> (R, Out) {
+        let q = QpCtx {
             ctx: &self.ctx,
             qpn: 0x11,
             pd: 0,
@@ -66,60 +78,45 @@ impl Rig {
             min_rnr_timer: 0,
             model: StatusModel::Rxe,
             state: QpState::Rts,
-        }
+        };
+        let mut e = Engines {
+            req: &mut self.req,
+            comp: &mut self.comp,
+            sq: &mut self.sq,
+            now: self.now,
+        };
+        let mut out = Out::default();
+        let r = f(&q, &mut e, &mut out);
+        assert!(!out.error);
+        (r, out)
     }
 
     /// Run the requester; the PSNs it sent.
     fn step(&mut self) -> Vec<u32> {
-        let ctx = Context::clone(&self.ctx);
-        let q = QpCtx {
-            ctx: &ctx,
-            ..self.qctx()
-        };
-        let mut out = Out::default();
-        self.req
-            .step(&q, &mut self.sq, &mut self.comp, self.now, &mut out);
-        assert!(!out.error);
+        let ((), out) = self.engine(|q, e, out| e.req.step(q, e.sq, e.comp, e.now, out));
         out.pkts.iter().map(|p| p.bth.psn).collect()
     }
 
     /// Let the retransmit timer expire.
     fn timeout(&mut self) {
         self.now += LATER;
-        let ctx = Context::clone(&self.ctx);
-        let q = QpCtx {
-            ctx: &ctx,
-            ..self.qctx()
-        };
-        let mut out = Out::default();
-        self.comp
-            .tick(&q, &mut self.sq, &mut self.req, self.now, &mut out);
-        assert!(!out.error);
+        self.engine(|q, e, out| e.comp.tick(q, e.sq, e.req, e.now, out));
     }
 
     fn respond(&mut self, psn: u32, aeth: Aeth) {
-        let ctx = Context::clone(&self.ctx);
-        let q = QpCtx {
-            ctx: &ctx,
-            ..self.qctx()
-        };
-        let ext = ExtHeaders {
-            aeth: Some(aeth),
-            ..ExtHeaders::default()
-        };
         let p = Pkt {
             dst_node: 0,
             dst_ip: None,
             src_node: 0,
             src_qpn: 0x12,
             bth: Bth::new(Opcode::Acknowledge, 0x11, psn),
-            ext,
+            ext: ExtHeaders {
+                aeth: Some(aeth),
+                ..ExtHeaders::default()
+            },
             payload: Payload::Empty,
         };
-        let mut out = Out::default();
-        self.comp
-            .on_response(&q, &mut self.sq, &mut self.req, p, self.now, &mut out);
-        assert!(!out.error);
+        self.engine(|q, e, out| e.comp.on_response(q, e.sq, e.req, p, e.now, out));
     }
 
     /// wr_ids completed so far (drained in order).
