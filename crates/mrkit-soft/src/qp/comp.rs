@@ -12,7 +12,6 @@ use super::{Out, QpCtx, WrOpcode};
 use crate::access::AccessFlags;
 use crate::cq::{Wc, WcStatus};
 use crate::mr::AccessDenied;
-use crate::mr::KeyUse;
 use crate::net::{Payload, Pkt};
 use crate::wire::{
     local_ack_timeout, psn_add, psn_cmp, psn_diff, rnr_timer_to_duration, NakCode, Opcode, Syndrome,
@@ -381,15 +380,7 @@ pub(crate) fn scatter_deferred(
     });
     match (walk, frags, one, &payload) {
         (Ok(()), 1, Some((s, soff, len)), Payload::Mem(_)) if len == n => {
-            let g = q.ctx.check_access(
-                s.lkey,
-                q.pd,
-                AccessFlags::LOCAL_WRITE,
-                s.addr.wrapping_add(soff),
-                len,
-                KeyUse::Local,
-                q.qpn,
-            )?;
+            let g = q.local_sge(&s, soff, len, AccessFlags::LOCAL_WRITE)?;
             out.place(g, payload);
             Ok(())
         }
@@ -407,15 +398,7 @@ pub(crate) fn scatter(
 ) -> Result<(), AccessDenied> {
     let mut poff = 0usize;
     for_pieces(sges, off, n, |s, soff, len| {
-        let g = q.ctx.check_access(
-            s.lkey,
-            q.pd,
-            AccessFlags::LOCAL_WRITE,
-            s.addr.wrapping_add(soff),
-            len,
-            KeyUse::Local,
-            q.qpn,
-        )?;
+        let g = q.local_sge(s, soff, len, AccessFlags::LOCAL_WRITE)?;
         payload.copy_to(poff, &g, 0, len as usize);
         poff += len as usize;
         Ok(())

@@ -128,6 +128,29 @@ pub(crate) fn gather_status(model: StatusModel, d: AccessDenied) -> WcStatus {
     }
 }
 
+impl QpCtx<'_> {
+    /// The lkey check for `len` bytes at offset `soff` of the local SGE `s`, through the one
+    /// access predicate (`Context::check_access`): gathers need no rights, scatters (READ
+    /// data, atomic results, received SENDs) need LOCAL_WRITE.
+    pub(crate) fn local_sge(
+        &self,
+        s: &Sge,
+        soff: u64,
+        len: u64,
+        need: AccessFlags,
+    ) -> Result<crate::mr::MrGuard, AccessDenied> {
+        self.ctx.check_access(
+            s.lkey,
+            self.pd,
+            need,
+            s.addr.wrapping_add(soff),
+            len,
+            KeyUse::Local,
+            self.qpn,
+        )
+    }
+}
+
 /// Walk the SGE fragments covering `[off, off+n)` of a message.
 pub(crate) fn for_pieces(
     sges: &[Sge],
@@ -435,15 +458,7 @@ impl Requester {
         } else {
             let mut pieces = Vec::with_capacity(1);
             for_pieces(&w.wr.sg_list, off, n, |s, soff, len| {
-                let g = q.ctx.check_access(
-                    s.lkey,
-                    q.pd,
-                    AccessFlags::empty(),
-                    s.addr.wrapping_add(soff),
-                    len,
-                    KeyUse::Local,
-                    q.qpn,
-                )?;
+                let g = q.local_sge(s, soff, len, AccessFlags::empty())?;
                 pieces.push((g, 0, len as usize));
                 Ok(())
             })

@@ -9,7 +9,6 @@
 
 use std::collections::VecDeque;
 
-use super::req::for_pieces;
 use super::{Out, QpCtx, RecvWqe};
 use crate::access::AccessFlags;
 use crate::copy::{self, AtomicOp};
@@ -340,21 +339,7 @@ impl Responder {
             self.error(q, psn, f, None, out);
             return;
         }
-        let mut poff = 0usize;
-        let r = for_pieces(&recv.sges, *off, n, |s, soff, len| {
-            let g = q.ctx.check_access(
-                s.lkey,
-                q.pd,
-                AccessFlags::LOCAL_WRITE,
-                s.addr.wrapping_add(soff),
-                len,
-                KeyUse::Local,
-                q.qpn,
-            )?;
-            p.payload.copy_to(poff, &g, 0, len as usize);
-            poff += len as usize;
-            Ok(())
-        });
+        let r = super::comp::scatter(q, &recv.sges, *off, n, &p.payload);
         if r.is_err() {
             let st = if hw {
                 WcStatus::LocProtErr
