@@ -36,6 +36,21 @@ impl Context {
     /// [`Context::get_async_event`] (`None`: back to the queue). Events already queued are
     /// handed to the new hook first. The hook must not keep a clone of this `Context` (the
     /// device would then never be dropped).
+    ///
+    /// ```
+    /// use std::sync::{Arc, Mutex};
+    /// use mrkit_soft::{Context, DeviceConfig};
+    /// use mrkit_soft::events::AsyncEventHook;
+    ///
+    /// let ctx = Context::open(DeviceConfig::rxe());
+    /// let seen = Arc::new(Mutex::new(Vec::new()));
+    /// let sink = seen.clone();
+    /// let hook: AsyncEventHook = Arc::new(move |e| sink.lock().unwrap().push(e));
+    /// ctx.set_async_event_hook(Some(hook));
+    /// // ... QP/CQ/SRQ events (QP_FATAL, CQ_ERR, SRQ_LIMIT_REACHED, ...) now arrive in `seen`.
+    /// assert!(seen.lock().unwrap().is_empty());
+    /// ctx.set_async_event_hook(None); // back to Context::get_async_event
+    /// ```
     pub fn set_async_event_hook(&self, hook: Option<AsyncEventHook>) {
         *self.dev.event_hook.0.write() = hook.clone();
         if let Some(h) = hook {
