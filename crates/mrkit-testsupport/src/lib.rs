@@ -3,6 +3,23 @@
 //!
 //! [`Netns`]: two network namespaces joined by a veth pair, the "two hosts" of the
 //! `mrkit perf` and `ibv_rc_pingpong` tests.
+//!
+//! ```no_run
+//! use mrkit_testsupport::{Netns, ADDR_A};
+//! use std::process::Command;
+//!
+//! // Root creates the namespaces (removed on drop); other users get None and a skip line
+//! // (a failure when MRKIT_REQUIRE_NETNS=1).
+//! let Some(ns) = Netns::for_test("my_test", "doc") else { return };
+//! let exec = ns.exec_b(); // ["ip", "netns", "exec", <b>]
+//! let ok = Command::new(exec[0])
+//!     .args(&exec[1..])
+//!     .args(["ip", "route", "get", ADDR_A])
+//!     .status()
+//!     .unwrap()
+//!     .success();
+//! assert!(ok, "host B has a route to host A over the veth pair");
+//! ```
 
 use std::process::{Command, Stdio};
 
