@@ -11,7 +11,7 @@ use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
 use clap::{Args, ValueEnum};
-use mrkit_soft::cq::{Wc, WcStatus};
+use mrkit_soft::cq::{Wc, WcOpcode, WcStatus};
 use mrkit_soft::qp::connect::{connect_qp, ConnectOpts, RemoteQp};
 use mrkit_soft::qp::{QpCap, QpInitAttr, RecvWr, SendWr, Sge, WrOpcode};
 use mrkit_soft::{AccessFlags, Context, DeviceConfig, MrInfo};
@@ -209,6 +209,29 @@ fn poll_n(side: &Side, n: usize, out: &mut Vec<Wc>, deadline: Instant) -> anyhow
     Ok(())
 }
 
+/// The next receive completion: one kept in `early`, else the CQ's next one that is not a
+/// send completion (those are checked into `errors`).
+fn next_recv(
+    side: &Side,
+    early: &mut std::collections::VecDeque<Wc>,
+    errors: &mut u64,
+    deadline: Instant,
+) -> anyhow::Result<Wc> {
+    if let Some(wc) = early.pop_front() {
+        return Ok(wc);
+    }
+    let mut wcs = Vec::new();
+    loop {
+        wcs.clear();
+        poll_n(side, 1, &mut wcs, deadline)?;
+        let wc = wcs[0];
+        if wc.opcode != WcOpcode::Send {
+            return Ok(wc);
+        }
+        *errors += u64::from(wc.status != WcStatus::Success);
+    }
+}
+
 fn connect(side: &Side, peer: &Hello) -> anyhow::Result<()> {
     connect_qp(
         &side.ctx,
@@ -319,12 +342,16 @@ fn serve_one(dev: &Context, conn: TcpStream) -> anyhow::Result<()> {
     if peer.op == Op::Send {
         // Echo phase (latency), then receive phase (bandwidth); the client tells the count.
         let (echo, bulk): (u32, u32) = read_line(&mut r)?;
-        let mut wcs = Vec::new();
         let deadline = Instant::now() + Duration::from_secs(120);
+        // Send and receive completions share the CQ with no order between them: the reply's
+        // send completion may come after the next message's receive (its ACK can travel with
+        // or behind the client's next SEND, or be lost and resent). Receive completions taken
+        // while waiting for a send one are kept for the next step.
+        let mut early: std::collections::VecDeque<Wc> = Default::default();
+        let mut wcs = Vec::new();
         for i in 0..echo {
-            wcs.clear();
-            poll_n(&side, 1, &mut wcs, deadline)?;
-            errors += u64::from(wcs[0].status != WcStatus::Success);
+            let wc = next_recv(&side, &mut early, &mut errors, deadline)?;
+            errors += u64::from(wc.status != WcStatus::Success);
             side.ctx
                 .post_recv(side.qp, &[recv_wr(&side, 1000 + u64::from(i), 0, size)])?;
             side.ctx.post_send(
@@ -338,16 +365,23 @@ fn serve_one(dev: &Context, conn: TcpStream) -> anyhow::Result<()> {
                     true,
                 )],
             )?;
-            wcs.clear();
-            poll_n(&side, 1, &mut wcs, deadline)?;
-            errors += u64::from(wcs[0].status != WcStatus::Success);
+            // Wait for the reply's send completion.
+            loop {
+                wcs.clear();
+                poll_n(&side, 1, &mut wcs, deadline)?;
+                let wc = wcs[0];
+                if wc.opcode == WcOpcode::Send {
+                    errors += u64::from(wc.status != WcStatus::Success);
+                    break;
+                }
+                early.push_back(wc);
+            }
         }
         let mut expect = vec![0u8; size as usize];
         pattern(peer.seed.wrapping_add(1), &mut expect);
         for i in 0..bulk {
-            wcs.clear();
-            poll_n(&side, 1, &mut wcs, deadline)?;
-            let bad = wcs[0].status != WcStatus::Success || u64::from(wcs[0].byte_len) != size;
+            let wc = next_recv(&side, &mut early, &mut errors, deadline)?;
+            let bad = wc.status != WcStatus::Success || u64::from(wc.byte_len) != size;
             // The last message is checked byte for byte (earlier ones share the buffer).
             if bad || (i + 1 == bulk && side.buf[..size as usize] != expect[..]) {
                 errors += 1;
