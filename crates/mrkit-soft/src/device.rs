@@ -184,6 +184,7 @@ pub struct DeviceConfig {
     dontfork: bool,
     udp_addr: Option<std::net::SocketAddr>,
     gso: bool,
+    delayed_acks: bool,
     progress: crate::progress::ProgressPolicy,
     faults: Option<crate::net::fault::FaultConfig>,
     sources: BTreeMap<&'static str, Source>,
@@ -227,6 +228,10 @@ pub const ENV_VARS: &[(&str, &str)] = &[
     (
         "MRKIT_GSO",
         "1 (default): send runs of packets as one UDP GSO buffer; 0: one datagram per packet",
+    ),
+    (
+        "MRKIT_DELAYED_ACK",
+        "0 (default): every ACK leaves at once, as on hardware; 1: an ACK produced in the application's poll may wait up to 30 µs for its next send",
     ),
     (
         "MRKIT_PROGRESS",
@@ -329,6 +334,7 @@ impl DeviceConfig {
             dontfork: true,
             udp_addr: None,
             gso: true,
+            delayed_acks: false,
             progress: crate::progress::ProgressPolicy::Auto,
             faults: None,
             sources: BTreeMap::new(),
@@ -457,6 +463,11 @@ impl DeviceConfig {
                 Some(crate::net::udp::parse_addr(&v).map_err(|e| format!("MRKIT_ADDR: {e}"))?);
             c.sources.insert("udp_addr", Source::Env("MRKIT_ADDR"));
         }
+        if let Some(v) = get("MRKIT_DELAYED_ACK").filter(|v| !v.trim().is_empty()) {
+            c.delayed_acks = !matches!(v.trim(), "0" | "off" | "no" | "false");
+            c.sources
+                .insert("delayed_acks", Source::Env("MRKIT_DELAYED_ACK"));
+        }
         if let Some(v) = get("MRKIT_GSO") {
             c.gso = !matches!(v.as_str(), "0" | "off" | "no" | "false");
             c.sources.insert("gso", Source::Env("MRKIT_GSO"));
@@ -548,6 +559,27 @@ impl DeviceConfig {
     /// Whether UDP segmentation offload is used.
     pub fn uses_gso(&self) -> bool {
         self.gso
+    }
+    /// Delayed ACKs on the UDP link (default off: every ACK leaves at once, as a hardware
+    /// responder sends it). On: a plain ACK produced while the application polls may wait up
+    /// to [`ACK_DELAY_MAX`](crate::fastpath::ACK_DELAY_MAX) to leave with the application's
+    /// next packets (one send call instead of two on a SEND echo); see `docs/transport.md`
+    /// for the bound and its one exception.
+    ///
+    /// ```
+    /// use mrkit_soft::DeviceConfig;
+    /// let c = DeviceConfig::rxe().delayed_acks(true);
+    /// assert!(c.uses_delayed_acks());
+    /// assert!(!DeviceConfig::rxe().uses_delayed_acks());
+    /// ```
+    pub fn delayed_acks(mut self, on: bool) -> Self {
+        self.delayed_acks = on;
+        self.sources.insert("delayed_acks", Source::Builder);
+        self
+    }
+    /// Whether delayed ACKs are on.
+    pub fn uses_delayed_acks(&self) -> bool {
+        self.delayed_acks
     }
     /// What the progress thread does while idle (see [`crate::progress`]).
     pub fn progress(mut self, policy: crate::progress::ProgressPolicy) -> Self {

@@ -11,34 +11,185 @@
 //!   thread or another poller): that thread is already moving the same QPs, and two threads
 //!   contending for one QP's lock only slow both down.
 //!
+//! * **Delayed ACKs (UDP link only)**: a plain ACK produced by a progress pass that an
+//!   application thread runs inline (`poll_cq` → progress) is held back for at most
+//!   [`ACK_DELAY_MAX`], so that it leaves in the same send call (one GSO run, usually) as the
+//!   application's next packets: an 8-byte SEND echo then costs two send syscalls per round
+//!   trip instead of four. See [`ACK_DELAY_MAX`] for the bound and who enforces it.
+//!
 //! Both are off in manual-progress mode (tests drive the device explicitly). The engines stay
 //! sans-IO: this only decides *which thread* calls `QpObject::run`.
 #![forbid(unsafe_code)]
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
+use crate::net::Pkt;
 use crate::qp::QpObject;
 use crate::Context;
 
+/// Longest time a plain ACK may be held back (delayed ACK) before it is sent on its own.
+///
+/// **A deviation from hardware**, which sends every ACK at once. Only plain ACKs
+/// (`Acknowledge` with an ACK syndrome) to a UDP peer, produced while an application thread
+/// runs progress inline (`poll_cq` on an empty CQ), are held; NAKs, RNR NAKs, READ responses
+/// and atomic ACKs never are, nor is anything the progress thread produces. A held ACK leaves:
+///
+/// * with the next packets any thread sends (the application's `post_send`, typically: the
+///   ACK is then the short last segment of the same GSO send);
+/// * at the end of any application progress pass once it is `ACK_DELAY_MAX` old, and at any
+///   empty `poll_cq` that skips its pass because another thread is in one;
+/// * at any progress pass of the progress thread;
+/// * when the progress thread re-checks: a sleeping one (nobody drove the device) is woken
+///   by the hold and sleeps at most until the deadline; a *parked* one (the application
+///   polls) sends due ACKs at its next re-check, which is not brought forward: re-checking
+///   every few tens of microseconds while ACKs were held gave the SEND echo p99 tails of
+///   2-4.5 ms on 2 vCPUs (wake-ups migrating the spinning threads). So an application that
+///   stops calling verbs *without blocking* (computes, sleeps) right after a hold has its ACK
+///   sent within [`ACK_DELAY_IDLE_MAX`] instead;
+/// * at once when the application blocks (`wait_cq`, `get_cq_event`), on `modify_qp` and
+///   `destroy_qp`, and when the device is closed (the last `Context` dropped:
+///   `ibv_close_device`).
+///
+/// A QP whose held ACK had to leave on its own (the application did not send within the
+/// bound, as in a one-way stream whose sender waits for the ACKs) has its ACKs sent at once
+/// until the application posts a send on it again (`QpObject::delay_acks`), so a one-way
+/// stream pays the delay once, not per message.
+///
+/// Off by default (every ACK leaves at once, as on hardware); `MRKIT_DELAYED_ACK=1` or
+/// [`DeviceConfig::delayed_acks`](crate::DeviceConfig::delayed_acks) turns delayed ACKs on.
+///
+/// The bound is kept by threads of this process: on a machine whose CPUs are overcommitted
+/// an application preempted right after its pass holds an ACK may delay it until the progress
+/// thread gets a CPU (scheduling delay, not an unbounded wait).
+///
+/// The requester's retransmission timer is ≥ 4.096 µs × 2^timeout (67 ms at the usual 14), far
+/// above this bound.
+pub const ACK_DELAY_MAX: Duration = Duration::from_micros(30);
+
+/// Bound on a held ACK's delay when the application stops calling verbs without blocking,
+/// destroying its QP or closing the device (the parked progress thread's longest re-check,
+/// [`PARK_MAX`](crate::progress::PARK_MAX), after the application's window
+/// [`APP_WINDOW`](crate::progress::APP_WINDOW)), plus scheduling delays.
+pub const ACK_DELAY_IDLE_MAX: Duration = crate::progress::PARK_MAX
+    .saturating_add(crate::progress::APP_WINDOW)
+    .saturating_add(Duration::from_micros(5));
+
+/// A plain ACK to a UDP peer: the only kind of packet that may be held back.
+fn delayable(p: &Pkt) -> bool {
+    p.dst_ip.is_some()
+        && p.bth.opcode == crate::wire::Opcode::Acknowledge
+        && p.ext.aeth.is_some_and(|a| a.is_ack())
+}
+
 impl Context {
-    /// Run one QP now on this thread and deliver what it produced.
+    /// Run one QP now on this thread and deliver what it produced (with any held ACKs).
     pub(crate) fn run_qp_inline(&self, q: &Arc<QpObject>) {
         let (pkts, needs_tick) = q.run(self, Instant::now());
         self.set_ticking(q.qpn, needs_tick);
-        crate::net::deliver(self, pkts);
+        self.deliver_pkts(pkts, None);
     }
 
     /// Progress-on-poll: called by `poll_cq` when the CQ was empty. Returns whether any QP ran.
     pub(crate) fn progress_on_poll(&self, now: Instant) -> bool {
-        // Another thread (the progress thread, another poller) is making progress right now:
-        // let it, rather than contend for the same QPs.
-        if self.dev.dp.manual() || self.dev.progress_runners.load(Ordering::Acquire) > 0 {
+        if self.dev.dp.manual() {
             return false;
         }
-        self.progress_once(now) > 0
+        // Another thread (the progress thread, another poller) is making progress right now:
+        // let it, rather than contend for the same QPs. But this thread still sends its held
+        // ACKs once due: that thread may be preempted in the middle of its pass for
+        // milliseconds (seen on 2 vCPUs with two spinning applications: ACKs held 2-6 ms).
+        if self.dev.progress_runners.load(Ordering::Acquire) > 0 {
+            self.flush_acks(Some(now));
+            return false;
+        }
+        self.progress_pass(now, true) > 0
     }
+
+    /// Send the packets of one QP run. `hold = Some(now)`: the run was part of an application
+    /// thread's progress pass, and if it produced nothing but plain ACKs to UDP peers they
+    /// are held back (delayed ACK, [`ACK_DELAY_MAX`]). Anything that is sent takes the held
+    /// ACKs along.
+    pub(crate) fn deliver_pkts(&self, mut pkts: Vec<Pkt>, hold: Option<Instant>) {
+        if pkts.is_empty() {
+            return;
+        }
+        let dp = &self.dev.dp;
+        if let Some(now) = hold {
+            if pkts.iter().all(delayable) {
+                dp.hold_acks(pkts, now);
+                return;
+            }
+        }
+        if dp.acks_held() {
+            let held = dp.take_held_acks();
+            if !held.is_empty() {
+                pkts = merge_held(held, pkts);
+            }
+        }
+        crate::net::deliver(self, pkts);
+    }
+
+    /// Send the held ACKs: all of them (`aged_at = None`), or only if the oldest was held at
+    /// least [`ACK_DELAY_MAX`] before `aged_at`.
+    pub(crate) fn flush_acks(&self, aged_at: Option<Instant>) {
+        let dp = &self.dev.dp;
+        if !dp.acks_held() {
+            return;
+        }
+        if let Some(now) = aged_at {
+            if !dp.acks_due(now).is_some_and(|d| d.is_zero()) {
+                return;
+            }
+        }
+        let held = dp.take_held_acks();
+        if aged_at.is_some() {
+            // These ACKs waited for nothing: the application does not answer on these QPs
+            // (a one-way stream, whose sender waits for the ACKs). Send theirs at once from
+            // now on, until the application posts a send on the QP again.
+            for h in &held {
+                if let Some(q) = dp.qp_object(h.src_qpn) {
+                    q.delay_acks.store(false, Ordering::Relaxed);
+                }
+            }
+        }
+        if !held.is_empty() {
+            crate::net::deliver(self, held);
+        }
+    }
+
+    /// Run one progress pass as an application thread's `poll_cq` does (plain ACKs may be
+    /// held back, [`ACK_DELAY_MAX`]), at the given time. For deterministic tests with manual
+    /// progress; [`Context::progress_once`] is the progress thread's pass (it holds nothing
+    /// and sends every held ACK).
+    #[doc(hidden)]
+    pub fn progress_once_as_app(&self, now: Instant) -> usize {
+        self.progress_pass(now, true)
+    }
+
+    /// ACKs currently held back (tests).
+    #[doc(hidden)]
+    pub fn held_ack_count(&self) -> usize {
+        self.dev.dp.held_ack_count()
+    }
+}
+
+/// Put held ACKs around the packets about to be sent: after them (so that an ACK, shorter than
+/// the application's request, can be the last segment of the same GSO send), except the ACKs
+/// of a QP that is also sending responses now, which go first to keep that QP's responses in
+/// PSN order.
+fn merge_held(held: Vec<Pkt>, pkts: Vec<Pkt>) -> Vec<Pkt> {
+    let responds = |qpn: u32| {
+        pkts.iter()
+            .any(|p| p.src_qpn == qpn && p.bth.opcode.info().is_response())
+    };
+    let (before, after): (Vec<Pkt>, Vec<Pkt>) = held.into_iter().partition(|h| responds(h.src_qpn));
+    let mut out = before;
+    out.reserve(pkts.len() + after.len());
+    out.extend(pkts);
+    out.extend(after);
+    out
 }
 
 /// Counts a thread inside `progress_once` for the time it lives.

@@ -33,7 +33,7 @@ pub mod cq;
 pub mod device;
 pub mod error;
 pub mod events;
-mod fastpath;
+pub mod fastpath;
 pub mod mem;
 pub mod mr;
 pub mod mw;
@@ -108,6 +108,21 @@ pub struct DeviceInner {
     pub(crate) event_hook: events::HookSlot,
 }
 
+impl Drop for DeviceInner {
+    /// The device is closed (the last [`Context`] dropped, e.g. `ibv_close_device`): ACKs an
+    /// application pass held back (`fastpath::ACK_DELAY_MAX`) leave now, or a peer waiting
+    /// for them would time out.
+    fn drop(&mut self) {
+        if !self.dp.acks_held() {
+            return;
+        }
+        let held = self.dp.take_held_acks();
+        if let Some(port) = self.udp.get() {
+            net::udp::send_pkts_on(self, port, &held);
+        }
+    }
+}
+
 /// An opened `mrkit0` device instance (`ibv_context`). Cheap to clone; all clones share the
 /// device's tables and limits.
 #[derive(Debug, Clone)]
@@ -121,7 +136,7 @@ impl Context {
         let a = config.attr().clone();
         let ctx = Context {
             dev: Arc::new(DeviceInner {
-                dp: progress::DataPath::new(),
+                dp: progress::DataPath::new(config.uses_delayed_acks()),
                 srqs: srq::SrqTable::default(),
                 progress_runners: std::sync::atomic::AtomicUsize::new(0),
                 udp: std::sync::OnceLock::new(),

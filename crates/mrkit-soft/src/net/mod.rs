@@ -235,10 +235,11 @@ fn icrc_ok(
     };
     let found = u32::from_le_bytes(*found);
     let expected = inputs.with_ipv4_id(0, 0).compute(body);
-    // The solver's basis depends only on the datagram length: cache a few per thread.
+    // The solver's basis depends only on the datagram length: cache a few per thread (FxHash:
+    // this lookup runs for every datagram received).
     thread_local! {
-        static SOLVERS: std::cell::RefCell<std::collections::HashMap<usize, crate::wire::Ipv4IdSolver>> =
-            std::cell::RefCell::new(std::collections::HashMap::new());
+        static SOLVERS: std::cell::RefCell<rustc_hash::FxHashMap<usize, crate::wire::Ipv4IdSolver>> =
+            std::cell::RefCell::new(rustc_hash::FxHashMap::default());
     }
     let len = datagram.len();
     SOLVERS.with(|c| {

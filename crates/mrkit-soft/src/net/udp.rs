@@ -96,8 +96,8 @@ pub struct UdpPort {
     local: SocketAddr,
     rx: UdpSocket,
     rx_state: UdpSocketState,
-    /// Send sockets by UDP source port.
-    tx: Mutex<HashMap<u16, SendSock>>,
+    /// Send sockets by UDP source port (FxHash: the key is a port number we chose).
+    tx: Mutex<HashMap<u16, SendSock, rustc_hash::FxBuildHasher>>,
     faults: Option<Mutex<FaultInjector<Outgoing>>>,
 }
 
@@ -160,7 +160,7 @@ impl UdpPort {
             local,
             rx,
             rx_state,
-            tx: Mutex::new(HashMap::new()),
+            tx: Mutex::new(HashMap::default()),
             faults: faults
                 .filter(|f| !f.is_clean())
                 .map(|f| Mutex::new(FaultInjector::new(f))),
@@ -174,12 +174,9 @@ impl UdpPort {
 
     /// Maximum segments one GSO send may carry (1 without GSO support).
     pub fn max_gso_segments(&self) -> usize {
-        self.tx
-            .lock()
-            .values()
-            .next()
-            .map(|s| s.state.max_gso_segments())
-            .unwrap_or(64)
+        // Probed per socket, and every socket of the port is alike: the receive socket's
+        // answer needs no lock (this is asked on every send).
+        self.rx_state.max_gso_segments()
     }
 
     /// Send `contents` from source port `sport` to `dst`. With `segment_size`, `contents` is a
@@ -295,14 +292,15 @@ impl UdpPort {
         let slots = slots.clamp(1, RECV_BATCH);
         let mut total = 0;
         for _ in 0..calls {
-            bufs.refill();
+            bufs.refill(slots);
             let mut meta = [RecvMeta::default(); RECV_BATCH];
             let r = {
-                // Only the slots in use: each Arc::get_mut is an atomic compare-exchange.
+                // The slots are plain owned buffers: no atomic per slot per (mostly empty)
+                // poll; only a buffer that received something becomes shared (below).
                 let mut it = bufs.bufs.iter_mut().take(slots);
                 let mut slices: [IoSliceMut<'_>; RECV_BATCH] =
                     std::array::from_fn(|_| match it.next() {
-                        Some(b) => IoSliceMut::new(std::sync::Arc::get_mut(b).expect("unique")),
+                        Some(b) => IoSliceMut::new(&mut b[..]),
                         None => IoSliceMut::new(&mut []),
                     });
                 self.rx_state.recv(
@@ -313,14 +311,16 @@ impl UdpPort {
             };
             match r {
                 Ok(n) => {
-                    // Packets may now refer to the first `n` buffers.
-                    bufs.dirty = n;
-                    for (m, buf) in meta.iter().zip(bufs.bufs.iter()).take(n) {
+                    for (m, slot) in meta.iter().zip(bufs.bufs.iter_mut()).take(n) {
+                        // Packets refer to this buffer from now on: share it, and keep a
+                        // handle to recycle it once they are consumed.
+                        let buf = std::sync::Arc::new(std::mem::take(slot));
+                        bufs.lent.push(buf.clone());
                         let stride = m.stride.max(1);
                         let mut off = 0;
                         while off < m.len {
                             let len = stride.min(m.len - off);
-                            f(m.addr, buf, off, len);
+                            f(m.addr, &buf, off, len);
                             off += len;
                             total += 1;
                         }
@@ -351,39 +351,41 @@ const SPARE_BUFS: usize = 64;
 
 /// Receive buffers, shared with the packets that point into them and recycled when free.
 ///
-/// A buffer still referenced by packets (queued in a QP's inbox, or a deferred WRITE copy) is
-/// swapped for a free one from `spare` rather than replaced by a fresh allocation: a fresh
-/// 262 KiB zeroed buffer per `recvmmsg` slot costs an mmap, ~64 page faults, a memset and an
-/// munmap, and made the receive path slower the more data was queued (large windows).
+/// The receive slots are plain owned buffers (setting up a mostly empty poll touches no
+/// atomics). A slot that received datagrams is moved into an `Arc` shared with its packets
+/// and kept in `lent`; once no packet refers to it any more it becomes a free buffer again,
+/// rather than being replaced by a fresh allocation: a fresh 262 KiB zeroed buffer per
+/// `recvmmsg` slot costs an mmap, ~64 page faults, a memset and an munmap, and made the
+/// receive path slower the more data was queued (large windows).
 pub struct RecvBufs {
-    bufs: Vec<std::sync::Arc<Vec<u8>>>,
-    spare: Vec<std::sync::Arc<Vec<u8>>>,
-    /// Slots `..dirty` were filled by the last receive and may be referenced by packets; the
-    /// others have not been handed out since they were last made unique.
-    dirty: usize,
+    /// Receive slots; an empty `Vec` is a slot whose buffer was lent out.
+    bufs: Vec<Vec<u8>>,
+    /// Buffers lent to packets (queued in a QP's inbox, or a deferred WRITE copy).
+    lent: Vec<std::sync::Arc<Vec<u8>>>,
 }
 
 impl RecvBufs {
-    /// Make every receive slot a buffer no packet refers to.
-    fn refill(&mut self) {
-        use std::sync::Arc;
-        let dirty = std::mem::take(&mut self.dirty).min(self.bufs.len());
-        for i in 0..dirty {
-            if Arc::get_mut(&mut self.bufs[i]).is_some() {
+    /// Give each of the first `slots` receive slots a buffer no packet refers to.
+    fn refill(&mut self, slots: usize) {
+        for i in 0..slots.min(self.bufs.len()) {
+            if !self.bufs[i].is_empty() {
                 continue;
             }
+            // A lent buffer whose packets are all consumed, else a fresh one. (Only this
+            // struct holds handles besides packets, and packets never make weak ones.)
             let free = self
-                .spare
-                .iter_mut()
-                .position(|b| Arc::get_mut(b).is_some());
-            let fresh = match free {
-                Some(j) => self.spare.swap_remove(j),
-                None => Arc::new(vec![0u8; RECV_BUF]),
-            };
-            let busy = std::mem::replace(&mut self.bufs[i], fresh);
-            if self.spare.len() < SPARE_BUFS {
-                self.spare.push(busy);
-            }
+                .lent
+                .iter()
+                .position(|b| std::sync::Arc::strong_count(b) == 1);
+            self.bufs[i] = free
+                .and_then(|j| std::sync::Arc::try_unwrap(self.lent.swap_remove(j)).ok())
+                .unwrap_or_else(|| vec![0u8; RECV_BUF]);
+        }
+        if self.lent.len() > SPARE_BUFS {
+            // Forget the handles of buffers still in use beyond the bound (they are freed
+            // with their last packet).
+            self.lent.retain(|b| std::sync::Arc::strong_count(b) == 1);
+            self.lent.truncate(SPARE_BUFS);
         }
     }
 }
@@ -399,11 +401,8 @@ impl std::fmt::Debug for RecvBufs {
 impl Default for RecvBufs {
     fn default() -> Self {
         RecvBufs {
-            bufs: (0..RECV_BATCH)
-                .map(|_| std::sync::Arc::new(vec![0u8; RECV_BUF]))
-                .collect(),
-            spare: Vec::new(),
-            dirty: 0,
+            bufs: (0..RECV_BATCH).map(|_| vec![0u8; RECV_BUF]).collect(),
+            lent: Vec::new(),
         }
     }
 }
@@ -427,8 +426,13 @@ pub(crate) fn send_pkts(ctx: &crate::Context, pkts: Vec<super::Pkt>) {
             return;
         }
     };
+    send_pkts_on(&ctx.dev, &port, &pkts);
+}
+
+/// [`send_pkts`] on a bound port, with the device only (also used while it is dropped).
+pub(crate) fn send_pkts_on(dev: &crate::DeviceInner, port: &UdpPort, pkts: &[super::Pkt]) {
     let local = port.local_addr();
-    let max_seg = if ctx.dev.config.uses_gso() {
+    let max_seg = if dev.config.uses_gso() {
         port.max_gso_segments().clamp(1, 64)
     } else {
         1
@@ -436,11 +440,11 @@ pub(crate) fn send_pkts(ctx: &crate::Context, pkts: Vec<super::Pkt>) {
     thread_local! {
         static SEND_BUF: std::cell::RefCell<Vec<u8>> = std::cell::RefCell::new(Vec::with_capacity(MAX_GSO_BYTES));
     }
-    SEND_BUF.with(|b| send_runs(ctx, &port, local, max_seg, &pkts, &mut b.borrow_mut()));
+    SEND_BUF.with(|b| send_runs(dev, port, local, max_seg, pkts, &mut b.borrow_mut()));
 }
 
 fn send_runs(
-    ctx: &crate::Context,
+    dev: &crate::DeviceInner,
     port: &UdpPort,
     local: SocketAddr,
     max_seg: usize,
@@ -513,14 +517,12 @@ fn send_runs(
         }
         let seg = (n > 1).then_some(seg_len);
         if let Err(e) = port.send(sport, dst, buf, seg) {
-            ctx.dev
-                .net_stats
+            dev.net_stats
                 .send_errors
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             tracing::debug!(error = %e, %dst, "UDP send failed");
         } else {
-            ctx.dev
-                .net_stats
+            dev.net_stats
                 .tx_datagrams
                 .fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
         }

@@ -440,6 +440,12 @@ pub(crate) struct QpObject {
     pub srq: Option<Arc<crate::srq::SrqObject>>,
     pub inbox: Mutex<Vec<Pkt>>,
     pub scheduled: AtomicBool,
+    /// Whether application passes may hold this QP's plain ACKs back (delayed ACK,
+    /// `fastpath::ACK_DELAY_MAX`). Cleared when a held ACK had to leave on its own (the
+    /// application did not send within the bound: a one-way stream, whose sender would wait
+    /// for every ACK); set again by `post_send` (the request/response pattern that pays).
+    /// A hint only: no other data is ordered by it.
+    pub delay_acks: AtomicBool,
     pub inner: Mutex<QpInner>,
 }
 
@@ -724,6 +730,7 @@ impl Context {
             srq,
             inbox: Mutex::new(Vec::new()),
             scheduled: AtomicBool::new(false),
+            delay_acks: AtomicBool::new(true),
             inner: Mutex::new(QpInner {
                 attr,
                 state: QpState::Reset,
@@ -745,6 +752,8 @@ impl Context {
     /// `ibv_destroy_qp`: outstanding WRs are discarded without completions; after this
     /// returns the device never processes the QP again.
     pub fn destroy_qp(&self, qpn: u32) -> Result<()> {
+        // Held (delayed) ACKs leave now: the application may exit right after this.
+        self.flush_acks(None);
         let q = self
             .dev
             .dp
@@ -789,6 +798,8 @@ impl Context {
     /// and receive CQs (other QPs' completions stay; see `cq.rs`).
     pub fn modify_qp(&self, qpn: u32, attr: &QpAttr, mask: u32) -> Result<()> {
         use attr_mask as m;
+        // Held (delayed) ACKs leave before the QP changes state (fastpath::ACK_DELAY_MAX).
+        self.flush_acks(None);
         let q = self.qp(qpn)?;
         let mut g = q.inner.lock();
         let cur = g.state;
@@ -1005,6 +1016,7 @@ impl Context {
             Ok(())
         })();
         drop(g);
+        q.delay_acks.store(true, Ordering::Relaxed);
         if inline {
             self.run_qp_inline(&q);
         } else {
