@@ -44,9 +44,12 @@ impl FaultConfig {
     /// (probabilities or percentages like `10%`), `delay`, `jitter` (`200us`, `1ms`, `0.5s`),
     /// `seed`.
     ///
-    /// ```ignore
+    /// ```
+    /// use mrkit_soft::net::fault::FaultConfig;
     /// let c = FaultConfig::parse("loss=10%,reorder=0.05,delay=1ms,seed=3").unwrap();
     /// assert_eq!(c.loss, 0.1);
+    /// assert_eq!(c.reorder, 0.05);
+    /// assert!(FaultConfig::parse("loss=abc").is_err());
     /// ```
     pub fn parse(s: &str) -> Result<FaultConfig, String> {
         let mut c = FaultConfig::default();
