@@ -8,9 +8,7 @@ use common::*;
 use mrkit_soft::cq::{WcOpcode, WcStatus};
 use mrkit_soft::mw::{BindInfo, MwType};
 use mrkit_soft::progress::AsyncEvent;
-use mrkit_soft::qp::{
-    attr_mask as m, send_flags as f, AddressVector, BindWr, QpAttr, QpState, SendWr, WrOpcode,
-};
+use mrkit_soft::qp::{attr_mask as m, send_flags as f, BindWr, QpAttr, QpState, SendWr, WrOpcode};
 use mrkit_soft::{AccessFlags as A, Context, Errno, MrInfo};
 
 fn write(wr_id: u64, l: &mrkit_soft::MrInfo, r: &mrkit_soft::MrInfo, len: u32) -> SendWr {
@@ -226,53 +224,27 @@ fn sqd_drain_raises_sq_drained() {
     assert_eq!(a.ctx.qp_state(a.qp).unwrap(), QpState::Rts);
 }
 
-/// Connect with explicit rnr_retry (and min_rnr_timer 0.01 ms on the responder).
+/// Connect with explicit rnr_retry (and min_rnr_timer 0.01 ms on the responder, the
+/// default), path MTU 1024.
 fn connect_rnr(a: &Host, b: &Host, rnr_retry: u8) {
-    for (c, q, peer, pq) in [
+    use mrkit_soft::qp::connect::{connect_qp, ConnectOpts, RemoteQp};
+    for (c, q, node, qpn) in [
         (&a.ctx, a.qp, b.ctx.node_id(), b.qp),
         (&b.ctx, b.qp, a.ctx.node_id(), a.qp),
     ] {
-        let mut at = QpAttr {
-            qp_state: QpState::Init as u32,
-            qp_access_flags: all(),
-            ..QpAttr::default()
+        let remote = RemoteQp {
+            qpn,
+            psn: 0,
+            ip: None,
+            node,
         };
-        c.modify_qp(q, &at, m::STATE | m::PKEY_INDEX | m::PORT | m::ACCESS_FLAGS)
-            .unwrap();
-        at.qp_state = QpState::Rtr as u32;
-        at.ah_attr = AddressVector {
-            dest_node: peer,
-            port_num: 1,
-            ..AddressVector::default()
-        };
-        at.path_mtu = 3;
-        at.dest_qp_num = pq;
-        at.min_rnr_timer = 1;
-        c.modify_qp(
-            q,
-            &at,
-            m::STATE
-                | m::AV
-                | m::PATH_MTU
-                | m::DEST_QPN
-                | m::RQ_PSN
-                | m::MAX_DEST_RD_ATOMIC
-                | m::MIN_RNR_TIMER,
-        )
-        .unwrap();
-    }
-    for (c, q) in [(&a.ctx, a.qp), (&b.ctx, b.qp)] {
-        let at = QpAttr {
-            qp_state: QpState::Rts as u32,
+        let opts = ConnectOpts {
+            access: all(),
+            path_mtu: 3,
             rnr_retry,
-            ..QpAttr::default()
+            ..ConnectOpts::default()
         };
-        c.modify_qp(
-            q,
-            &at,
-            m::STATE | m::TIMEOUT | m::RETRY_CNT | m::RNR_RETRY | m::SQ_PSN | m::MAX_QP_RD_ATOMIC,
-        )
-        .unwrap();
+        connect_qp(c, q, remote, opts).unwrap();
     }
 }
 

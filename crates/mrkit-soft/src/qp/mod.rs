@@ -1149,45 +1149,20 @@ pub fn rc_connect(
     access: AccessFlags,
     mtu: u8,
 ) -> Result<()> {
-    use attr_mask as m;
-    for (c, q, peer_node, peer_qp) in [(a, qpa, b.node_id(), qpb), (b, qpb, a.node_id(), qpa)] {
-        let mut at = QpAttr {
-            qp_state: QpState::Init as u32,
-            qp_access_flags: access,
-            port_num: 1,
-            ..QpAttr::default()
+    use connect::{connect_qp, ConnectOpts, RemoteQp};
+    let opts = ConnectOpts {
+        access,
+        path_mtu: mtu,
+        ..ConnectOpts::default()
+    };
+    for (c, q, node, qpn) in [(a, qpa, b.node_id(), qpb), (b, qpb, a.node_id(), qpa)] {
+        let remote = RemoteQp {
+            qpn,
+            psn: 0,
+            ip: None,
+            node,
         };
-        c.modify_qp(q, &at, m::STATE | m::PKEY_INDEX | m::PORT | m::ACCESS_FLAGS)?;
-        at.qp_state = QpState::Rtr as u32;
-        at.ah_attr = AddressVector {
-            dest_node: peer_node,
-            port_num: 1,
-            ..AddressVector::default()
-        };
-        at.path_mtu = mtu;
-        at.dest_qp_num = peer_qp;
-        c.modify_qp(
-            q,
-            &at,
-            m::STATE
-                | m::AV
-                | m::PATH_MTU
-                | m::DEST_QPN
-                | m::RQ_PSN
-                | m::MAX_DEST_RD_ATOMIC
-                | m::MIN_RNR_TIMER,
-        )?;
-    }
-    for (c, q) in [(a, qpa), (b, qpb)] {
-        let at = QpAttr {
-            qp_state: QpState::Rts as u32,
-            ..QpAttr::default()
-        };
-        c.modify_qp(
-            q,
-            &at,
-            m::STATE | m::TIMEOUT | m::RETRY_CNT | m::RNR_RETRY | m::SQ_PSN | m::MAX_QP_RD_ATOMIC,
-        )?;
+        connect_qp(c, q, remote, opts)?;
     }
     Ok(())
 }
