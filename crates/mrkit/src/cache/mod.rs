@@ -1185,17 +1185,9 @@ impl RegCache {
             if fits(ix) {
                 break;
             }
-            let ok = ix
-                .containing(s, s)
-                .find(|(_, _, i, _)| *i == id)
-                .map(|(_, _, _, x)| x.idle_in_index())
-                .unwrap_or(false);
-            if ok {
-                if let Some(x) = ix.remove(s, id) {
-                    x.kill();
-                    inc(&self.inner.shared.c.evictions);
-                    victims.push(x);
-                }
+            if let Some(x) = take_if_idle(ix, s, id) {
+                inc(&self.inner.shared.c.evictions);
+                victims.push(x);
             }
         }
         fits(ix)
@@ -1218,17 +1210,7 @@ impl RegCache {
                 .take(max)
                 .collect();
             for (s, id) in cand {
-                let ok = ix
-                    .containing(s, s)
-                    .find(|(_, _, i, _)| *i == id)
-                    .map(|(_, _, _, x)| x.idle_in_index())
-                    .unwrap_or(false);
-                if ok {
-                    if let Some(x) = ix.remove(s, id) {
-                        x.kill();
-                        victims.push(x);
-                    }
-                }
+                victims.extend(take_if_idle(&mut ix, s, id));
             }
             if !victims.is_empty() {
                 self.inner.gen.fetch_add(2, Ordering::AcqRel);
@@ -1554,4 +1536,20 @@ mod export {
         drop(live);
         json!({ "caches": caches })
     }
+}
+
+/// Remove entry `id` (starting at `s`) from the index and kill it, if it is still there and
+/// still idle (only the index holds it): the eviction step shared by the capacity evictor and
+/// the idle scanner.
+fn take_if_idle(ix: &mut IntervalIndex<Arc<Entry>>, s: u64, id: u64) -> Option<Arc<Entry>> {
+    let idle = ix
+        .containing(s, s)
+        .find(|(_, _, i, _)| *i == id)
+        .is_some_and(|(_, _, _, x)| x.idle_in_index());
+    if !idle {
+        return None;
+    }
+    let x = ix.remove(s, id)?;
+    x.kill();
+    Some(x)
 }
