@@ -191,3 +191,45 @@ fn pkt_to_wire_round_trips_through_the_parser() {
         assert!(Packet::parse_verified(&bad, &inputs).is_err());
     }
 }
+
+#[test]
+fn responder_coalesces_the_acks_of_one_batch_into_one() {
+    let all = A::LOCAL_WRITE | A::REMOTE_WRITE | A::REMOTE_READ;
+    let (a, apd, acq, aqp) = host();
+    let (b, bpd, _bcq, bqp) = host();
+    rc_connect(&a, aqp, &b, bqp, all, 3).unwrap();
+    let mut src = [7u8; 64];
+    let mut dst = [0u8; 64];
+    let sm = a.reg_mr_va(apd, src.as_mut_ptr() as u64, 64, all).unwrap();
+    let dm = b.reg_mr_va(bpd, dst.as_mut_ptr() as u64, 64, all).unwrap();
+    // Four one-packet WRITEs, each with AckReq (last packet of its message) ...
+    let wrs: Vec<SendWr> = (0..4u64)
+        .map(|i| {
+            SendWr::new(i, WrOpcode::RdmaWrite)
+                .sge(sm.iova + i * 16, 16, sm.lkey)
+                .remote(dm.iova + i * 16, dm.rkey)
+        })
+        .collect();
+    a.post_send(aqp, &wrs).unwrap();
+    let now = Instant::now();
+    a.progress_once(now); // a sends all four into b's inbox
+    b.progress_once(now); // b takes them in one run
+    // ... are acknowledged by one ACK for the last PSN: ACKs are cumulative.
+    let inbox: Vec<(Opcode, u32, bool)> = a.dev.dp.qps.read()[&aqp]
+        .inbox
+        .lock()
+        .iter()
+        .map(|p| (p.bth.opcode, p.bth.psn, p.ext.aeth.is_some_and(|x| x.is_ack())))
+        .collect();
+    assert_eq!(inbox, vec![(Opcode::Acknowledge, 3, true)]);
+    drive_until_idle(&[&a, &b]);
+    let mut wcs: Vec<Wc> = Vec::new();
+    a.poll_cq(acq, &mut wcs, 16).unwrap();
+    let ids: Vec<(u64, WcStatus)> = wcs.iter().map(|w| (w.wr_id, w.status)).collect();
+    assert_eq!(
+        ids,
+        (0..4).map(|i| (i, WcStatus::Success)).collect::<Vec<_>>(),
+        "one ACK completes all four, in order"
+    );
+    assert_eq!(dst, [7u8; 64]);
+}

@@ -132,9 +132,24 @@ impl Responder {
         }
     }
 
+    /// Queue an ACK or NAK. **ACK coalescing**: a plain ACK replaces a plain ACK for an
+    /// earlier (or the same) PSN that is still the last packet of this run's output, because
+    /// ACKs are cumulative (IBA 9.7.5.1.2: an ACK for PSN n acknowledges every request up to
+    /// n; its MSN and credits are the newer ones). A run that takes several messages from one
+    /// receive batch (a GRO batch of a bandwidth stream) then sends one ACK, not one per
+    /// message. NAKs and responses with data are never merged.
     fn ack(&self, q: &QpCtx<'_>, psn: u32, aeth: Aeth, out: &mut Out) {
         let mut p = self.reply(q, Opcode::Acknowledge, psn);
         p.ext.aeth = Some(aeth);
+        let plain =
+            |x: &Pkt| x.bth.opcode == Opcode::Acknowledge && x.ext.aeth.is_some_and(|a| a.is_ack());
+        if let Some(last) = out.pkts.last_mut() {
+            if plain(&p) && plain(last) && psn_cmp(last.bth.psn, psn) != std::cmp::Ordering::Greater
+            {
+                *last = p;
+                return;
+            }
+        }
         out.pkts.push(p);
     }
 
