@@ -35,7 +35,7 @@ cargo clippy --workspace --all-targets -- -D warnings
 echo "==> cargo test"
 cargo test --workspace --all-targets -- --test-threads=2
 cargo test --workspace --doc
-RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test -p mrkit --release --test loom_pool --test loom_cache
+RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test -p mrkit --profile loom --test loom_pool --test loom_cache
 echo "==> fuzzing (bounded): packet parser, responder and completer"
 command -v cargo-fuzz >/dev/null 2>&1 || cargo install -q cargo-fuzz --locked
 # `-s none` builds without sanitizers, which works on the stable toolchain.
