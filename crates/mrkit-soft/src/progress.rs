@@ -459,6 +459,9 @@ impl ProgressPolicy {
     }
 }
 
+/// Most QPs one progress pass runs (the others wait for the next pass).
+const PASS_QPS: usize = 16;
+
 /// An application that polled an empty CQ this recently is driving progress itself.
 pub const APP_WINDOW: Duration = Duration::from_micros(50);
 /// Longest park while the application keeps polling (the re-check period backs off to it).
@@ -594,15 +597,23 @@ impl Context {
             }
             let _ = port.tick(now);
         }
-        let batch: VecDeque<Arc<QpObject>> = {
+        // Up to PASS_QPS scheduled QPs per pass, moved out under one lock into a local
+        // table (taking the whole queue would hand its buffer away and make the next
+        // scheduling allocate a new one); the rest run in the next pass.
+        let mut batch: [Option<Arc<QpObject>>; PASS_QPS] = Default::default();
+        let mut work = 0;
+        {
             let mut g = dp.sched.runq.lock();
-            if g.is_empty() {
-                VecDeque::new()
-            } else {
-                std::mem::take(&mut *g)
+            while work < PASS_QPS {
+                match g.pop_front() {
+                    Some(q) => {
+                        batch[work] = Some(q);
+                        work += 1;
+                    }
+                    None => break,
+                }
             }
-        };
-        let mut work = batch.len();
+        }
         let tick: Vec<u32> = if !dp.any_ticking.load(Ordering::Acquire) {
             Vec::new()
         } else {
@@ -615,7 +626,7 @@ impl Context {
                 Vec::new()
             }
         };
-        for q in batch {
+        for q in batch.into_iter().flatten() {
             q.scheduled.store(false, Ordering::Release);
             let (pkts, needs_tick) = q.run(self, now);
             self.set_ticking(q.qpn, needs_tick);

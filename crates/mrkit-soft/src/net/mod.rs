@@ -260,6 +260,9 @@ pub(crate) fn deliver(ctx: &crate::Context, pkts: Vec<Pkt>) {
     if pkts.iter().all(|p| p.dst_ip.is_none()) {
         return loopback::deliver(pkts);
     }
+    if pkts.iter().all(|p| p.dst_ip.is_some()) {
+        return udp::send_pkts(ctx, pkts);
+    }
     let mut local = Vec::new();
     let mut wire = Vec::new();
     for p in pkts {

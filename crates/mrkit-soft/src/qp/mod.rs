@@ -426,6 +426,8 @@ pub(crate) struct QpInner {
     pub sqd_notified: bool,
     /// LAST_WQE_REACHED raised for this stay in ERR (SRQ QPs).
     pub last_wqe_notified: bool,
+    /// Reused buffer for a run's send completions (no allocation per completion).
+    pub send_wcs: Vec<Wc>,
 }
 
 /// A QP as the device keeps it.
@@ -467,7 +469,7 @@ impl QpObject {
     /// One run: process the inbox, timers and the send queue; push completions; hand back the
     /// packets to send. Returns (packets, whether timers still need ticks).
     pub(crate) fn run(&self, ctx: &Context, now: Instant) -> (Vec<Pkt>, bool) {
-        let inbox = std::mem::take(&mut *self.inbox.lock());
+        let mut inbox = std::mem::take(&mut *self.inbox.lock());
         let mut g = self.inner.lock();
         let st = &mut *g;
         if st.destroyed {
@@ -490,7 +492,7 @@ impl QpObject {
             state: st.state,
         };
         let mut out = Out::default();
-        for p in inbox {
+        for p in inbox.drain(..) {
             if st.state == QpState::Err || out.error {
                 break; // a QP in ERR drops every incoming packet
             }
@@ -520,7 +522,7 @@ impl QpObject {
             st.req.step(&q, &mut st.sq, &mut st.comp, now, &mut out);
         }
         // Completions, in order.
-        let mut send_wcs: Vec<Wc> = Vec::new();
+        let mut send_wcs = std::mem::take(&mut st.send_wcs);
         st.comp.drain_done(
             self.qpn,
             self.sq_sig_all,
@@ -565,11 +567,12 @@ impl QpObject {
             }
         }
         let mut overflow = None;
-        for wc in send_wcs {
+        for wc in send_wcs.drain(..) {
             if self.send_cq.push(wc, false).is_err() {
                 overflow = Some(self.send_cq.cqn);
             }
         }
+        st.send_wcs = send_wcs;
         for (wc, sol) in std::mem::take(&mut out.recv_wcs) {
             if self.recv_cq.push(wc, sol).is_err() {
                 overflow = Some(self.recv_cq.cqn);
@@ -605,6 +608,13 @@ impl QpObject {
             || st.comp.rnr_pending()
             || (st.state == QpState::Rts && st.sq.cursor < st.sq.q.len());
         drop(g);
+        // Hand the (now empty) inbox buffer back, so the next packets need no allocation.
+        {
+            let mut ib = self.inbox.lock();
+            if ib.is_empty() {
+                std::mem::swap(&mut *ib, &mut inbox);
+            }
+        }
         for e in out.events {
             ctx.raise_async_event(e);
         }
@@ -742,6 +752,7 @@ impl Context {
                 destroyed: false,
                 sqd_notified: false,
                 last_wqe_notified: false,
+                send_wcs: Vec::new(),
             }),
         });
         dp.qps.write().insert(qpn, obj);

@@ -520,6 +520,25 @@ fn zero_copy_build_matches_build() {
     assert_eq!(out[39], 0, "pad zeroed");
 }
 
+/// The UDP sender serialises into a reused buffer without clearing it: headers, payload, pad
+/// and ICRC must overwrite every byte of the frame, for every opcode and pad length.
+#[test]
+fn zero_copy_build_into_a_dirty_buffer_matches_build_for_every_opcode() {
+    for op in Opcode::ALL {
+        for len in [0usize, 1, 2, 3, 5, 256] {
+            let b = sample(op, len);
+            let payload = payload_for(op, len);
+            let want = b.to_vec(&payload, &lo4()).unwrap();
+            let mut out = vec![0xFFu8; wire_len(op, payload.len())];
+            let layout = emit_headers(&mut out, &b.bth, &b.ext, payload.len()).unwrap();
+            out[layout.payload_range()].copy_from_slice(&payload);
+            let n = finish(&mut out, &layout, &lo4()).unwrap();
+            assert_eq!(n, out.len(), "{op:?} {len}");
+            assert_eq!(out, want, "{op:?} {len}: a stale byte survived");
+        }
+    }
+}
+
 #[test]
 fn payload_len_rules() {
     let m = Mtu::Mtu1024;

@@ -1,0 +1,449 @@
+//! The one module of the UDP link allowed `unsafe`: socket options, batched sends with
+//! segmentation offload (`sendmmsg` + `UDP_SEGMENT`) and batched receives with receive offload
+//! (`recvmmsg` + `UDP_GRO`), as raw Linux system calls.
+//!
+//! Why not a crate: `quinn-udp` (used before) sends one buffer per call, and its receive path
+//! enables `SO_TIMESTAMPNS`, `IP_PKTINFO` and `IP_RECVTOS` (three control messages the kernel
+//! builds for every datagram, none of which the device uses), zeroes its headers on every
+//! call and goes through glibc's cancellation-point wrappers. On this link every microsecond
+//! of a round trip counts (perf.md §2: the spinning UDP round trip is ~5 µs), so the device
+//! talks to the kernel directly; rustix has no `UDP_SEGMENT` / `UDP_GRO` control messages.
+//!
+//! Every `unsafe` block below passes pointers to buffers that live across the call (stack
+//! arrays or slices borrowed for the call) with lengths taken from those same buffers, and
+//! reads back only what the kernel reports it wrote (`msg_len`, `msg_namelen`,
+//! `msg_controllen`).
+//!
+//! The send sockets are deliberately **unconnected** with `IP_PMTUDISC_PROBE`: the kernel
+//! then writes IPv4 identification 0 with DF (GSO segment `k` gets identification `k`), which
+//! the ICRC covers and the device computes in advance (roce.md §2.3). A connected socket
+//! would number datagrams from a per-socket counter the device cannot know.
+
+use std::io;
+use std::mem::{size_of, zeroed, MaybeUninit};
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6, UdpSocket};
+use std::os::fd::AsRawFd;
+
+/// Most datagrams (or GSO buffers) one `sendmmsg` / `recvmmsg` call carries.
+pub const MAX_BATCH: usize = 16;
+
+/// Largest number of segments one GSO send may carry (the kernel's `UDP_MAX_SEGMENTS` is 64
+/// on older kernels, 128 since 5.x: the smaller bound works everywhere).
+pub const MAX_GSO_SEGMENTS: usize = 64;
+
+/// Control-message space for one `UDP_SEGMENT` (u16) or `UDP_GRO` (int) message:
+/// `CMSG_SPACE(4)` = 24 bytes on 64-bit Linux; 32 leaves room.
+const CMSG_BUF: usize = 32;
+
+/// A control-message buffer aligned like `cmsghdr`.
+#[repr(C, align(8))]
+#[derive(Clone, Copy)]
+struct CmsgBuf([u8; CMSG_BUF]);
+
+fn setsockopt_int(sock: &UdpSocket, level: i32, name: i32, value: i32) -> io::Result<()> {
+    // SAFETY: `value` is a live int and its size is passed; the fd is owned by `sock`.
+    let r = unsafe {
+        libc::setsockopt(
+            sock.as_raw_fd(),
+            level,
+            name,
+            (&value as *const i32).cast(),
+            size_of::<i32>() as libc::socklen_t,
+        )
+    };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// Configure a RoCEv2 socket: no fragmentation and DF set (`IP_PMTUDISC_PROBE`, plus
+/// `IPV6_DONTFRAG` on IPv6), non-blocking, and with `gro` receive offload (`UDP_GRO`) when
+/// the kernel has it. Returns whether GRO is on.
+pub fn configure(sock: &UdpSocket, gro: bool) -> io::Result<bool> {
+    sock.set_nonblocking(true)?;
+    let v6 = sock.local_addr()?.is_ipv6();
+    if v6 {
+        setsockopt_int(
+            sock,
+            libc::IPPROTO_IPV6,
+            libc::IPV6_MTU_DISCOVER,
+            libc::IPV6_PMTUDISC_PROBE,
+        )?;
+        setsockopt_int(sock, libc::IPPROTO_IPV6, libc::IPV6_DONTFRAG, 1)?;
+        // IPv4-mapped peers on a dual-stack socket.
+        let _ = setsockopt_int(
+            sock,
+            libc::IPPROTO_IP,
+            libc::IP_MTU_DISCOVER,
+            libc::IP_PMTUDISC_PROBE,
+        );
+    } else {
+        setsockopt_int(
+            sock,
+            libc::IPPROTO_IP,
+            libc::IP_MTU_DISCOVER,
+            libc::IP_PMTUDISC_PROBE,
+        )?;
+    }
+    Ok(gro && setsockopt_int(sock, libc::SOL_UDP, libc::UDP_GRO, 1).is_ok())
+}
+
+/// Whether the kernel segments GSO sends (`UDP_SEGMENT`, Linux ≥ 4.18): setting the socket's
+/// default segment size to 0 (= off) is accepted only where it exists.
+pub fn gso_supported(sock: &UdpSocket) -> bool {
+    setsockopt_int(sock, libc::SOL_UDP, libc::UDP_SEGMENT, 0).is_ok()
+}
+
+/// Ask for a receive buffer of `bytes` (`SO_RCVBUFFORCE` when privileged, else `SO_RCVBUF`,
+/// which the kernel caps at `net.core.rmem_max`).
+pub fn set_recv_buffer(sock: &UdpSocket, bytes: usize) {
+    let v = i32::try_from(bytes).unwrap_or(i32::MAX);
+    if setsockopt_int(sock, libc::SOL_SOCKET, libc::SO_RCVBUFFORCE, v).is_err() {
+        let _ = setsockopt_int(sock, libc::SOL_SOCKET, libc::SO_RCVBUF, v);
+    }
+}
+
+/// One outgoing UDP payload: a datagram, or with `segment` a GSO buffer the kernel cuts into
+/// datagrams of `segment` bytes (the last may be shorter).
+#[derive(Debug, Clone, Copy)]
+pub struct OutMsg<'a> {
+    /// Destination.
+    pub dst: SocketAddr,
+    /// The bytes (at most 65,507 in all).
+    pub bytes: &'a [u8],
+    /// GSO segment size, or `None` for a single datagram.
+    pub segment: Option<u16>,
+}
+
+/// A `sockaddr_in` / `sockaddr_in6` for `addr`, and its length.
+fn sockaddr_of(addr: &SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
+    // SAFETY: sockaddr_storage is plain old data; all-zero is a valid (AF_UNSPEC) value.
+    let mut st: libc::sockaddr_storage = unsafe { zeroed() };
+    let len = match addr {
+        SocketAddr::V4(a) => {
+            let sin = libc::sockaddr_in {
+                sin_family: libc::AF_INET as libc::sa_family_t,
+                sin_port: a.port().to_be(),
+                sin_addr: libc::in_addr {
+                    s_addr: u32::from_ne_bytes(a.ip().octets()),
+                },
+                sin_zero: [0; 8],
+            };
+            // SAFETY: sockaddr_storage is larger than and aligned for sockaddr_in.
+            unsafe { std::ptr::write((&mut st as *mut libc::sockaddr_storage).cast(), sin) };
+            size_of::<libc::sockaddr_in>()
+        }
+        SocketAddr::V6(a) => {
+            let sin6 = libc::sockaddr_in6 {
+                sin6_family: libc::AF_INET6 as libc::sa_family_t,
+                sin6_port: a.port().to_be(),
+                sin6_flowinfo: a.flowinfo().to_be(),
+                sin6_addr: libc::in6_addr {
+                    s6_addr: a.ip().octets(),
+                },
+                sin6_scope_id: a.scope_id(),
+            };
+            // SAFETY: as above, for sockaddr_in6.
+            unsafe { std::ptr::write((&mut st as *mut libc::sockaddr_storage).cast(), sin6) };
+            size_of::<libc::sockaddr_in6>()
+        }
+    };
+    (st, len as libc::socklen_t)
+}
+
+/// The address the kernel wrote into `st` (`None` for a family other than IPv4/IPv6).
+fn socket_addr_of(st: &libc::sockaddr_storage, len: libc::socklen_t) -> Option<SocketAddr> {
+    let len = len as usize;
+    match i32::from(st.ss_family) {
+        libc::AF_INET if len >= size_of::<libc::sockaddr_in>() => {
+            // SAFETY: the family says the storage holds a sockaddr_in, and it is long enough.
+            let sin: &libc::sockaddr_in = unsafe { &*(st as *const libc::sockaddr_storage).cast() };
+            Some(SocketAddr::V4(SocketAddrV4::new(
+                Ipv4Addr::from(sin.sin_addr.s_addr.to_ne_bytes()),
+                u16::from_be(sin.sin_port),
+            )))
+        }
+        libc::AF_INET6 if len >= size_of::<libc::sockaddr_in6>() => {
+            // SAFETY: as above, for sockaddr_in6.
+            let sin6: &libc::sockaddr_in6 =
+                unsafe { &*(st as *const libc::sockaddr_storage).cast() };
+            Some(SocketAddr::V6(SocketAddrV6::new(
+                Ipv6Addr::from(sin6.sin6_addr.s6_addr),
+                u16::from_be(sin6.sin6_port),
+                u32::from_be(sin6.sin6_flowinfo),
+                sin6.sin6_scope_id,
+            )))
+        }
+        _ => None,
+    }
+}
+
+/// Send up to [`MAX_BATCH`] messages with one `sendmmsg`. Returns how many the kernel took
+/// (a prefix of `msgs`; fewer than all when the send buffer filled or message `n` failed, in
+/// which case the next call reports that message's error). `WouldBlock` when not even the
+/// first fits.
+pub fn send_batch(sock: &UdpSocket, msgs: &[OutMsg<'_>]) -> io::Result<usize> {
+    let n = msgs.len().min(MAX_BATCH);
+    if n == 0 {
+        return Ok(0);
+    }
+    let mut names = [MaybeUninit::<libc::sockaddr_storage>::uninit(); MAX_BATCH];
+    let mut iovs = [MaybeUninit::<libc::iovec>::uninit(); MAX_BATCH];
+    let mut ctrl = [CmsgBuf([0; CMSG_BUF]); MAX_BATCH];
+    // SAFETY: mmsghdr is plain old data; all-zero means "no name, no iovec, no control".
+    let mut hdrs: [libc::mmsghdr; MAX_BATCH] = unsafe { zeroed() };
+    for i in 0..n {
+        let m = &msgs[i];
+        let (st, len) = sockaddr_of(&m.dst);
+        names[i].write(st);
+        iovs[i].write(libc::iovec {
+            iov_base: m.bytes.as_ptr() as *mut libc::c_void,
+            iov_len: m.bytes.len(),
+        });
+        let h = &mut hdrs[i].msg_hdr;
+        h.msg_name = names[i].as_mut_ptr().cast();
+        h.msg_namelen = len;
+        h.msg_iov = iovs[i].as_mut_ptr();
+        h.msg_iovlen = 1;
+        if let Some(seg) = m.segment {
+            let buf = &mut ctrl[i];
+            h.msg_control = buf.0.as_mut_ptr().cast();
+            // SAFETY: CMSG_SPACE/CMSG_LEN are pure size computations.
+            let space = unsafe { libc::CMSG_SPACE(size_of::<u16>() as u32) } as usize;
+            debug_assert!(space <= CMSG_BUF);
+            h.msg_controllen = space as _;
+            // SAFETY: msg_control points at `space` bytes of `ctrl[i]`, aligned for cmsghdr,
+            // so CMSG_FIRSTHDR is non-null and the header plus a u16 payload fit.
+            unsafe {
+                let c = libc::CMSG_FIRSTHDR(h);
+                (*c).cmsg_level = libc::SOL_UDP;
+                (*c).cmsg_type = libc::UDP_SEGMENT;
+                (*c).cmsg_len = libc::CMSG_LEN(size_of::<u16>() as u32) as _;
+                std::ptr::write_unaligned(libc::CMSG_DATA(c).cast::<u16>(), seg);
+            }
+        }
+    }
+    loop {
+        // SAFETY: `hdrs[..n]` point at names, iovecs and control buffers that live until the
+        // call returns; each iovec covers a borrowed slice of exactly its length. The raw
+        // syscall (not glibc's wrapper) skips the cancellation-point bookkeeping.
+        let r = unsafe {
+            libc::syscall(
+                libc::SYS_sendmmsg,
+                sock.as_raw_fd(),
+                hdrs.as_mut_ptr(),
+                n as libc::c_uint,
+                libc::MSG_DONTWAIT,
+            )
+        };
+        if r >= 0 {
+            return Ok(r as usize);
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
+/// What one receive slot got.
+#[derive(Debug, Clone, Copy)]
+pub struct RecvMeta {
+    /// Sender.
+    pub addr: SocketAddr,
+    /// Bytes received in the slot.
+    pub len: usize,
+    /// Size of each datagram in a GRO batch (`len` when the slot holds one datagram).
+    pub stride: usize,
+}
+
+impl Default for RecvMeta {
+    fn default() -> Self {
+        RecvMeta {
+            addr: SocketAddr::from(([0, 0, 0, 0], 0)),
+            len: 0,
+            stride: 0,
+        }
+    }
+}
+
+/// Receive into up to [`MAX_BATCH`] buffers with one non-blocking `recvmmsg`; fills `meta[i]`
+/// for each slot `i` that received and returns how many did (`WouldBlock` when none was ready).
+/// A slot whose sender is not IPv4/IPv6 is reported with the unspecified address.
+pub fn recv_batch(
+    sock: &UdpSocket,
+    bufs: &mut [&mut [u8]],
+    meta: &mut [RecvMeta],
+) -> io::Result<usize> {
+    let n = bufs.len().min(meta.len()).min(MAX_BATCH);
+    if n == 0 {
+        return Ok(0);
+    }
+    let mut names = [MaybeUninit::<libc::sockaddr_storage>::uninit(); MAX_BATCH];
+    let mut iovs = [MaybeUninit::<libc::iovec>::uninit(); MAX_BATCH];
+    let mut ctrl = [MaybeUninit::<CmsgBuf>::uninit(); MAX_BATCH];
+    // SAFETY: mmsghdr is plain old data; all-zero is a valid initial value.
+    let mut hdrs: [libc::mmsghdr; MAX_BATCH] = unsafe { zeroed() };
+    for i in 0..n {
+        iovs[i].write(libc::iovec {
+            iov_base: bufs[i].as_mut_ptr().cast(),
+            iov_len: bufs[i].len(),
+        });
+        let h = &mut hdrs[i].msg_hdr;
+        h.msg_name = names[i].as_mut_ptr().cast();
+        h.msg_namelen = size_of::<libc::sockaddr_storage>() as libc::socklen_t;
+        h.msg_iov = iovs[i].as_mut_ptr();
+        h.msg_iovlen = 1;
+        h.msg_control = ctrl[i].as_mut_ptr().cast();
+        h.msg_controllen = CMSG_BUF as _;
+    }
+    let got = loop {
+        // SAFETY: every header points at a name buffer, one iovec over a live mutable slice
+        // of its length, and a control buffer of CMSG_BUF bytes, all alive for the call.
+        let r = unsafe {
+            libc::syscall(
+                libc::SYS_recvmmsg,
+                sock.as_raw_fd(),
+                hdrs.as_mut_ptr(),
+                n as libc::c_uint,
+                libc::MSG_DONTWAIT,
+                std::ptr::null_mut::<libc::timespec>(),
+            )
+        };
+        if r >= 0 {
+            break r as usize;
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    };
+    for i in 0..got.min(n) {
+        let h = &hdrs[i].msg_hdr;
+        let len = (hdrs[i].msg_len as usize).min(bufs[i].len());
+        // SAFETY: the kernel wrote `msg_namelen` bytes of address into names[i] (it never
+        // reports more than the buffer's size).
+        let addr = socket_addr_of(unsafe { names[i].assume_init_ref() }, h.msg_namelen)
+            .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 0)));
+        let mut stride = len;
+        if h.msg_controllen as usize >= size_of::<libc::cmsghdr>() {
+            // SAFETY: the kernel wrote `msg_controllen` (≤ CMSG_BUF) bytes of control messages
+            // into ctrl[i]; CMSG_FIRSTHDR/NXTHDR stay within that length, and a UDP_GRO
+            // message carries one int.
+            unsafe {
+                let mut c = libc::CMSG_FIRSTHDR(h);
+                while !c.is_null() {
+                    if (*c).cmsg_level == libc::SOL_UDP && (*c).cmsg_type == libc::UDP_GRO {
+                        let s = std::ptr::read_unaligned(libc::CMSG_DATA(c).cast::<i32>());
+                        if s > 0 {
+                            stride = s as usize;
+                        }
+                    }
+                    c = libc::CMSG_NXTHDR(h, c);
+                }
+            }
+        }
+        meta[i] = RecvMeta { addr, len, stride };
+    }
+    Ok(got.min(n))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pair() -> (UdpSocket, UdpSocket) {
+        let a = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let b = UdpSocket::bind("127.0.0.1:0").unwrap();
+        configure(&a, true).unwrap();
+        configure(&b, true).unwrap();
+        (a, b)
+    }
+
+    fn recv_all(s: &UdpSocket, want: usize) -> Vec<(SocketAddr, Vec<u8>)> {
+        let mut out = Vec::new();
+        let end = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        let mut storage = vec![vec![0u8; 65536]; 4];
+        while out.len() < want && std::time::Instant::now() < end {
+            let mut bufs: Vec<&mut [u8]> = storage.iter_mut().map(|b| &mut b[..]).collect();
+            let mut meta = [RecvMeta::default(); 4];
+            match recv_batch(s, &mut bufs, &mut meta) {
+                Ok(k) => {
+                    for (i, m) in meta.iter().take(k).enumerate() {
+                        for c in bufs[i][..m.len].chunks(m.stride) {
+                            out.push((m.addr, c.to_vec()));
+                        }
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::thread::yield_now(),
+                Err(e) => panic!("{e}"),
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn batch_of_gso_runs_and_single_datagrams_arrives_in_order() {
+        let (a, b) = pair();
+        assert!(gso_supported(&a), "this kernel has UDP_SEGMENT");
+        let dst = b.local_addr().unwrap();
+        let run: Vec<u8> = (0..1000u32).map(|i| (i / 300) as u8).collect(); // 300,300,300,100
+        let single = vec![7u8; 50];
+        let msgs = [
+            OutMsg {
+                dst,
+                bytes: &run,
+                segment: Some(300),
+            },
+            OutMsg {
+                dst,
+                bytes: &single,
+                segment: None,
+            },
+        ];
+        assert_eq!(send_batch(&a, &msgs).unwrap(), 2);
+        let got = recv_all(&b, 5);
+        let lens: Vec<usize> = got.iter().map(|(_, d)| d.len()).collect();
+        assert_eq!(lens, [300, 300, 300, 100, 50]);
+        assert!(got[..4]
+            .iter()
+            .enumerate()
+            .all(|(k, (_, d))| d.iter().all(|&x| x == k as u8)));
+        assert!(got[4].1.iter().all(|&x| x == 7));
+        assert!(got.iter().all(|(s, _)| *s == a.local_addr().unwrap()));
+    }
+
+    #[test]
+    fn empty_socket_would_block_and_empty_batches_are_no_ops() {
+        let (a, b) = pair();
+        let mut buf = [0u8; 64];
+        let mut bufs: [&mut [u8]; 1] = [&mut buf];
+        let mut meta = [RecvMeta::default(); 1];
+        let e = recv_batch(&b, &mut bufs, &mut meta).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::WouldBlock);
+        assert_eq!(send_batch(&a, &[]).unwrap(), 0);
+        assert_eq!(recv_batch(&b, &mut [], &mut meta).unwrap(), 0);
+    }
+
+    #[test]
+    fn ipv6_round_trip() {
+        let Ok(a) = UdpSocket::bind("[::1]:0") else {
+            return; // no IPv6 loopback on this machine
+        };
+        let b = UdpSocket::bind("[::1]:0").unwrap();
+        configure(&a, true).unwrap();
+        configure(&b, true).unwrap();
+        let dst = b.local_addr().unwrap();
+        let data = [1u8, 2, 3];
+        let msgs = [OutMsg {
+            dst,
+            bytes: &data,
+            segment: None,
+        }];
+        assert_eq!(send_batch(&a, &msgs).unwrap(), 1);
+        let got = recv_all(&b, 1);
+        assert_eq!(got, vec![(a.local_addr().unwrap(), data.to_vec())]);
+    }
+}
