@@ -42,7 +42,7 @@ pub mod odp;
 pub mod pd;
 pub mod progress;
 pub mod qp;
-mod sockio;
+pub mod sockio;
 pub mod srq;
 pub mod stats;
 pub mod table;

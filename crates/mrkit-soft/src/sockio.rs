@@ -61,6 +61,12 @@ fn setsockopt_int(sock: &UdpSocket, level: i32, name: i32, value: i32) -> io::Re
 /// Configure a RoCEv2 socket: no fragmentation and DF set (`IP_PMTUDISC_PROBE`, plus
 /// `IPV6_DONTFRAG` on IPv6), non-blocking, and with `gro` receive offload (`UDP_GRO`) when
 /// the kernel has it. Returns whether GRO is on.
+///
+/// ```
+/// let s = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+/// let gro = mrkit_soft::sockio::configure(&s, true).unwrap();
+/// assert!(gro || !mrkit_soft::sockio::gso_supported(&s)); // GRO came with GSO (Linux ≥ 5.0)
+/// ```
 pub fn configure(sock: &UdpSocket, gro: bool) -> io::Result<bool> {
     sock.set_nonblocking(true)?;
     let v6 = sock.local_addr()?.is_ipv6();
@@ -92,12 +98,23 @@ pub fn configure(sock: &UdpSocket, gro: bool) -> io::Result<bool> {
 
 /// Whether the kernel segments GSO sends (`UDP_SEGMENT`, Linux ≥ 4.18): setting the socket's
 /// default segment size to 0 (= off) is accepted only where it exists.
+///
+/// ```
+/// let s = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+/// let segments = if mrkit_soft::sockio::gso_supported(&s) { 64 } else { 1 };
+/// assert!(segments >= 1);
+/// ```
 pub fn gso_supported(sock: &UdpSocket) -> bool {
     setsockopt_int(sock, libc::SOL_UDP, libc::UDP_SEGMENT, 0).is_ok()
 }
 
 /// Ask for a receive buffer of `bytes` (`SO_RCVBUFFORCE` when privileged, else `SO_RCVBUF`,
 /// which the kernel caps at `net.core.rmem_max`).
+///
+/// ```
+/// let s = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+/// mrkit_soft::sockio::set_recv_buffer(&s, 8 << 20);
+/// ```
 pub fn set_recv_buffer(sock: &UdpSocket, bytes: usize) {
     let v = i32::try_from(bytes).unwrap_or(i32::MAX);
     if setsockopt_int(sock, libc::SOL_SOCKET, libc::SO_RCVBUFFORCE, v).is_err() {
@@ -184,6 +201,19 @@ fn socket_addr_of(st: &libc::sockaddr_storage, len: libc::socklen_t) -> Option<S
 /// (a prefix of `msgs`; fewer than all when the send buffer filled or message `n` failed, in
 /// which case the next call reports that message's error). `WouldBlock` when not even the
 /// first fits.
+///
+/// ```
+/// use mrkit_soft::sockio::{configure, send_batch, OutMsg};
+/// let a = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+/// let b = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+/// configure(&a, false).unwrap();
+/// let run = vec![7u8; 3000]; // three datagrams of 1000 bytes, segmented by the kernel
+/// let msgs = [
+///     OutMsg { dst: b.local_addr().unwrap(), bytes: &run, segment: Some(1000) },
+///     OutMsg { dst: b.local_addr().unwrap(), bytes: b"last", segment: None },
+/// ];
+/// assert_eq!(send_batch(&a, &msgs).unwrap(), 2);
+/// ```
 pub fn send_batch(sock: &UdpSocket, msgs: &[OutMsg<'_>]) -> io::Result<usize> {
     let n = msgs.len().min(MAX_BATCH);
     if n == 0 {
@@ -272,20 +302,50 @@ impl Default for RecvMeta {
 /// Receive into up to [`MAX_BATCH`] buffers with one non-blocking `recvmmsg`; fills `meta[i]`
 /// for each slot `i` that received and returns how many did (`WouldBlock` when none was ready).
 /// A slot whose sender is not IPv4/IPv6 is reported with the unspecified address.
+///
+/// ```
+/// use mrkit_soft::sockio::{configure, recv_batch, send_batch, OutMsg, RecvMeta};
+/// let a = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+/// let b = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+/// configure(&a, false).unwrap();
+/// configure(&b, true).unwrap();
+/// let msg = OutMsg { dst: b.local_addr().unwrap(), bytes: b"ping", segment: None };
+/// assert_eq!(send_batch(&a, &[msg]).unwrap(), 1);
+/// let mut buf = [0u8; 64];
+/// let mut meta = [RecvMeta::default(); 1];
+/// let n = loop {
+///     match recv_batch(&b, &mut [&mut buf[..]], &mut meta) {
+///         Ok(n) => break n,
+///         Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::yield_now(),
+///         Err(e) => panic!("{e}"),
+///     }
+/// };
+/// assert_eq!((n, &buf[..meta[0].len]), (1, &b"ping"[..]));
+/// ```
 pub fn recv_batch(
     sock: &UdpSocket,
     bufs: &mut [&mut [u8]],
     meta: &mut [RecvMeta],
 ) -> io::Result<usize> {
-    let n = bufs.len().min(meta.len()).min(MAX_BATCH);
+    recv_batch_n::<MAX_BATCH>(sock, bufs, meta)
+}
+
+/// [`recv_batch`] with up to `N` slots per call (a larger batch for a receiver that takes
+/// many small datagrams, such as a benchmark floor without receive offload).
+pub fn recv_batch_n<const N: usize>(
+    sock: &UdpSocket,
+    bufs: &mut [&mut [u8]],
+    meta: &mut [RecvMeta],
+) -> io::Result<usize> {
+    let n = bufs.len().min(meta.len()).min(N);
     if n == 0 {
         return Ok(0);
     }
-    let mut names = [MaybeUninit::<libc::sockaddr_storage>::uninit(); MAX_BATCH];
-    let mut iovs = [MaybeUninit::<libc::iovec>::uninit(); MAX_BATCH];
-    let mut ctrl = [MaybeUninit::<CmsgBuf>::uninit(); MAX_BATCH];
+    let mut names = [MaybeUninit::<libc::sockaddr_storage>::uninit(); N];
+    let mut iovs = [MaybeUninit::<libc::iovec>::uninit(); N];
+    let mut ctrl = [MaybeUninit::<CmsgBuf>::uninit(); N];
     // SAFETY: mmsghdr is plain old data; all-zero is a valid initial value.
-    let mut hdrs: [libc::mmsghdr; MAX_BATCH] = unsafe { zeroed() };
+    let mut hdrs: [libc::mmsghdr; N] = unsafe { zeroed() };
     for i in 0..n {
         iovs[i].write(libc::iovec {
             iov_base: bufs[i].as_mut_ptr().cast(),

@@ -830,7 +830,11 @@ mod tests {
             seen.insert(std::sync::Arc::as_ptr(&buf) as usize);
             // the packet is consumed here
         }
-        assert!(seen.len() <= 2, "{} distinct buffers for 20 receives", seen.len());
+        assert!(
+            seen.len() <= 2,
+            "{} distinct buffers for 20 receives",
+            seen.len()
+        );
     }
 
     #[test]
