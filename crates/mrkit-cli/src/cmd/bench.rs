@@ -1120,7 +1120,7 @@ fn data_path_report(s: &mut String, dp: &Value) {
     }
     let dpt = &dp["two_process"];
     let _ = writeln!(s, "\n### Two processes (RoCEv2 over UDP)\n");
-    let _ = writeln!(s, "`mrkit perf --server` in a child process, the client in another process, on loopback addresses; data verified; RTT columns are the one-message-outstanding round trips of each point. Full run (`mrkit bench transport`): floors from the same run, a raw UDP stream (GSO 4 KiB segments, GRO) and a raw 8-byte UDP ping-pong, and UCX when installed.\n");
+    let _ = writeln!(s, "`mrkit perf --server` in a child process, the client in another process, on loopback addresses; data verified; RTT columns are the one-message-outstanding round trips of each point. Full run (`mrkit bench transport`): floors from the same run, raw UDP streams of 4 KiB datagrams in 60 KiB GSO sends received one datagram per slot (perf.md §2) and with GRO, a raw 8-byte UDP ping-pong, and UCX when installed.\n");
     let r = &dpt["result"];
     if r.is_null() {
         let _ = writeln!(
@@ -1130,7 +1130,8 @@ fn data_path_report(s: &mut String, dp: &Value) {
         );
         return;
     }
-    let stream = r["raw_udp_stream_mbps"].as_f64();
+    let gso = r["raw_udp_gso_mbps"].as_f64();
+    let gro = r["raw_udp_gso_gro_mbps"].as_f64();
     let pp = r["raw_udp_pingpong_rtt_us"].as_f64();
     let ratio = |x: f64, floor: Option<f64>| {
         floor
@@ -1138,18 +1139,19 @@ fn data_path_report(s: &mut String, dp: &Value) {
             .map(|f| format!("{:.2}", x / f))
             .unwrap_or_else(|| "-".into())
     };
-    let _ = writeln!(s, "| op | size | MB/s | ÷ raw UDP stream | RTT p50 | RTT p99 | errors |\n|---|---:|---:|---:|---:|---:|---:|");
+    let _ = writeln!(s, "| op | size | MB/s | ÷ raw UDP GSO | ÷ raw UDP GSO+GRO | RTT p50 | RTT p99 | errors |\n|---|---:|---:|---:|---:|---:|---:|---:|");
     for x in r["mrkit"].as_array().into_iter().flatten() {
         let bw = x["bw_mbps"].as_f64().unwrap_or(0.0);
         let (p50, p99) = (us(&x["lat_us_p50"], 1), us(&x["lat_us_p99"], 1));
-        let (bw_s, ratio_s) = (format!("{bw:.0}"), ratio(bw, stream));
+        let (bw_s, r_gso, r_gro) = (format!("{bw:.0}"), ratio(bw, gso), ratio(bw, gro));
         md_row(
             s,
             &[
                 op(x),
                 size(x),
                 bw_s,
-                ratio_s,
+                r_gso,
+                r_gro,
                 p50,
                 p99,
                 x["errors"].to_string(),
@@ -1171,12 +1173,15 @@ fn data_path_report(s: &mut String, dp: &Value) {
             }
         }
     }
-    match stream {
-        Some(st) => {
-            let _ = writeln!(s, "\nRaw UDP stream floor: {st:.0} MB/s.");
+    match (gso, gro) {
+        (Some(a), Some(b)) => {
+            let _ = writeln!(
+                s,
+                "\nRaw UDP stream floors: {a:.0} MB/s (GSO, one datagram per receive slot), {b:.0} MB/s (GSO + GRO)."
+            );
         }
-        None => {
-            let _ = writeln!(s, "\nFloors (raw UDP stream and ping-pong) and UCX are not run with `--quick`; `mrkit bench transport` measures them.");
+        _ => {
+            let _ = writeln!(s, "\nFloors (raw UDP streams and ping-pong) and UCX are not run with `--quick`; `mrkit bench transport` measures them.");
             return;
         }
     }
@@ -1271,7 +1276,8 @@ fn two_process_light() -> Result<Value, String> {
     let wlat = one(Op::Write, 8, 500)?;
     let slat = one(Op::Send, 8, 500)?;
     Ok(json!({
-        "raw_udp_stream_mbps": null,
+        "raw_udp_gso_mbps": null,
+        "raw_udp_gso_gro_mbps": null,
         "raw_udp_pingpong_rtt_us": null,
         "mrkit": rows,
         "write_lat": wlat,
