@@ -332,14 +332,13 @@ impl UdpPort {
         let slots = slots.clamp(1, RECV_BATCH);
         let mut total = 0;
         for _ in 0..calls {
-            bufs.refill(slots);
             let mut meta = [RecvMeta::default(); RECV_BATCH];
             let r = {
-                // After refill every slot is unshared (a packet never refers to it), so it
-                // can be written: no allocation and no atomic write per (mostly empty) poll.
+                // The slots are plain owned buffers: a (mostly empty) poll allocates nothing
+                // and does no atomic operation.
                 let mut it = bufs.slots.iter_mut().take(slots);
                 let mut slices: [&mut [u8]; RECV_BATCH] =
-                    std::array::from_fn(|_| match it.next().and_then(std::sync::Arc::get_mut) {
+                    std::array::from_fn(|_| match it.next() {
                         Some(b) => &mut b[..],
                         None => &mut [],
                     });
@@ -347,10 +346,9 @@ impl UdpPort {
             };
             match r {
                 Ok(n) => {
-                    for (m, buf) in meta.iter().zip(bufs.slots.iter()).take(n) {
-                        // Packets refer to this buffer from now on: keep a handle to recycle
-                        // it once they are consumed (refill gives the slot another one).
-                        bufs.lent.push(buf.clone());
+                    for (i, m) in meta.iter().enumerate().take(n) {
+                        // Packets refer to this buffer from now on.
+                        let buf = &bufs.share(i);
                         let stride = m.stride.max(1);
                         let mut off = 0;
                         while off < m.len {
@@ -385,46 +383,52 @@ const SPARE_BUFS: usize = 64;
 
 /// Receive buffers, shared with the packets that point into them and recycled when free.
 ///
-/// A slot that received datagrams is shared with its packets (an `Arc` clone) and kept in
-/// `lent`; once no packet refers to it any more it is reused, rather than replaced by a
-/// fresh allocation: a fresh 262 KiB zeroed buffer per `recvmmsg` slot costs an mmap, ~64
-/// page faults, a memset and an munmap, and made the receive path slower the more data was
-/// queued (large windows). In the steady state a receive allocates nothing.
+/// The receive slots are plain owned buffers. A slot that received datagrams trades its
+/// buffer for the buffer of a free shared handle (an `Arc` whose packets are all consumed;
+/// the most recently freed one, still in the cache, so the kernel's copy into it, the largest
+/// cost of a bandwidth receiver, runs at cache speed), and the handle, now holding the
+/// received bytes, is shared with the packets. Nothing is allocated in the steady state, and
+/// a poll that finds nothing does no atomic operation. (A fresh 262 KiB zeroed buffer per
+/// receive costs an mmap, ~64 page faults, a memset and an munmap.)
 pub struct RecvBufs {
-    /// Receive slots; unshared (`Arc::get_mut` succeeds) once refilled.
-    slots: Vec<std::sync::Arc<Vec<u8>>>,
-    /// Buffers lent to packets (queued in a QP's inbox, or a deferred WRITE copy).
+    /// Receive slots, always writable.
+    slots: Vec<Vec<u8>>,
+    /// Shared handles: lent to packets, or free (only this list refers to them).
     lent: Vec<std::sync::Arc<Vec<u8>>>,
     /// The packets of one QP being collected by `poll_rx` (reused: no allocation per poll).
     run: Vec<super::Pkt>,
 }
 
 impl RecvBufs {
-    /// Give each of the first `slots` receive slots a buffer no packet refers to.
-    fn refill(&mut self, slots: usize) {
-        for i in 0..slots.min(self.slots.len()) {
-            if std::sync::Arc::get_mut(&mut self.slots[i]).is_some() {
-                continue;
+    /// Share what slot `i` received: returns a handle holding those bytes, and gives the slot
+    /// the buffer of the most recently freed handle (or a new one).
+    fn share(&mut self, i: usize) -> std::sync::Arc<Vec<u8>> {
+        // Only this struct holds handles besides packets, and packets never make weak ones:
+        // a strong count of 1 means free.
+        let free = self
+            .lent
+            .iter()
+            .rposition(|b| std::sync::Arc::strong_count(b) == 1);
+        let mut handle = match free {
+            Some(j) => self.lent.swap_remove(j),
+            None => std::sync::Arc::new(vec![0u8; RECV_BUF]),
+        };
+        match std::sync::Arc::get_mut(&mut handle) {
+            Some(spare) => std::mem::swap(spare, &mut self.slots[i]),
+            None => {
+                // Unreachable (the handle was free); stay correct anyway.
+                let bytes = std::mem::replace(&mut self.slots[i], vec![0u8; RECV_BUF]);
+                handle = std::sync::Arc::new(bytes);
             }
-            // The most recently lent free buffer: it is still in the cache, so the kernel's
-            // copy into it (the largest cost of a bandwidth receiver) runs at cache speed
-            // instead of cycling through megabytes of cold buffers. (Only this struct holds
-            // handles besides packets, and packets never make weak ones.)
-            let free = self
-                .lent
-                .iter()
-                .rposition(|b| std::sync::Arc::strong_count(b) == 1);
-            self.slots[i] = match free {
-                Some(j) => self.lent.swap_remove(j),
-                None => std::sync::Arc::new(vec![0u8; RECV_BUF]),
-            };
         }
-        if self.lent.len() > SPARE_BUFS {
+        if self.lent.len() >= SPARE_BUFS {
             // Forget the handles of buffers still in use beyond the bound (they are freed
             // with their last packet).
             self.lent.retain(|b| std::sync::Arc::strong_count(b) == 1);
-            self.lent.truncate(SPARE_BUFS);
+            self.lent.truncate(SPARE_BUFS - 1);
         }
+        self.lent.push(handle.clone());
+        handle
     }
 }
 
@@ -439,9 +443,7 @@ impl std::fmt::Debug for RecvBufs {
 impl Default for RecvBufs {
     fn default() -> Self {
         RecvBufs {
-            slots: (0..RECV_BATCH)
-                .map(|_| std::sync::Arc::new(vec![0u8; RECV_BUF]))
-                .collect(),
+            slots: (0..RECV_BATCH).map(|_| vec![0u8; RECV_BUF]).collect(),
             lent: Vec::new(),
             run: Vec::new(),
         }
