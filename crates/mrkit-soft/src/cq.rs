@@ -14,7 +14,7 @@
 #![forbid(unsafe_code)]
 
 use std::collections::VecDeque;
-use std::sync::atomic::AtomicU32;
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -179,6 +179,11 @@ pub struct CqObject {
     pub(crate) channel: Option<Arc<CompChannel>>,
     /// Signalled on every push (for blocking polls without a channel).
     cond: Condvar,
+    /// Completions queued: written under `state`'s lock after every change of the queue, read
+    /// without it by `poll` so that polling an empty CQ (what a spinning application does
+    /// millions of times a second) takes no lock. A stale zero only defers a completion to the
+    /// next poll; a stale non-zero takes the lock and finds the truth.
+    queued: AtomicUsize,
 }
 
 impl CqObject {
@@ -194,6 +199,7 @@ impl CqObject {
             users: AtomicU32::new(0),
             channel,
             cond: Condvar::new(),
+            queued: AtomicUsize::new(0),
         }
     }
 
@@ -205,6 +211,7 @@ impl CqObject {
             return Err(Overflow);
         }
         s.q.push_back(wc);
+        self.queued.store(s.q.len(), Ordering::Release);
         let fire = match s.armed {
             Some(sol_only) => !sol_only || solicited || wc.status != WcStatus::Success,
             None => false,
@@ -223,9 +230,13 @@ impl CqObject {
     }
 
     pub(crate) fn poll(&self, out: &mut Vec<Wc>, max: usize) -> usize {
+        if self.queued.load(Ordering::Acquire) == 0 {
+            return 0;
+        }
         let mut s = self.state.lock();
         let n = max.min(s.q.len());
         out.extend(s.q.drain(..n));
+        self.queued.store(s.q.len(), Ordering::Release);
         n
     }
 
@@ -263,6 +274,7 @@ impl CqObject {
         let mut s = self.state.lock();
         let before = s.q.len();
         s.q.retain(|w| w.qp_num != qpn);
+        self.queued.store(s.q.len(), Ordering::Release);
         before - s.q.len()
     }
 

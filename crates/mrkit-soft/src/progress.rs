@@ -41,7 +41,7 @@
 #![forbid(unsafe_code)]
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
@@ -96,6 +96,10 @@ pub enum AsyncEvent {
 #[derive(Debug, Default)]
 struct Sched {
     runq: Mutex<VecDeque<Arc<QpObject>>>,
+    /// `runq`'s length: written under its lock after every change, read without it by
+    /// progress passes, so that a pass with nothing scheduled (every empty `poll_cq` of a
+    /// spinning application) takes no lock. A stale zero defers a QP to the next pass.
+    runq_len: AtomicUsize,
     cond: Condvar,
     /// Set by the progress thread while it sleeps (on `cond`, or in poll() on the UDP socket
     /// and `wake`); schedulers then notify `cond` and write `wake`.
@@ -198,6 +202,7 @@ impl DataPath {
         }
         let mut g = self.sched.runq.lock();
         g.push_back(q.clone());
+        self.sched.runq_len.store(g.len(), Ordering::Release);
         if self.sched.sleeping.load(Ordering::Acquire) {
             self.sched.cond.notify_one();
             self.sched.kick();
@@ -602,7 +607,7 @@ impl Context {
         // scheduling allocate a new one); the rest run in the next pass.
         let mut batch: [Option<Arc<QpObject>>; PASS_QPS] = Default::default();
         let mut work = 0;
-        {
+        if dp.sched.runq_len.load(Ordering::Acquire) > 0 {
             let mut g = dp.sched.runq.lock();
             while work < PASS_QPS {
                 match g.pop_front() {
@@ -613,6 +618,7 @@ impl Context {
                     None => break,
                 }
             }
+            dp.sched.runq_len.store(g.len(), Ordering::Release);
         }
         let tick: Vec<u32> = if !dp.any_ticking.load(Ordering::Acquire) {
             Vec::new()
