@@ -870,6 +870,36 @@ mod tests {
         );
     }
 
+    /// A message the kernel refuses (here: an IPv6 destination on an IPv4 socket) is skipped
+    /// and reported; the messages before and after it still leave, in order.
+    #[test]
+    fn a_refused_message_in_a_batch_is_skipped_and_reported() {
+        let (a, b) = pair(None);
+        let bad: SocketAddr = "[::1]:4791".parse().unwrap();
+        let msgs = [
+            OutMsg {
+                dst: b.local_addr(),
+                bytes: b"first",
+                segment: None,
+            },
+            OutMsg {
+                dst: bad,
+                bytes: b"refused",
+                segment: None,
+            },
+            OutMsg {
+                dst: b.local_addr(),
+                bytes: b"third",
+                segment: None,
+            },
+        ];
+        let (sent, err) = a.send_msgs(0xC002, &msgs);
+        assert_eq!(sent, 2);
+        assert!(err.is_some(), "the refused message is reported");
+        let got: Vec<Vec<u8>> = recv_n(&b, 2).into_iter().map(|(_, d)| d).collect();
+        assert_eq!(got, vec![b"first".to_vec(), b"third".to_vec()]);
+    }
+
     #[test]
     fn receive_mode_follows_the_traffic() {
         // (single, busy, n, small) -> single
