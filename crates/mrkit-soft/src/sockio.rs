@@ -221,9 +221,10 @@ pub fn send_batch(sock: &UdpSocket, msgs: &[OutMsg<'_>]) -> io::Result<usize> {
     }
     let mut names = [MaybeUninit::<libc::sockaddr_storage>::uninit(); MAX_BATCH];
     let mut iovs = [MaybeUninit::<libc::iovec>::uninit(); MAX_BATCH];
-    let mut ctrl = [CmsgBuf([0; CMSG_BUF]); MAX_BATCH];
-    // SAFETY: mmsghdr is plain old data; all-zero means "no name, no iovec, no control".
-    let mut hdrs: [libc::mmsghdr; MAX_BATCH] = unsafe { zeroed() };
+    // Only the first `n` headers and the control buffers in use are initialised (a batch is
+    // usually one message; clearing all sixteen cost more than the rest of the set-up).
+    let mut ctrl = [MaybeUninit::<CmsgBuf>::uninit(); MAX_BATCH];
+    let mut hdrs = [MaybeUninit::<libc::mmsghdr>::uninit(); MAX_BATCH];
     for i in 0..n {
         let m = &msgs[i];
         let (st, len) = sockaddr_of(&m.dst);
@@ -232,13 +233,14 @@ pub fn send_batch(sock: &UdpSocket, msgs: &[OutMsg<'_>]) -> io::Result<usize> {
             iov_base: m.bytes.as_ptr() as *mut libc::c_void,
             iov_len: m.bytes.len(),
         });
-        let h = &mut hdrs[i].msg_hdr;
+        // SAFETY: mmsghdr is plain old data; all-zero means "no name, no iovec, no control".
+        let h = &mut hdrs[i].write(unsafe { zeroed() }).msg_hdr;
         h.msg_name = names[i].as_mut_ptr().cast();
         h.msg_namelen = len;
         h.msg_iov = iovs[i].as_mut_ptr();
         h.msg_iovlen = 1;
         if let Some(seg) = m.segment {
-            let buf = &mut ctrl[i];
+            let buf = ctrl[i].write(CmsgBuf([0; CMSG_BUF]));
             h.msg_control = buf.0.as_mut_ptr().cast();
             // SAFETY: CMSG_SPACE/CMSG_LEN are pure size computations.
             let space = unsafe { libc::CMSG_SPACE(size_of::<u16>() as u32) } as usize;
@@ -256,14 +258,15 @@ pub fn send_batch(sock: &UdpSocket, msgs: &[OutMsg<'_>]) -> io::Result<usize> {
         }
     }
     loop {
-        // SAFETY: `hdrs[..n]` point at names, iovecs and control buffers that live until the
-        // call returns; each iovec covers a borrowed slice of exactly its length. The raw
-        // syscall (not glibc's wrapper) skips the cancellation-point bookkeeping.
+        // SAFETY: `hdrs[..n]` are initialised and point at names, iovecs and control buffers
+        // that live until the call returns; each iovec covers a borrowed slice of exactly its
+        // length; the kernel reads `n` headers. The raw syscall (not glibc's wrapper) skips
+        // the cancellation-point bookkeeping.
         let r = unsafe {
             libc::syscall(
                 libc::SYS_sendmmsg,
                 sock.as_raw_fd(),
-                hdrs.as_mut_ptr(),
+                hdrs.as_mut_ptr().cast::<libc::mmsghdr>(),
                 n as libc::c_uint,
                 libc::MSG_DONTWAIT,
             )
@@ -344,14 +347,15 @@ pub fn recv_batch_n<const N: usize>(
     let mut names = [MaybeUninit::<libc::sockaddr_storage>::uninit(); N];
     let mut iovs = [MaybeUninit::<libc::iovec>::uninit(); N];
     let mut ctrl = [MaybeUninit::<CmsgBuf>::uninit(); N];
-    // SAFETY: mmsghdr is plain old data; all-zero is a valid initial value.
-    let mut hdrs: [libc::mmsghdr; N] = unsafe { zeroed() };
+    // Only the `n` headers in use are initialised.
+    let mut hdrs = [MaybeUninit::<libc::mmsghdr>::uninit(); N];
     for i in 0..n {
         iovs[i].write(libc::iovec {
             iov_base: bufs[i].as_mut_ptr().cast(),
             iov_len: bufs[i].len(),
         });
-        let h = &mut hdrs[i].msg_hdr;
+        // SAFETY: mmsghdr is plain old data; all-zero is a valid initial value.
+        let h = &mut hdrs[i].write(unsafe { zeroed() }).msg_hdr;
         h.msg_name = names[i].as_mut_ptr().cast();
         h.msg_namelen = size_of::<libc::sockaddr_storage>() as libc::socklen_t;
         h.msg_iov = iovs[i].as_mut_ptr();
@@ -360,13 +364,14 @@ pub fn recv_batch_n<const N: usize>(
         h.msg_controllen = CMSG_BUF as _;
     }
     let got = loop {
-        // SAFETY: every header points at a name buffer, one iovec over a live mutable slice
-        // of its length, and a control buffer of CMSG_BUF bytes, all alive for the call.
+        // SAFETY: the first `n` headers are initialised; each points at a name buffer, one
+        // iovec over a live mutable slice of its length, and a control buffer of CMSG_BUF
+        // bytes, all alive for the call; the kernel reads and writes `n` headers.
         let r = unsafe {
             libc::syscall(
                 libc::SYS_recvmmsg,
                 sock.as_raw_fd(),
-                hdrs.as_mut_ptr(),
+                hdrs.as_mut_ptr().cast::<libc::mmsghdr>(),
                 n as libc::c_uint,
                 libc::MSG_DONTWAIT,
                 std::ptr::null_mut::<libc::timespec>(),
@@ -381,14 +386,19 @@ pub fn recv_batch_n<const N: usize>(
         }
     };
     for i in 0..got.min(n) {
-        let h = &hdrs[i].msg_hdr;
-        let len = (hdrs[i].msg_len as usize).min(bufs[i].len());
+        // SAFETY: initialised above (i < n).
+        let hdr = unsafe { hdrs[i].assume_init_ref() };
+        let h = &hdr.msg_hdr;
+        let len = (hdr.msg_len as usize).min(bufs[i].len());
         // SAFETY: the kernel wrote `msg_namelen` bytes of address into names[i] (it never
         // reports more than the buffer's size).
         let addr = socket_addr_of(unsafe { names[i].assume_init_ref() }, h.msg_namelen)
             .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 0)));
         let mut stride = len;
-        if h.msg_controllen as usize >= size_of::<libc::cmsghdr>() {
+        // `msg_controllen` is a size_t with glibc and a socklen_t with musl.
+        #[allow(clippy::unnecessary_cast)]
+        let controllen = h.msg_controllen as usize;
+        if controllen >= size_of::<libc::cmsghdr>() {
             // SAFETY: the kernel wrote `msg_controllen` (≤ CMSG_BUF) bytes of control messages
             // into ctrl[i]; CMSG_FIRSTHDR/NXTHDR stay within that length, and a UDP_GRO
             // message carries one int.
