@@ -359,10 +359,9 @@ impl UdpPort {
                         }
                     }
                     if n < slots {
-                        return Ok(total);
+                        return Ok(total); // drained (0: nothing was ready)
                     }
                 }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(total),
                 Err(e) => return Err(e),
             }
         }
