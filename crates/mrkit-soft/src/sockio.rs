@@ -197,6 +197,111 @@ fn socket_addr_of(st: &libc::sockaddr_storage, len: libc::socklen_t) -> Option<S
     }
 }
 
+/// The per-message buffers of one `sendmmsg` / `recvmmsg` call: addresses, one iovec each,
+/// control buffers and the headers pointing at them. Only the headers (and control buffers)
+/// of the messages in use are initialised: a batch is usually one message, and clearing all
+/// of them cost more than the rest of the set-up.
+struct Batch<const N: usize> {
+    names: [MaybeUninit<libc::sockaddr_storage>; N],
+    iovs: [MaybeUninit<libc::iovec>; N],
+    ctrl: [MaybeUninit<CmsgBuf>; N],
+    hdrs: [MaybeUninit<libc::mmsghdr>; N],
+}
+
+impl<const N: usize> Batch<N> {
+    fn new() -> Self {
+        Batch {
+            names: [MaybeUninit::uninit(); N],
+            iovs: [MaybeUninit::uninit(); N],
+            ctrl: [MaybeUninit::uninit(); N],
+            hdrs: [MaybeUninit::uninit(); N],
+        }
+    }
+
+    /// Initialise message `i`: its iovec `iov`, its address buffer (holding `name` if given,
+    /// else room for the kernel to write one) and its header; returns the header.
+    fn message(
+        &mut self,
+        i: usize,
+        iov: libc::iovec,
+        name: Option<(libc::sockaddr_storage, libc::socklen_t)>,
+    ) -> &mut libc::msghdr {
+        let namelen = match name {
+            Some((st, len)) => {
+                self.names[i].write(st);
+                len
+            }
+            None => {
+                // SAFETY: plain old data; all-zero is AF_UNSPEC (the kernel writes over it).
+                self.names[i].write(unsafe { zeroed() });
+                size_of::<libc::sockaddr_storage>() as libc::socklen_t
+            }
+        };
+        self.iovs[i].write(iov);
+        // SAFETY: mmsghdr is plain old data; all-zero means "no name, no iovec, no control".
+        let h = &mut self.hdrs[i].write(unsafe { zeroed() }).msg_hdr;
+        h.msg_name = self.names[i].as_mut_ptr().cast();
+        h.msg_namelen = namelen;
+        h.msg_iov = self.iovs[i].as_mut_ptr();
+        h.msg_iovlen = 1;
+        h
+    }
+
+    /// Message `i`'s header and its control buffer, cleared.
+    fn control(&mut self, i: usize) -> (&mut libc::msghdr, &mut CmsgBuf) {
+        // SAFETY: callers initialise header `i` with `message` first.
+        let h = unsafe { &mut self.hdrs[i].assume_init_mut().msg_hdr };
+        (h, self.ctrl[i].write(CmsgBuf([0; CMSG_BUF])))
+    }
+
+    /// Header `i` and its address buffer, initialised by `message`.
+    ///
+    /// # Safety
+    /// `message(i, ..)` must have been called.
+    unsafe fn header(&self, i: usize) -> (&libc::mmsghdr, &libc::sockaddr_storage) {
+        // SAFETY: the caller's promise (`message` writes both).
+        unsafe {
+            (
+                self.hdrs[i].assume_init_ref(),
+                self.names[i].assume_init_ref(),
+            )
+        }
+    }
+
+    /// `sendmmsg` / `recvmmsg` (`nr`) over the first `n` messages, retried on EINTR, as a raw
+    /// system call (glibc's wrappers add cancellation-point bookkeeping). Returns how many
+    /// messages went, or the errno.
+    ///
+    /// # Safety
+    /// Messages `0..n` must have been initialised with `message`, and every buffer their
+    /// iovecs and control pointers name must be valid (for reading, or for writing with
+    /// `recvmmsg`) for its length until the call returns.
+    unsafe fn call(&mut self, nr: libc::c_long, sock: &UdpSocket, n: usize) -> Result<usize, i32> {
+        loop {
+            // SAFETY: the caller's promise; the extra timeout argument (NULL) is read by
+            // recvmmsg only.
+            let r = unsafe {
+                libc::syscall(
+                    nr,
+                    sock.as_raw_fd(),
+                    self.hdrs.as_mut_ptr().cast::<libc::mmsghdr>(),
+                    n as libc::c_uint,
+                    libc::MSG_DONTWAIT,
+                    std::ptr::null_mut::<libc::timespec>(),
+                )
+            };
+            if r >= 0 {
+                return Ok(r as usize);
+            }
+            // SAFETY: reads this thread's errno.
+            let errno = unsafe { *libc::__errno_location() };
+            if errno != libc::EINTR {
+                return Err(errno);
+            }
+        }
+    }
+}
+
 /// Send up to [`MAX_BATCH`] messages with one `sendmmsg`. Returns how many the kernel took
 /// (a prefix of `msgs`; fewer than all when the send buffer filled or message `n` failed, in
 /// which case the next call reports that message's error). `WouldBlock` when not even the
@@ -219,35 +324,22 @@ pub fn send_batch(sock: &UdpSocket, msgs: &[OutMsg<'_>]) -> io::Result<usize> {
     if n == 0 {
         return Ok(0);
     }
-    let mut names = [MaybeUninit::<libc::sockaddr_storage>::uninit(); MAX_BATCH];
-    let mut iovs = [MaybeUninit::<libc::iovec>::uninit(); MAX_BATCH];
-    // Only the first `n` headers and the control buffers in use are initialised (a batch is
-    // usually one message; clearing all sixteen cost more than the rest of the set-up).
-    let mut ctrl = [MaybeUninit::<CmsgBuf>::uninit(); MAX_BATCH];
-    let mut hdrs = [MaybeUninit::<libc::mmsghdr>::uninit(); MAX_BATCH];
-    for i in 0..n {
-        let m = &msgs[i];
-        let (st, len) = sockaddr_of(&m.dst);
-        names[i].write(st);
-        iovs[i].write(libc::iovec {
+    let mut b = Batch::<MAX_BATCH>::new();
+    for (i, m) in msgs.iter().take(n).enumerate() {
+        let iov = libc::iovec {
             iov_base: m.bytes.as_ptr() as *mut libc::c_void,
             iov_len: m.bytes.len(),
-        });
-        // SAFETY: mmsghdr is plain old data; all-zero means "no name, no iovec, no control".
-        let h = &mut hdrs[i].write(unsafe { zeroed() }).msg_hdr;
-        h.msg_name = names[i].as_mut_ptr().cast();
-        h.msg_namelen = len;
-        h.msg_iov = iovs[i].as_mut_ptr();
-        h.msg_iovlen = 1;
+        };
+        b.message(i, iov, Some(sockaddr_of(&m.dst)));
         if let Some(seg) = m.segment {
-            let buf = ctrl[i].write(CmsgBuf([0; CMSG_BUF]));
+            let (h, buf) = b.control(i);
             h.msg_control = buf.0.as_mut_ptr().cast();
             // SAFETY: CMSG_SPACE/CMSG_LEN are pure size computations.
             let space = unsafe { libc::CMSG_SPACE(size_of::<u16>() as u32) } as usize;
             debug_assert!(space <= CMSG_BUF);
             h.msg_controllen = space as _;
-            // SAFETY: msg_control points at `space` bytes of `ctrl[i]`, aligned for cmsghdr,
-            // so CMSG_FIRSTHDR is non-null and the header plus a u16 payload fit.
+            // SAFETY: msg_control points at `space` bytes of the control buffer, aligned for
+            // cmsghdr, so CMSG_FIRSTHDR is non-null and the header plus a u16 payload fit.
             unsafe {
                 let c = libc::CMSG_FIRSTHDR(h);
                 (*c).cmsg_level = libc::SOL_UDP;
@@ -257,28 +349,9 @@ pub fn send_batch(sock: &UdpSocket, msgs: &[OutMsg<'_>]) -> io::Result<usize> {
             }
         }
     }
-    loop {
-        // SAFETY: `hdrs[..n]` are initialised and point at names, iovecs and control buffers
-        // that live until the call returns; each iovec covers a borrowed slice of exactly its
-        // length; the kernel reads `n` headers. The raw syscall (not glibc's wrapper) skips
-        // the cancellation-point bookkeeping.
-        let r = unsafe {
-            libc::syscall(
-                libc::SYS_sendmmsg,
-                sock.as_raw_fd(),
-                hdrs.as_mut_ptr().cast::<libc::mmsghdr>(),
-                n as libc::c_uint,
-                libc::MSG_DONTWAIT,
-            )
-        };
-        if r >= 0 {
-            return Ok(r as usize);
-        }
-        let e = io::Error::last_os_error();
-        if e.kind() != io::ErrorKind::Interrupted {
-            return Err(e);
-        }
-    }
+    // SAFETY: messages 0..n are initialised; each iovec covers a borrowed slice of exactly its
+    // length and each control pointer its buffer in `b`, all alive across the call.
+    unsafe { b.call(libc::SYS_sendmmsg, sock, n) }.map_err(io::Error::from_raw_os_error)
 }
 
 /// What one receive slot got.
@@ -344,59 +417,31 @@ pub fn recv_batch_n<const N: usize>(
     if n == 0 {
         return Ok(0);
     }
-    let mut names = [MaybeUninit::<libc::sockaddr_storage>::uninit(); N];
-    let mut iovs = [MaybeUninit::<libc::iovec>::uninit(); N];
-    let mut ctrl = [MaybeUninit::<CmsgBuf>::uninit(); N];
-    // Only the `n` headers in use are initialised.
-    let mut hdrs = [MaybeUninit::<libc::mmsghdr>::uninit(); N];
-    for i in 0..n {
-        iovs[i].write(libc::iovec {
-            iov_base: bufs[i].as_mut_ptr().cast(),
-            iov_len: bufs[i].len(),
-        });
-        // SAFETY: mmsghdr is plain old data; all-zero is a valid initial value.
-        let h = &mut hdrs[i].write(unsafe { zeroed() }).msg_hdr;
-        h.msg_name = names[i].as_mut_ptr().cast();
-        h.msg_namelen = size_of::<libc::sockaddr_storage>() as libc::socklen_t;
-        h.msg_iov = iovs[i].as_mut_ptr();
-        h.msg_iovlen = 1;
-        h.msg_control = ctrl[i].as_mut_ptr().cast();
+    let mut b = Batch::<N>::new();
+    for (i, buf) in bufs.iter_mut().take(n).enumerate() {
+        let iov = libc::iovec {
+            iov_base: buf.as_mut_ptr().cast(),
+            iov_len: buf.len(),
+        };
+        b.message(i, iov, None);
+        let (h, ctrl) = b.control(i);
+        h.msg_control = ctrl.0.as_mut_ptr().cast();
         h.msg_controllen = CMSG_BUF as _;
     }
-    let got = loop {
-        // SAFETY: the first `n` headers are initialised; each points at a name buffer, one
-        // iovec over a live mutable slice of its length, and a control buffer of CMSG_BUF
-        // bytes, all alive for the call; the kernel reads and writes `n` headers.
-        let r = unsafe {
-            libc::syscall(
-                libc::SYS_recvmmsg,
-                sock.as_raw_fd(),
-                hdrs.as_mut_ptr().cast::<libc::mmsghdr>(),
-                n as libc::c_uint,
-                libc::MSG_DONTWAIT,
-                std::ptr::null_mut::<libc::timespec>(),
-            )
-        };
-        if r >= 0 {
-            break r as usize;
-        }
-        // SAFETY: reads this thread's errno.
-        let errno = unsafe { *libc::__errno_location() };
-        if errno == libc::EAGAIN || errno == libc::EWOULDBLOCK {
-            return Ok(0);
-        }
-        if errno != libc::EINTR {
-            return Err(io::Error::from_raw_os_error(errno));
-        }
+    // SAFETY: messages 0..n are initialised; each iovec covers a live mutable slice of
+    // exactly its length, each name and control pointer a buffer in `b` of the length given.
+    let got = match unsafe { b.call(libc::SYS_recvmmsg, sock, n) } {
+        Ok(got) => got,
+        Err(e) if e == libc::EAGAIN || e == libc::EWOULDBLOCK => return Ok(0),
+        Err(e) => return Err(io::Error::from_raw_os_error(e)),
     };
     for i in 0..got.min(n) {
-        // SAFETY: initialised above (i < n).
-        let hdr = unsafe { hdrs[i].assume_init_ref() };
+        // SAFETY: initialised above (i < n); the kernel wrote `msg_namelen` bytes of address
+        // into the (zeroed) name buffer and never reports more than its size.
+        let (hdr, name) = unsafe { b.header(i) };
         let h = &hdr.msg_hdr;
         let len = (hdr.msg_len as usize).min(bufs[i].len());
-        // SAFETY: the kernel wrote `msg_namelen` bytes of address into names[i] (it never
-        // reports more than the buffer's size).
-        let addr = socket_addr_of(unsafe { names[i].assume_init_ref() }, h.msg_namelen)
+        let addr = socket_addr_of(name, h.msg_namelen)
             .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 0)));
         let mut stride = len;
         // `msg_controllen` is a size_t with glibc and a socklen_t with musl.
@@ -404,8 +449,8 @@ pub fn recv_batch_n<const N: usize>(
         let controllen = h.msg_controllen as usize;
         if controllen >= size_of::<libc::cmsghdr>() {
             // SAFETY: the kernel wrote `msg_controllen` (≤ CMSG_BUF) bytes of control messages
-            // into ctrl[i]; CMSG_FIRSTHDR/NXTHDR stay within that length, and a UDP_GRO
-            // message carries one int.
+            // into message i's control buffer; CMSG_FIRSTHDR/NXTHDR stay within that length,
+            // and a UDP_GRO message carries one int.
             unsafe {
                 let mut c = libc::CMSG_FIRSTHDR(h);
                 while !c.is_null() {
