@@ -479,9 +479,11 @@ pub fn run_client(a: &PerfArgs, server: &str) -> anyhow::Result<PerfResult> {
     }
     let mut lat = Vec::with_capacity(samples as usize);
     for i in 0..samples {
+        // The work request is built before the clock starts, as perftest's latency tests
+        // prepare theirs: the round trip is post → completion.
+        let wr = [make(&side, u64::from(i), true)];
         let t = Instant::now();
-        side.ctx
-            .post_send(side.qp, &[make(&side, u64::from(i), true)])?;
+        side.ctx.post_send(side.qp, &wr)?;
         wcs.clear();
         let expect = if a.op == Op::Send { 2 } else { 1 };
         poll_n(&side, expect, &mut wcs, deadline)?;
