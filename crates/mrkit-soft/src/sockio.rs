@@ -408,6 +408,16 @@ pub fn recv_batch(
 
 /// [`recv_batch`] with up to `N` slots per call (a larger batch for a receiver that takes
 /// many small datagrams, such as a benchmark floor without receive offload).
+///
+/// ```
+/// use mrkit_soft::sockio::{recv_batch_n, RecvMeta};
+/// let s = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+/// s.set_nonblocking(true).unwrap();
+/// let mut storage = vec![vec![0u8; 4096]; 64];
+/// let mut bufs: Vec<&mut [u8]> = storage.iter_mut().map(|b| &mut b[..]).collect();
+/// let mut meta = [RecvMeta::default(); 64];
+/// assert_eq!(recv_batch_n::<64>(&s, &mut bufs, &mut meta).unwrap(), 0); // nothing sent yet
+/// ```
 pub fn recv_batch_n<const N: usize>(
     sock: &UdpSocket,
     bufs: &mut [&mut [u8]],
