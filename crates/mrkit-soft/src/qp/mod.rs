@@ -428,6 +428,8 @@ pub(crate) struct QpInner {
     pub last_wqe_notified: bool,
     /// Reused buffer for a run's send completions (no allocation per completion).
     pub send_wcs: Vec<Wc>,
+    /// Empty buffer swapped with `QpObject::inbox` by a run (no allocation per run).
+    pub inbox_spare: Vec<Pkt>,
 }
 
 /// A QP as the device keeps it.
@@ -469,12 +471,17 @@ impl QpObject {
     /// One run: process the inbox, timers and the send queue; push completions; hand back the
     /// packets to send. Returns (packets, whether timers still need ticks).
     pub(crate) fn run(&self, ctx: &Context, now: Instant) -> (Vec<Pkt>, bool) {
-        let mut inbox = std::mem::take(&mut *self.inbox.lock());
         let mut g = self.inner.lock();
         let st = &mut *g;
         if st.destroyed {
+            self.inbox.lock().clear();
             return (Vec::new(), false);
         }
+        // Swap the inbox with this QP's empty spare (lock order: inner, then inbox): the
+        // packets are taken under one short lock and the buffer returns as the next spare,
+        // so neither side allocates and no second inbox lock is needed.
+        let mut inbox = std::mem::take(&mut st.inbox_spare);
+        std::mem::swap(&mut *self.inbox.lock(), &mut inbox);
         let q = QpCtx {
             ctx,
             qpn: self.qpn,
@@ -607,14 +614,9 @@ impl QpObject {
         let needs_tick = st.state == QpState::Rts && st.sq.cursor > 0
             || st.comp.rnr_pending()
             || (st.state == QpState::Rts && st.sq.cursor < st.sq.q.len());
+        inbox.clear(); // what an error left unprocessed
+        st.inbox_spare = inbox;
         drop(g);
-        // Hand the (now empty) inbox buffer back, so the next packets need no allocation.
-        {
-            let mut ib = self.inbox.lock();
-            if ib.is_empty() {
-                std::mem::swap(&mut *ib, &mut inbox);
-            }
-        }
         for e in out.events {
             ctx.raise_async_event(e);
         }
@@ -753,6 +755,7 @@ impl Context {
                 sqd_notified: false,
                 last_wqe_notified: false,
                 send_wcs: Vec::new(),
+                inbox_spare: Vec::new(),
             }),
         });
         dp.qps.write().insert(qpn, obj);
