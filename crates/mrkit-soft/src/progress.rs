@@ -98,7 +98,7 @@ struct Sched {
     runq: Mutex<VecDeque<Arc<QpObject>>>,
     /// `runq`'s length: written under its lock after every change, read without it by
     /// progress passes, so that a pass with nothing scheduled (every empty `poll_cq` of a
-    /// spinning application) takes no lock. A stale zero defers a QP to the next pass.
+    /// spinning application) skips this lock. A stale zero defers a QP to the next pass.
     runq_len: AtomicUsize,
     cond: Condvar,
     /// Set by the progress thread while it sleeps (on `cond`, or in poll() on the UDP socket
