@@ -32,6 +32,8 @@ echo "==> cargo fmt --check"
 cargo fmt --all -- --check
 echo "==> cargo clippy --all-targets -D warnings"
 cargo clippy --workspace --all-targets -- -D warnings
+echo "==> cargo doc -D warnings (broken or private intra-doc links)"
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --quiet
 echo "==> cargo test"
 cargo test --workspace --all-targets -- --test-threads=2
 cargo test --workspace --doc

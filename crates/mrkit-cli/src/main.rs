@@ -41,7 +41,7 @@ pub mod out {
         }
     }
 
-    /// Flush stdout with the same error handling as [`write`].
+    /// Flush stdout with the same error handling as [`write()`].
     pub fn flush() {
         if let Err(e) = io::stdout().lock().flush() {
             fail(e);

@@ -1,7 +1,7 @@
 //! Caller-thread progress (the latency fast path), kept apart from the progress thread.
 //!
 //! * **Inline requester**: `post_send` on an idle QP in RTS runs that QP's engines on the
-//!   caller's thread ([`Context::run_qp_inline`]) and hands the packets to the link at once,
+//!   caller's thread (`Context::run_qp_inline`) and hands the packets to the link at once,
 //!   instead of scheduling the QP and paying a cross-CPU wakeup of the progress thread.
 //! * **Progress on poll**: `poll_cq` on an empty CQ runs [`Context::progress_once`] for the
 //!   device inline (as user-space providers do), so a spinning application makes progress

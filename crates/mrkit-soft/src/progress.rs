@@ -10,7 +10,7 @@
 //! On a 2-vCPU machine a blocking cross-CPU wake-up costs ~45 µs (reference/perf.md §0), so a
 //! latency path must *poll*; but every spinning thread beyond the core count steals a CPU from
 //! someone. Exactly one party should poll the device at a time, and which one depends on the
-//! workload. The progress thread decides at every idle moment ([`progress_thread`]):
+//! workload. The progress thread decides at every idle moment (`progress_thread`):
 //!
 //! * **The application drives** (it called `poll_cq` on an empty CQ within [`APP_WINDOW`];
 //!   such a poll runs progress inline, `fastpath.rs`): the thread **parks** on a condition

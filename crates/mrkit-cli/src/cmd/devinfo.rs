@@ -94,7 +94,7 @@ fn guid(g: u64) -> String {
     )
 }
 
-/// Link-local GID from the node GUID (EUI-64), as RoCE derives GID[0] from the MAC.
+/// Link-local GID from the node GUID (EUI-64), as RoCE derives GID 0 from the MAC.
 fn gid0(node_guid: u64) -> String {
     format!("fe80:0000:0000:0000:{}", guid(node_guid))
 }

@@ -300,7 +300,7 @@ thread_local! {
     static R: RefCell<Option<ReqHarness>> = const { RefCell::new(None) };
 }
 
-/// Feed one fuzz input to a requester with [`BATCH`] WQEs outstanding. The input is a list of
+/// Feed one fuzz input to a requester with `BATCH` WQEs outstanding. The input is a list of
 /// 6-byte records `[kind, psn, syndrome, len, x, y]`: kind 0 is an ACK/NAK (AETH syndrome
 /// byte as given), 1-4 a READ response first/middle/last/only with `len * 8 + y % 8` payload
 /// bytes,

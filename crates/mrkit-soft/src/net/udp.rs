@@ -15,7 +15,7 @@
 //!   bytes longer than its middle packets, so it cannot share their GSO buffer; batching the
 //!   runs keeps the system calls at about one per pass anyway.)
 //! * The system calls themselves are in [`crate::sockio`], the link's only `unsafe` module.
-//! * An optional [`FaultInjector`](super::fault::FaultInjector) sits on the send path.
+//! * An optional [`FaultInjector`] sits on the send path.
 #![forbid(unsafe_code)]
 
 use std::collections::HashMap;
@@ -320,7 +320,7 @@ impl UdpPort {
         self.recv_some(bufs, RECV_BATCH, usize::MAX, f)
     }
 
-    /// As [`recv`](Self::recv), with at most `slots` (1..=[`RECV_BATCH`]) receive buffers per
+    /// As [`recv`](Self::recv), with at most `slots` (1..=`RECV_BATCH`) receive buffers per
     /// `recvmmsg` and at most `calls` calls.
     pub fn recv_some(
         &self,

@@ -1,6 +1,6 @@
 //! Completer: responses (ACK, NAK, RNR NAK, read responses, atomic ACKs) → WQE completions
 //! (sans-IO). Handles coalesced ACKs, RNR back-off, PSN-sequence NAK and timeout retries
-//! (go-back-N through [`Requester::rewind`](super::req::Requester::rewind)), scatters READ
+//! (go-back-N through `Requester::rewind`), scatters READ
 //! data and atomic results into local SGEs (LOCAL_WRITE required) and maps NAK codes to
 //! completion statuses (roce.md §3.8).
 #![forbid(unsafe_code)]

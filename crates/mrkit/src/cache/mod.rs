@@ -14,7 +14,7 @@
 //!   line. The handle drop decrements the same counter and sets the CLOCK bit only when it
 //!   is clear. Hit counters are per-thread, single-writer.
 //! * **Life cycle**: an entry's *memory* is an `Arc` (index, leases, waiters); its
-//!   *registration* is retired ([`Entry::try_retire`]) once it is dead (invalidated,
+//!   *registration* is retired (`Entry::try_retire`) once it is dead (invalidated,
 //!   evicted, superseded, cache dropped) and the sum of its lease counters is 0. Protocol
 //!   (all SeqCst, Dekker-style): a hit increments its counter, then checks `dead`; a release
 //!   decrements, then checks `dead` and retires if the sum is 0; a killer sets `dead`, then
