@@ -30,6 +30,36 @@ const CANARY: u8 = 0xa5;
 const PAD: usize = 4096;
 const MR_LEN: usize = 16384;
 
+/// A device instance driven by hand (no progress thread) with one PD, one CQ of `cq_entries`
+/// and one RC QP on it for both queues: `(context, pd, cq, qp)`. Shared by the fuzz harnesses
+/// and the in-crate data-path tests.
+pub(crate) fn manual_rc_host(cq_entries: u32, sq_sig_all: bool) -> (Context, u32, u32, u32) {
+    let ctx = Context::open(DeviceConfig::rxe());
+    ctx.set_manual_progress();
+    let pd = ctx.alloc_pd().expect("pd");
+    let cq = ctx.create_cq(cq_entries, None).expect("cq");
+    let (qp, _) = ctx
+        .create_qp(QpInitAttr {
+            pd,
+            send_cq: cq,
+            recv_cq: cq,
+            cap: QpCap::default(),
+            sq_sig_all,
+        })
+        .expect("qp");
+    (ctx, pd, cq, qp)
+}
+
+/// Move `qp` to RESET (whatever state an input left it in) and connect it again.
+fn reconnect(c: &Context, qp: u32, remote: RemoteQp, opts: ConnectOpts) -> crate::Result<()> {
+    let reset = crate::qp::QpAttr {
+        qp_state: QpState::Reset as u32,
+        ..crate::qp::QpAttr::default()
+    };
+    c.modify_qp(qp, &reset, crate::qp::attr_mask::STATE)?;
+    connect_qp(c, qp, remote, opts)
+}
+
 struct Harness {
     resp: Context,
     peer: Context,
@@ -50,18 +80,13 @@ fn bring_up(h: &Harness) {
         if c.qp_state(q).ok() == Some(QpState::Rts) {
             continue;
         }
-        let reset = crate::qp::QpAttr {
-            qp_state: QpState::Reset as u32,
-            ..crate::qp::QpAttr::default()
-        };
-        let _ = c.modify_qp(q, &reset, crate::qp::attr_mask::STATE);
         let remote = RemoteQp {
             qpn: pq,
             psn: 0,
             ip: None,
             node,
         };
-        let _ = connect_qp(c, q, remote, ConnectOpts::default());
+        let _ = reconnect(c, q, remote, ConnectOpts::default());
     }
     let recv = RecvWr {
         wr_id: 1,
@@ -75,25 +100,8 @@ fn bring_up(h: &Harness) {
 }
 
 fn harness() -> Harness {
-    let mk = || {
-        let c = Context::open(DeviceConfig::rxe());
-        c.set_manual_progress();
-        c
-    };
-    let (resp, peer) = (mk(), mk());
-    let pd = resp.alloc_pd().expect("pd");
-    let ppd = peer.alloc_pd().expect("pd");
-    let cq = resp.create_cq(4096, None).expect("cq");
-    let pcq = peer.create_cq(4096, None).expect("cq");
-    let init = |pd, cq| QpInitAttr {
-        pd,
-        send_cq: cq,
-        recv_cq: cq,
-        cap: QpCap::default(),
-        sq_sig_all: false,
-    };
-    let (qp, _) = resp.create_qp(init(pd, cq)).expect("qp");
-    let (peer_qp, _) = peer.create_qp(init(ppd, pcq)).expect("qp");
+    let (resp, pd, _, qp) = manual_rc_host(4096, false);
+    let (peer, _, _, peer_qp) = manual_rc_host(4096, false);
     let mut mem = vec![CANARY; PAD + MR_LEN + PAD];
     mem[PAD..PAD + MR_LEN].fill(0);
     let addr = mem.as_ptr() as u64 + PAD as u64;
@@ -205,19 +213,7 @@ const GHOST_NODE: u64 = u64::MAX - 1;
 const BATCH: u64 = 5;
 
 fn req_harness() -> ReqHarness {
-    let ctx = Context::open(DeviceConfig::rxe());
-    ctx.set_manual_progress();
-    let pd = ctx.alloc_pd().expect("pd");
-    let cq = ctx.create_cq(4096, None).expect("cq");
-    let (qp, _) = ctx
-        .create_qp(QpInitAttr {
-            pd,
-            send_cq: cq,
-            recv_cq: cq,
-            cap: QpCap::default(),
-            sq_sig_all: true,
-        })
-        .expect("qp");
+    let (ctx, pd, cq, qp) = manual_rc_host(4096, true);
     let mut mem = vec![CANARY; PAD + MR_LEN + PAD];
     mem[PAD..PAD + MR_LEN].fill(0);
     let addr = mem.as_ptr() as u64 + PAD as u64;
@@ -238,13 +234,6 @@ fn req_harness() -> ReqHarness {
 /// Reset the QP, connect it to the ghost peer and post [`BATCH`] WQEs (sent and dropped).
 fn req_bring_up(h: &ReqHarness, now: Instant) {
     use crate::qp::{SendWr, WrOpcode};
-    let reset = crate::qp::QpAttr {
-        qp_state: QpState::Reset as u32,
-        ..crate::qp::QpAttr::default()
-    };
-    h.ctx
-        .modify_qp(h.qp, &reset, crate::qp::attr_mask::STATE)
-        .expect("reset");
     let remote = RemoteQp {
         qpn: GHOST_QPN,
         psn: 0,
@@ -259,7 +248,7 @@ fn req_bring_up(h: &ReqHarness, now: Instant) {
         rnr_retry: 2,
         ..ConnectOpts::default()
     };
-    connect_qp(&h.ctx, h.qp, remote, opts).expect("connect");
+    reconnect(&h.ctx, h.qp, remote, opts).expect("reset and connect");
     let sge = |off: u64, len: u32| Sge {
         addr: h.iova + off,
         length: len,

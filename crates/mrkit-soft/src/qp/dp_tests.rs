@@ -2,7 +2,7 @@
 //! responder (bypassing the post-time check), and `Pkt::to_wire` against the wire parser.
 use std::time::Instant;
 
-use super::{rc_connect, QpCap, QpInitAttr, QpState, SendWr, WrOpcode};
+use super::{rc_connect, QpState, SendWr, WrOpcode};
 use crate::cq::{Wc, WcStatus};
 use crate::net::loopback::drive_until_idle;
 use crate::net::{Payload, Pkt};
@@ -10,23 +10,10 @@ use crate::progress::AsyncEvent;
 use crate::wire::{
     Aeth, AtomicAckEth, AtomicEth, Bth, ExtHeaders, IcrcInputs, Ieth, ImmDt, Opcode, Packet, Reth,
 };
-use crate::{AccessFlags as A, Context, DeviceConfig};
+use crate::{AccessFlags as A, Context};
 
 fn host() -> (Context, u32, u32, u32) {
-    let ctx = Context::open(DeviceConfig::rxe());
-    ctx.set_manual_progress();
-    let pd = ctx.alloc_pd().unwrap();
-    let cq = ctx.create_cq(64, None).unwrap();
-    let (qp, _) = ctx
-        .create_qp(QpInitAttr {
-            pd,
-            send_cq: cq,
-            recv_cq: cq,
-            cap: QpCap::default(),
-            sq_sig_all: true,
-        })
-        .unwrap();
-    (ctx, pd, cq, qp)
+    crate::net::fuzz::manual_rc_host(64, true)
 }
 
 #[test]
