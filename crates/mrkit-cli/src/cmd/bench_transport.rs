@@ -60,11 +60,11 @@ fn raw_stream(seg: usize, gro: bool, dur: Duration) -> std::io::Result<f64> {
     // 64 slots of one GRO batch each, or of one datagram each (as perf.md's udp.c).
     let slot = if gro { 64 * 1024 } else { seg };
     let mut storage: Vec<Vec<u8>> = (0..64).map(|_| vec![0u8; slot]).collect();
+    let mut slices: Vec<&mut [u8]> = storage.iter_mut().map(|b| &mut b[..]).collect();
     let mut meta = [RecvMeta::default(); 64];
     let t0 = Instant::now();
     let mut bytes = 0u64;
     while t0.elapsed() < dur {
-        let mut slices: Vec<&mut [u8]> = storage.iter_mut().map(|b| &mut b[..]).collect();
         if let Ok(n) = sockio::recv_batch_n::<64>(&rx, &mut slices, &mut meta) {
             bytes += meta[..n].iter().map(|m| m.len as u64).sum::<u64>();
         }

@@ -485,7 +485,7 @@ pub(crate) fn send_pkts(ctx: &crate::Context, pkts: Vec<super::Pkt>) {
 pub(crate) fn send_pkts_on(dev: &crate::DeviceInner, port: &UdpPort, pkts: &[super::Pkt]) {
     let local = port.local_addr();
     let max_seg = if dev.config.uses_gso() {
-        port.max_gso_segments().clamp(1, 64)
+        port.max_gso_segments() // 1..=sockio::MAX_GSO_SEGMENTS
     } else {
         1
     };
