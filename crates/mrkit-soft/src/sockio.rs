@@ -558,7 +558,10 @@ mod tests {
     #[test]
     fn ipv6_round_trip() {
         let Ok(a) = UdpSocket::bind("[::1]:0") else {
-            return; // no IPv6 loopback on this machine
+            eprintln!(
+                "SKIP sockio::tests::ipv6_round_trip: no IPv6 loopback (::1) on this machine"
+            );
+            return;
         };
         let b = UdpSocket::bind("[::1]:0").unwrap();
         configure(&a, true).unwrap();
