@@ -96,6 +96,22 @@ pub fn configure(sock: &UdpSocket, gro: bool) -> io::Result<bool> {
     Ok(gro && setsockopt_int(sock, libc::SOL_UDP, libc::UDP_GRO, 1).is_ok())
 }
 
+/// Turn receive offload (`UDP_GRO`) on or off. The kernel decides per datagram *when it
+/// queues it*: with GRO off, a GSO buffer from a local sender is cut into datagrams on
+/// arrival; with GRO on it is queued whole and only a receive that asks for control messages
+/// ([`recv_batch`]) learns its segment size. A datagram queued before a switch keeps the form
+/// it was queued in.
+///
+/// ```
+/// let s = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+/// if mrkit_soft::sockio::set_gro(&s, true).is_ok() {
+///     mrkit_soft::sockio::set_gro(&s, false).unwrap();
+/// }
+/// ```
+pub fn set_gro(sock: &UdpSocket, on: bool) -> io::Result<()> {
+    setsockopt_int(sock, libc::SOL_UDP, libc::UDP_GRO, i32::from(on))
+}
+
 /// Whether the kernel segments GSO sends (`UDP_SEGMENT`, Linux ≥ 4.18): setting the socket's
 /// default segment size to 0 (= off) is accepted only where it exists.
 ///
@@ -324,6 +340,17 @@ pub fn send_batch(sock: &UdpSocket, msgs: &[OutMsg<'_>]) -> io::Result<usize> {
     if n == 0 {
         return Ok(0);
     }
+    if let [OutMsg {
+        dst,
+        bytes,
+        segment: None,
+    }] = msgs
+    {
+        // One plain datagram (a request or ACK of request/response traffic): `sendto`, which
+        // copies no message header or iovec array from user space (~0.15 µs less than a
+        // one-message `sendmmsg` per send here, measured in C beside the kernel's calls).
+        return send_one(sock, bytes, dst).map(|_| 1);
+    }
     let mut b = Batch::<MAX_BATCH>::new();
     for (i, m) in msgs.iter().take(n).enumerate() {
         let iov = libc::iovec {
@@ -352,6 +379,45 @@ pub fn send_batch(sock: &UdpSocket, msgs: &[OutMsg<'_>]) -> io::Result<usize> {
     // SAFETY: messages 0..n are initialised; each iovec covers a borrowed slice of exactly its
     // length and each control pointer its buffer in `b`, all alive across the call.
     unsafe { b.call(libc::SYS_sendmmsg, sock, n) }.map_err(io::Error::from_raw_os_error)
+}
+
+/// Send one datagram with a raw `sendto`; returns the bytes sent (`WouldBlock` when the
+/// send buffer is full).
+///
+/// ```
+/// use mrkit_soft::sockio::{configure, send_one};
+/// let a = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+/// let b = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+/// configure(&a, false).unwrap();
+/// assert_eq!(send_one(&a, b"ping", &b.local_addr().unwrap()).unwrap(), 4);
+/// let mut buf = [0u8; 8];
+/// b.set_nonblocking(false).unwrap();
+/// assert_eq!(b.recv(&mut buf).unwrap(), 4);
+/// ```
+pub fn send_one(sock: &UdpSocket, bytes: &[u8], dst: &SocketAddr) -> io::Result<usize> {
+    let (name, namelen) = sockaddr_of(dst);
+    loop {
+        // SAFETY: `bytes` is a live slice of the length passed, `name` a live address of
+        // `namelen` bytes; the fd is owned by `sock`.
+        let r = unsafe {
+            libc::syscall(
+                libc::SYS_sendto,
+                sock.as_raw_fd(),
+                bytes.as_ptr(),
+                bytes.len(),
+                libc::MSG_DONTWAIT,
+                (&name as *const libc::sockaddr_storage).cast::<libc::sockaddr>(),
+                namelen,
+            )
+        };
+        if r >= 0 {
+            return Ok(r as usize);
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
 }
 
 /// What one receive slot got.
@@ -479,6 +545,61 @@ pub fn recv_batch_n<const N: usize>(
     Ok(got.min(n))
 }
 
+/// Receive one datagram with a raw non-blocking `recvfrom`: its sender and length, or `None`
+/// when nothing is ready. Cheaper than a one-slot [`recv_batch`] (no message header or iovec
+/// array copied in, ~0.15 µs per receive here) but blind to receive offload: on a socket with
+/// `UDP_GRO` on, a GRO batch would arrive as one buffer of unknown stride. Use it only on a
+/// socket whose GRO is off and which held no datagram when it was turned off ([`set_gro`]).
+/// A datagram longer than `buf` is truncated to it; a sender that is not IPv4/IPv6 is
+/// reported as the unspecified address.
+///
+/// ```
+/// use mrkit_soft::sockio::{recv_one, send_one};
+/// let a = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+/// let b = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+/// let mut buf = [0u8; 64];
+/// assert_eq!(recv_one(&b, &mut buf).unwrap(), None); // nothing sent yet
+/// send_one(&a, b"pong", &b.local_addr().unwrap()).unwrap();
+/// let (from, len) = loop {
+///     if let Some(got) = recv_one(&b, &mut buf).unwrap() {
+///         break got;
+///     }
+/// };
+/// assert_eq!((from, &buf[..len]), (a.local_addr().unwrap(), &b"pong"[..]));
+/// ```
+pub fn recv_one(sock: &UdpSocket, buf: &mut [u8]) -> io::Result<Option<(SocketAddr, usize)>> {
+    // SAFETY: plain old data; all-zero is AF_UNSPEC (the kernel writes over it).
+    let mut name: libc::sockaddr_storage = unsafe { zeroed() };
+    loop {
+        let mut namelen = size_of::<libc::sockaddr_storage>() as libc::socklen_t;
+        // SAFETY: `buf` is a live mutable slice of the length passed; `name` and `namelen`
+        // are live and `namelen` holds `name`'s size; the fd is owned by `sock`.
+        let r = unsafe {
+            libc::syscall(
+                libc::SYS_recvfrom,
+                sock.as_raw_fd(),
+                buf.as_mut_ptr(),
+                buf.len(),
+                libc::MSG_DONTWAIT,
+                (&mut name as *mut libc::sockaddr_storage).cast::<libc::sockaddr>(),
+                &mut namelen as *mut libc::socklen_t,
+            )
+        };
+        if r >= 0 {
+            let addr = socket_addr_of(&name, namelen)
+                .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 0)));
+            return Ok(Some((addr, (r as usize).min(buf.len()))));
+        }
+        // SAFETY: reads this thread's errno.
+        let errno = unsafe { *libc::__errno_location() };
+        match errno {
+            libc::EINTR => continue,
+            e if e == libc::EAGAIN || e == libc::EWOULDBLOCK => return Ok(None),
+            e => return Err(io::Error::from_raw_os_error(e)),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -542,6 +663,48 @@ mod tests {
             .all(|(k, (_, d))| d.iter().all(|&x| x == k as u8)));
         assert!(got[4].1.iter().all(|&x| x == 7));
         assert!(got.iter().all(|(s, _)| *s == a.local_addr().unwrap()));
+    }
+
+    /// With GRO off a GSO run is cut into datagrams on arrival, so plain `recvfrom` sees each
+    /// on its own; with GRO on, `recvmmsg` gets it whole with its stride.
+    #[test]
+    fn gro_switch_decides_how_a_gso_run_is_queued() {
+        let (a, b) = pair();
+        let dst = b.local_addr().unwrap();
+        let run: Vec<u8> = (0..3u8).flat_map(|k| [k; 500]).collect();
+        let msg = [OutMsg {
+            dst,
+            bytes: &run,
+            segment: Some(500),
+        }];
+        set_gro(&b, false).unwrap();
+        assert_eq!(send_batch(&a, &msg).unwrap(), 1);
+        let mut buf = [0u8; 2048];
+        let end = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        let mut got = Vec::new();
+        while got.len() < 3 && std::time::Instant::now() < end {
+            if let Some((from, len)) = recv_one(&b, &mut buf).unwrap() {
+                assert_eq!(from, a.local_addr().unwrap());
+                got.push(buf[..len].to_vec());
+            }
+        }
+        assert_eq!(got, (0..3u8).map(|k| vec![k; 500]).collect::<Vec<_>>());
+        assert_eq!(recv_one(&b, &mut buf).unwrap(), None);
+        set_gro(&b, true).unwrap();
+        assert_eq!(send_batch(&a, &msg).unwrap(), 1);
+        let mut storage = vec![0u8; 4096];
+        let mut meta = [RecvMeta::default(); 1];
+        let n = loop {
+            match recv_batch(&b, &mut [&mut storage[..]], &mut meta).unwrap() {
+                0 if std::time::Instant::now() < end => std::thread::yield_now(),
+                n => break n,
+            }
+        };
+        assert_eq!(
+            (n, meta[0].len, meta[0].stride),
+            (1, 1500, 500),
+            "one GRO batch"
+        );
     }
 
     #[test]
