@@ -1120,7 +1120,7 @@ fn data_path_report(s: &mut String, dp: &Value) {
     }
     let dpt = &dp["two_process"];
     let _ = writeln!(s, "\n### Two processes (RoCEv2 over UDP)\n");
-    let _ = writeln!(s, "`mrkit perf --server` in a child process, the client in another process, on loopback addresses; data verified; RTT columns are the one-message-outstanding round trips of each point. Full run (`mrkit bench transport`): floors from the same run, raw UDP streams of 4 KiB datagrams in 60 KiB GSO sends received one datagram per slot (perf.md §2) and with GRO, a raw 8-byte UDP ping-pong, and UCX when installed.\n");
+    let _ = writeln!(s, "`mrkit perf --server` in a child process, the client in another process, on loopback addresses; data verified; RTT columns are the one-message-outstanding round trips of each point. Full run (`mrkit bench transport`): floors from the same run, raw UDP streams of 4 KiB datagrams in 60 KiB GSO sends received one datagram per slot (perf.md §2) and with GRO, the GRO stream with the payload copies and ICRC a RoCE stream must do (a ceiling), a raw 8-byte UDP ping-pong, and UCX when installed.\n");
     let r = &dpt["result"];
     if r.is_null() {
         let _ = writeln!(
@@ -1132,6 +1132,7 @@ fn data_path_report(s: &mut String, dp: &Value) {
     }
     let gso = r["raw_udp_gso_mbps"].as_f64();
     let gro = r["raw_udp_gso_gro_mbps"].as_f64();
+    let ceiling = r["raw_udp_gso_gro_copy_icrc_mbps"].as_f64();
     let pp = r["raw_udp_pingpong_rtt_us"].as_f64();
     let ratio = |x: f64, floor: Option<f64>| {
         floor
@@ -1139,7 +1140,7 @@ fn data_path_report(s: &mut String, dp: &Value) {
             .map(|f| format!("{:.2}", x / f))
             .unwrap_or_else(|| "-".into())
     };
-    let _ = writeln!(s, "| op | size | MB/s | ÷ raw UDP GSO | ÷ raw UDP GSO+GRO | RTT p50 | RTT p99 | errors |\n|---|---:|---:|---:|---:|---:|---:|---:|");
+    let _ = writeln!(s, "| op | size | MB/s | ÷ raw UDP GSO | ÷ raw UDP GSO+GRO | ÷ GSO+GRO with copies and ICRC | RTT p50 | RTT p99 | errors |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|");
     for x in r["mrkit"].as_array().into_iter().flatten() {
         let bw = x["bw_mbps"].as_f64().unwrap_or(0.0);
         let (p50, p99) = (us(&x["lat_us_p50"], 1), us(&x["lat_us_p99"], 1));
@@ -1152,6 +1153,7 @@ fn data_path_report(s: &mut String, dp: &Value) {
                 bw_s,
                 r_gso,
                 r_gro,
+                ratio(bw, ceiling),
                 p50,
                 p99,
                 x["errors"].to_string(),
@@ -1278,6 +1280,7 @@ fn two_process_light() -> Result<Value, String> {
     Ok(json!({
         "raw_udp_gso_mbps": null,
         "raw_udp_gso_gro_mbps": null,
+        "raw_udp_gso_gro_copy_icrc_mbps": null,
         "raw_udp_pingpong_rtt_us": null,
         "mrkit": rows,
         "write_lat": wlat,

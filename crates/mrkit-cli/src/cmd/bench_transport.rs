@@ -5,8 +5,10 @@
 //!   datagram per `recvmmsg` slot: the perf.md §2 anchor, ~3.3 GB/s there, and the floor the
 //!   issue's "with segmentation offload" names) and **with** `UDP_GRO` (the whole 60 KiB in one
 //!   slot: no per-datagram work at all on loopback, so roughly twice as fast; the device's own
-//!   receiver uses GRO); and a spinning raw UDP ping-pong of 8 bytes, measured right before the
-//!   latency runs;
+//!   receiver uses GRO); the GRO stream again with the least work a faithful RoCE stream adds
+//!   (the sender copies each payload out of a buffer and computes its ICRC, the receiver checks
+//!   it and copies the payload into a buffer: a ceiling for any software RoCE device here);
+//!   and a spinning raw UDP ping-pong of 8 bytes, measured right before the latency runs;
 //! * mrkit0: `mrkit perf --server` in a child process and the client here: WRITE and READ
 //!   bandwidth at 4 KiB, 64 KiB and 1 MiB, 8-byte WRITE and SEND round trips;
 //! * UCX: `ucx_perftest` over its tcp transport (put_bw 64 KiB, am_lat 8 B) when installed.
@@ -32,9 +34,21 @@ fn udp_pair(a: &str, b: &str) -> std::io::Result<(UdpSocket, UdpSocket)> {
     Ok((s, r))
 }
 
+/// What a raw stream does besides sending and receiving.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum StreamWork {
+    /// Nothing: the kernel's cost alone.
+    None,
+    /// Per datagram, what RoCE cannot skip: the sender copies the payload out of a source
+    /// buffer (the MR) and computes the ICRC (`mrkit_soft::wire::IcrcInputs`, as the device);
+    /// the receiver recomputes and compares it and copies the payload into a destination
+    /// buffer. No headers, no protocol, no ACKs.
+    CopyAndIcrc,
+}
+
 /// Raw UDP stream: 60 KiB GSO sends of `seg`-byte datagrams, received with or without
 /// `UDP_GRO`; returns MB/s received.
-fn raw_stream(seg: usize, gro: bool, dur: Duration) -> std::io::Result<f64> {
+fn raw_stream(seg: usize, gro: bool, work: StreamWork, dur: Duration) -> std::io::Result<f64> {
     let (tx, rx) = udp_pair("127.77.0.1:0", "127.77.0.2:0")?;
     let dst = rx.local_addr()?;
     sockio::configure(&tx, false)?;
@@ -44,15 +58,38 @@ fn raw_stream(seg: usize, gro: bool, dur: Duration) -> std::io::Result<f64> {
     let stop2 = stop.clone();
     let per = (60 * 1024 / seg).max(1);
     let segment = (per > 1).then(|| u16::try_from(seg).unwrap_or(u16::MAX));
+    let icrc = mrkit_soft::wire::IcrcInputs::from_socket_addrs(tx.local_addr()?, dst);
+    const MR: usize = 1 << 20;
+    let payload = seg.saturating_sub(mrkit_soft::wire::ICRC_LEN).max(1);
     let sender = std::thread::spawn(move || {
-        let buf = vec![0x5au8; seg * per];
-        let msg = [OutMsg {
-            dst,
-            bytes: &buf,
-            segment,
-        }];
-        while !stop2.load(Ordering::Relaxed) {
-            if sockio::send_batch(&tx, &msg).is_err() {
+        let mut buf = vec![0x5au8; seg * per];
+        let source: Vec<u8> = (0..MR).map(|i| i as u8).collect();
+        let mut at = 0;
+        loop {
+            if work == StreamWork::CopyAndIcrc {
+                for d in buf.chunks_mut(seg) {
+                    let (body, crc) = d.split_at_mut(payload.min(d.len()));
+                    if at + body.len() > MR {
+                        at = 0;
+                    }
+                    body.copy_from_slice(&source[at..at + body.len()]);
+                    at += body.len();
+                    let c = icrc.compute(body).to_le_bytes();
+                    crc.copy_from_slice(&c[..crc.len()]);
+                }
+            }
+            let msg = [OutMsg {
+                dst,
+                bytes: &buf,
+                segment,
+            }];
+            loop {
+                if stop2.load(Ordering::Relaxed) {
+                    return;
+                }
+                if sockio::send_batch(&tx, &msg).is_ok() {
+                    break;
+                }
                 std::thread::yield_now(); // full socket buffer
             }
         }
@@ -62,16 +99,37 @@ fn raw_stream(seg: usize, gro: bool, dur: Duration) -> std::io::Result<f64> {
     let mut storage: Vec<Vec<u8>> = (0..64).map(|_| vec![0u8; slot]).collect();
     let mut slices: Vec<&mut [u8]> = storage.iter_mut().map(|b| &mut b[..]).collect();
     let mut meta = [RecvMeta::default(); 64];
+    let mut mr = vec![0u8; MR];
+    let (mut at, mut bad) = (0, 0u64);
     let t0 = Instant::now();
     let mut bytes = 0u64;
     while t0.elapsed() < dur {
         if let Ok(n) = sockio::recv_batch_n::<64>(&rx, &mut slices, &mut meta) {
             bytes += meta[..n].iter().map(|m| m.len as u64).sum::<u64>();
+            if work == StreamWork::CopyAndIcrc {
+                for (slot, m) in slices.iter().zip(&meta[..n]) {
+                    for d in slot[..m.len].chunks(m.stride.max(1)) {
+                        let (body, crc) = d.split_at(payload.min(d.len()));
+                        let c = icrc.compute(body).to_le_bytes();
+                        bad += u64::from(crc != &c[..crc.len()]);
+                        if at + body.len() > MR {
+                            at = 0;
+                        }
+                        mr[at..at + body.len()].copy_from_slice(body);
+                        at += body.len();
+                    }
+                }
+            }
         }
     }
     let secs = t0.elapsed().as_secs_f64();
     stop.store(true, Ordering::Relaxed);
     let _ = sender.join();
+    if bad > 0 {
+        return Err(std::io::Error::other(format!(
+            "{bad} datagrams of the raw stream failed their ICRC"
+        )));
+    }
     Ok(bytes as f64 / secs / 1e6)
 }
 
@@ -189,8 +247,9 @@ impl Drop for ServerGuard {
 
 fn run_inner(quick: bool) -> anyhow::Result<serde_json::Value> {
     let dur = Duration::from_millis(if quick { 300 } else { 1500 });
-    let gso = raw_stream(4096, false, dur)?;
-    let gso_gro = raw_stream(4096, true, dur)?;
+    let gso = raw_stream(4096, false, StreamWork::None, dur)?;
+    let gso_gro = raw_stream(4096, true, StreamWork::None, dur)?;
+    let gso_gro_work = raw_stream(4096, true, StreamWork::CopyAndIcrc, dur)?;
     let port = {
         let l = std::net::TcpListener::bind("127.0.0.1:0")?;
         l.local_addr()?.port()
@@ -265,6 +324,7 @@ fn run_inner(quick: bool) -> anyhow::Result<serde_json::Value> {
     Ok(json!({
         "raw_udp_gso_mbps": gso,
         "raw_udp_gso_gro_mbps": gso_gro,
+        "raw_udp_gso_gro_copy_icrc_mbps": gso_gro_work,
         "raw_udp_pingpong_rtt_us": pp,
         "mrkit": rows,
         "write_lat": wlat,
@@ -277,25 +337,28 @@ fn run_inner(quick: bool) -> anyhow::Result<serde_json::Value> {
 fn print_table(v: &serde_json::Value) {
     let gso = v["raw_udp_gso_mbps"].as_f64().unwrap_or(0.0);
     let gro = v["raw_udp_gso_gro_mbps"].as_f64().unwrap_or(0.0);
+    let work = v["raw_udp_gso_gro_copy_icrc_mbps"].as_f64().unwrap_or(0.0);
     let pp = v["raw_udp_pingpong_rtt_us"].as_f64().unwrap_or(0.0);
     println!(
         "floors: raw UDP stream, 4 KiB datagrams in 60 KiB GSO sends: {gso:.0} MB/s received one \
-         datagram per slot (perf.md §2), {gro:.0} MB/s with UDP_GRO; raw UDP ping-pong 8 B RTT \
+         datagram per slot (perf.md §2), {gro:.0} MB/s with UDP_GRO, {work:.0} MB/s with UDP_GRO \
+         plus the payload copies and ICRC of RoCE (a ceiling); raw UDP ping-pong 8 B RTT \
          {pp:.1} µs"
     );
     println!(
-        "{:>6} {:>8} | {:>10} {:>6} {:>8} | {:>10} {:>10}",
-        "op", "size", "MB/s", "÷GSO", "÷GSO+GRO", "RTT p50", "RTT p99"
+        "{:>6} {:>8} | {:>10} {:>6} {:>8} {:>8} | {:>10} {:>10}",
+        "op", "size", "MB/s", "÷GSO", "÷GSO+GRO", "÷ceiling", "RTT p50", "RTT p99"
     );
     for r in v["mrkit"].as_array().into_iter().flatten() {
         let bw = r["bw_mbps"].as_f64().unwrap_or(0.0);
         println!(
-            "{:>6} {:>8} | {:>10.0} {:>6.2} {:>8.2} | {:>8.1}µs {:>8.1}µs",
+            "{:>6} {:>8} | {:>10.0} {:>6.2} {:>8.2} {:>8.2} | {:>8.1}µs {:>8.1}µs",
             r["op"].as_str().unwrap_or("?"),
             r["size"],
             bw,
             bw / gso.max(1e-9),
             bw / gro.max(1e-9),
+            bw / work.max(1e-9),
             r["lat_us_p50"].as_f64().unwrap_or(0.0),
             r["lat_us_p99"].as_f64().unwrap_or(0.0)
         );
@@ -317,5 +380,32 @@ fn print_table(v: &serde_json::Value) {
         _ => {
             println!("UCX: ucx_perftest not installed (apt-get install ucx-utils) or not parsable")
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The ceiling stream checks every datagram's ICRC on arrival (a miscomputed or misplaced
+    /// ICRC, or a GRO batch split at the wrong stride, fails the run) and moves data.
+    #[test]
+    fn copy_and_icrc_stream_verifies_what_it_receives() {
+        let mbps = raw_stream(
+            4096,
+            true,
+            StreamWork::CopyAndIcrc,
+            Duration::from_millis(200),
+        )
+        .unwrap();
+        assert!(mbps > 0.0, "{mbps}");
+        let plain = raw_stream(
+            4096,
+            false,
+            StreamWork::CopyAndIcrc,
+            Duration::from_millis(100),
+        )
+        .unwrap();
+        assert!(plain > 0.0, "{plain}");
     }
 }
