@@ -309,15 +309,6 @@ impl DataPath {
         self.qps.read().get(&qpn).cloned()
     }
 
-    /// Hand a batch of packets for one QP to it (one inbox lock, one scheduling).
-    pub(crate) fn enqueue_batch(&self, q: &Arc<QpObject>, pkts: &mut Vec<Pkt>) {
-        if pkts.is_empty() {
-            return;
-        }
-        q.inbox.lock().append(pkts);
-        self.schedule_obj(q);
-    }
-
     pub(crate) fn enqueue_packet(&self, p: Pkt) {
         let q = self.qps.read().get(&p.bth.dest_qpn).cloned();
         if let Some(q) = q {
@@ -595,22 +586,50 @@ impl Context {
         if !app {
             self.flush_acks(None);
         }
+        // The QPs this pass runs: first those that just received packets (handed over here
+        // rather than through the run queue: no scheduling flag, no run-queue lock twice),
+        // then up to PASS_QPS in all from the run queue.
+        let mut batch: [Option<Arc<QpObject>>; PASS_QPS] = Default::default();
+        let mut received = 0;
         if let Some(port) = self.dev.udp.get() {
             // One receiver at a time keeps the socket's order (see DeviceInner::rx).
             if let Some(mut bufs) = self.dev.rx.try_lock() {
-                crate::net::udp::poll_rx(self, port, &mut bufs);
+                crate::net::udp::poll_rx(self, port, &mut bufs, |q, pkts| {
+                    q.inbox.lock().append(pkts);
+                    if batch[..received]
+                        .iter()
+                        .flatten()
+                        .any(|b| Arc::ptr_eq(b, q))
+                    {
+                        return;
+                    }
+                    if received < PASS_QPS {
+                        batch[received] = Some(q.clone());
+                        received += 1;
+                    } else {
+                        dp.schedule_obj(q);
+                    }
+                });
             }
             let _ = port.tick(now);
         }
-        // Up to PASS_QPS scheduled QPs per pass, moved out under one lock into a local
-        // table (taking the whole queue would hand its buffer away and make the next
-        // scheduling allocate a new one); the rest run in the next pass.
-        let mut batch: [Option<Arc<QpObject>>; PASS_QPS] = Default::default();
-        let mut work = 0;
-        if dp.sched.runq_len.load(Ordering::Acquire) > 0 {
+        // Scheduled QPs, moved out under one lock into the local table (taking the whole
+        // queue would hand its buffer away and make the next scheduling allocate a new one);
+        // the rest run in the next pass.
+        let mut work = received;
+        if work < PASS_QPS && dp.sched.runq_len.load(Ordering::Acquire) > 0 {
             let mut g = dp.sched.runq.lock();
             while work < PASS_QPS {
                 match g.pop_front() {
+                    // Already running in this pass (it received packets): off the queue.
+                    Some(q)
+                        if batch[..received]
+                            .iter()
+                            .flatten()
+                            .any(|b| Arc::ptr_eq(b, &q)) =>
+                    {
+                        q.scheduled.store(false, Ordering::Release);
+                    }
                     Some(q) => {
                         batch[work] = Some(q);
                         work += 1;
@@ -632,8 +651,11 @@ impl Context {
                 Vec::new()
             }
         };
-        for q in batch.into_iter().flatten() {
-            q.scheduled.store(false, Ordering::Release);
+        for (i, q) in batch.into_iter().enumerate() {
+            let Some(q) = q else { break };
+            if i >= received {
+                q.scheduled.store(false, Ordering::Release); // taken off the run queue
+            }
             let (pkts, needs_tick) = q.run(self, now);
             self.set_ticking(q.qpn, needs_tick);
             self.deliver_pkts(pkts, hold.filter(|_| q.delay_acks.load(Ordering::Relaxed)));

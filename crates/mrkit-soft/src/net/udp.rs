@@ -734,9 +734,14 @@ fn flush_runs(dev: &crate::DeviceInner, port: &UdpPort, runs: &[Run], buf: &[u8]
 const RX_SLOTS_PER_PASS: usize = 4;
 
 /// Receive ready datagrams (one bounded batch) on the device's port and hand the packets to
-/// their QPs.
-/// Returns how many datagrams arrived.
-pub(crate) fn poll_rx(ctx: &crate::Context, port: &UdpPort, bufs: &mut RecvBufs) -> usize {
+/// their QPs: `deliver(qp, packets)` for each run of consecutive packets for one QP (it
+/// takes the packets). Returns how many datagrams arrived.
+pub(crate) fn poll_rx(
+    ctx: &crate::Context,
+    port: &UdpPort,
+    bufs: &mut RecvBufs,
+    mut deliver: impl FnMut(&std::sync::Arc<crate::qp::QpObject>, &mut Vec<super::Pkt>),
+) -> usize {
     use std::sync::atomic::Ordering::Relaxed;
     let local = port.local_addr();
     let node = ctx.dev.dp.node_id;
@@ -763,7 +768,7 @@ pub(crate) fn poll_rx(ctx: &crate::Context, port: &UdpPort, bufs: &mut RecvBufs)
                 let qpn = p.bth.dest_qpn;
                 if cur.as_ref().map_or(true, |(n, _)| *n != qpn) {
                     if let Some((_, q)) = &cur {
-                        dp.enqueue_batch(q, &mut run);
+                        deliver(q, &mut run);
                     }
                     cur = dp.qp_object(qpn).map(|q| (qpn, q));
                 }
@@ -785,7 +790,7 @@ pub(crate) fn poll_rx(ctx: &crate::Context, port: &UdpPort, bufs: &mut RecvBufs)
         }
     });
     if let Some((_, q)) = &cur {
-        dp.enqueue_batch(q, &mut run);
+        deliver(q, &mut run);
     }
     run.clear();
     bufs.run = run;
