@@ -748,7 +748,7 @@ pub(crate) fn poll_rx(
     let st = &ctx.dev.net_stats;
     let dp = &ctx.dev.dp;
     // Consecutive packets for one QP (a GRO batch is one flow) are handed over together:
-    // one QP lookup, one inbox lock and one scheduling per run instead of per packet.
+    // one QP lookup and one hand-over per run instead of per packet.
     let mut cur: Option<(u32, std::sync::Arc<crate::qp::QpObject>)> = None;
     let mut run = std::mem::take(&mut bufs.run);
     let mut dropped = 0u64;
