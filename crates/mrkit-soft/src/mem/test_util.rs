@@ -104,14 +104,22 @@ impl Drop for Map {
 /// Frame numbers of `[addr, addr + len)` as seen by a forked child that only reads them (no
 /// writes, so shared copy-on-write pages keep the parent's frames). Hold [`serial`].
 pub(crate) fn child_pfns(addr: u64, len: u64) -> Vec<u64> {
+    child_pfns_within(addr, len, std::time::Duration::from_secs(20))
+        .expect("forked child reported its frame numbers")
+}
+
+/// [`child_pfns`], or `None` when the child does not answer within `timeout` (it is killed).
+pub(crate) fn child_pfns_within(
+    addr: u64,
+    len: u64,
+    timeout: std::time::Duration,
+) -> Option<Vec<u64>> {
     let (mut r, mut w) = std::os::unix::net::UnixStream::pair().unwrap();
-    r.set_read_timeout(Some(std::time::Duration::from_secs(20)))
-        .unwrap();
+    r.set_read_timeout(Some(timeout)).unwrap();
     let n = (len / crate::mem::page_size() as u64) as usize;
     // SAFETY: the test process is multi-threaded; the child only walks its page tables
-    // (malloc is fork-safe in glibc; the pagemap lock is write-held only for an instant when the
-    // file is opened), writes to a socket and `_exit`s. A deadlock would show up as a read
-    // timeout below, never as a wrong answer.
+    // (malloc is fork-safe in glibc; page walks take no lock), writes to a socket and `_exit`s.
+    // A deadlock would show up as a read timeout below, never as a wrong answer.
     let pid = unsafe { libc::fork() };
     if pid == 0 {
         let pfns = crate::mem::translate::walk(addr, len)
@@ -136,8 +144,10 @@ pub(crate) fn child_pfns(addr: u64, len: u64) -> Vec<u64> {
     let mut status = 0;
     // SAFETY: reaping our own child.
     unsafe { libc::waitpid(pid, &mut status, 0) };
-    res.expect("forked child reported its frame numbers");
-    buf.chunks_exact(8)
-        .map(|c| u64::from_ne_bytes(c.try_into().unwrap()))
-        .collect()
+    res.ok()?;
+    Some(
+        buf.chunks_exact(8)
+            .map(|c| u64::from_ne_bytes(c.try_into().unwrap()))
+            .collect(),
+    )
 }

@@ -17,18 +17,17 @@
 //!
 //! # The pagemap file
 //!
-//! `/proc/self/pagemap` is opened once and kept open. The file is bound to the address space of
-//! the process that opened it, so a `pthread_atfork` child handler marks it stale and a forked
-//! child reopens its own. (A child created by a raw `clone` syscall that bypasses libc's fork
-//! handlers would read its parent's tables.) Whether frame numbers are visible is decided by the
-//! kernel at open time (CAP_SYS_ADMIN of the opener) and cached with the file.
+//! `/proc/self/pagemap` is opened once per process and kept open. The file is bound to the
+//! address space of the process that opened it, so it is kept with the opener's pid and a forked
+//! child (another pid, also one made by a raw `clone`) opens its own. The file is published
+//! through an atomic pointer, not behind a lock: a lock that another thread holds at `fork`
+//! (a walk under way) stays held forever in the child, whose first walk then hung (a test forks
+//! while another thread walks). Whether frame numbers are visible is decided by the kernel at
+//! open time (CAP_SYS_ADMIN of the opener) and cached with the file.
 
 use std::fs::File;
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
-use std::sync::Once;
-
-use parking_lot::{RwLock, RwLockUpgradableReadGuard};
+use std::sync::atomic::{AtomicPtr, AtomicU8, Ordering};
 
 use crate::error::{err, Result};
 
@@ -90,61 +89,55 @@ const NO: u8 = 2;
 
 struct Pagemap {
     file: File,
-    /// [`FORK_GEN`] when the file was opened.
-    gen: u64,
+    /// The process that opened the file (a forked child has another pid and must open its
+    /// own: this one shows the parent's address space).
+    pid: u32,
     /// Whether frame numbers read through this file are real (UNKNOWN until seen).
     pfns: AtomicU8,
 }
 
-/// The open `/proc/self/pagemap` (None until first use).
-static PAGEMAP: RwLock<Option<Pagemap>> = RwLock::new(None);
-/// Bumped in every forked child (pthread_atfork): a file opened under an older generation
-/// belongs to the parent's address space.
-static FORK_GEN: AtomicU64 = AtomicU64::new(0);
-static ATFORK: Once = Once::new();
+/// The open `/proc/self/pagemap` of this process (null until first use). Published once per
+/// process and never freed: a child forked while another thread was using the parent's file
+/// inherits the pointer, sees a foreign pid and publishes its own (the parent's stays open in
+/// the child, one descriptor). No lock: a lock held by another thread at `fork` stays held
+/// forever in the child (a reader in the middle of a walk made the child's first walk hang).
+static PAGEMAP: AtomicPtr<Pagemap> = AtomicPtr::new(std::ptr::null_mut());
 /// PAGEMAP_SCAN availability: UNKNOWN, YES or NO.
 static HUGE_DETECT: AtomicU8 = AtomicU8::new(UNKNOWN);
 
-extern "C" fn atfork_child() {
-    FORK_GEN.fetch_add(1, Ordering::Relaxed);
-}
-
-/// Run `f` with the current process's pagemap file (opened on first use, reopened after fork).
+/// Run `f` with the current process's pagemap file (opened on first use, and again in a
+/// forked child).
 fn with_pagemap<R>(f: impl FnOnce(&Pagemap) -> R) -> Result<R> {
-    let gen = FORK_GEN.load(Ordering::Relaxed);
-    {
-        let g = PAGEMAP.read();
-        if let Some(p) = g.as_ref().filter(|p| p.gen == gen) {
+    let pid = std::process::id();
+    loop {
+        let current = PAGEMAP.load(Ordering::Acquire);
+        // SAFETY: a non-null PAGEMAP points at a leaked `Box<Pagemap>` (below), never freed.
+        if let Some(p) = unsafe { current.as_ref() }.filter(|p| p.pid == pid) {
             return Ok(f(p));
         }
-    }
-    let g = PAGEMAP.upgradable_read();
-    if let Some(p) = g.as_ref().filter(|p| p.gen == gen) {
-        return Ok(f(p));
-    }
-    ATFORK.call_once(|| {
-        // SAFETY: registers a handler that only bumps an atomic (async-signal-safe), valid for
-        // the whole life of the program.
-        let rc = unsafe { libc::pthread_atfork(None, None, Some(atfork_child)) };
-        if rc != 0 {
-            tracing::warn!("pthread_atfork failed ({rc}); a forked child must not walk pages");
+        let file = File::open("/proc/self/pagemap").map_err(|e| {
+            err!(
+                EOPNOTSUPP,
+                "cannot open /proc/self/pagemap ({e}); mount procfs to enable page walks"
+            )
+        })?;
+        let mine = Box::into_raw(Box::new(Pagemap {
+            file,
+            pid,
+            pfns: AtomicU8::new(UNKNOWN),
+        }));
+        if PAGEMAP
+            .compare_exchange(current, mine, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+        {
+            HUGE_DETECT.store(UNKNOWN, Ordering::Relaxed);
+            // SAFETY: just published; never freed.
+            return Ok(f(unsafe { &*mine }));
         }
-    });
-    let file = File::open("/proc/self/pagemap").map_err(|e| {
-        err!(
-            EOPNOTSUPP,
-            "cannot open /proc/self/pagemap ({e}); mount procfs to enable page walks"
-        )
-    })?;
-    let mut w = RwLockUpgradableReadGuard::upgrade(g);
-    *w = Some(Pagemap {
-        file,
-        gen,
-        pfns: AtomicU8::new(UNKNOWN),
-    });
-    HUGE_DETECT.store(UNKNOWN, Ordering::Relaxed);
-    let r = parking_lot::RwLockWriteGuard::downgrade(w);
-    Ok(f(r.as_ref().expect("just stored")))
+        // Another thread of this process published first: use its file (next iteration).
+        // SAFETY: `mine` was never published, so this is its only owner.
+        drop(unsafe { Box::from_raw(mine) });
+    }
 }
 
 /// Read the pagemap entries of `n` base pages starting at page-aligned `start` into `out`
@@ -528,6 +521,43 @@ mod tests {
         assert_eq!(small.entries(), 1);
     }
 
+    /// A child forked while another thread of the parent is in the middle of a walk walks its
+    /// own pages: nothing it inherits from that walk (a lock held at the fork, a file of the
+    /// parent's address space) may block or mislead it.
+    #[test]
+    fn fork_during_another_threads_walk() {
+        let _g = crate::mem::test_util::serial();
+        let small = crate::mem::test_util::Map::new(4 * 4096);
+        small.touch();
+        if !walk(small.addr, small.len).unwrap().has_pfns() {
+            return;
+        }
+        // An untouched 256 MiB range: each walk reads 64 Ki entries, so the other thread is
+        // inside a walk most of the time.
+        let big = crate::mem::test_util::Map::new(256 << 20);
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                while !stop.load(Ordering::Relaxed) {
+                    walk(big.addr, big.len).unwrap();
+                }
+            });
+            for i in 0..20 {
+                let child = crate::mem::test_util::child_pfns_within(
+                    small.addr,
+                    small.len,
+                    std::time::Duration::from_secs(5),
+                );
+                if child.is_none() {
+                    stop.store(true, Ordering::Relaxed);
+                }
+                let child = child.unwrap_or_else(|| panic!("fork {i}: the child's walk hung"));
+                assert!(child.iter().all(|&p| p != 0), "fork {i}: {child:?}");
+            }
+            stop.store(true, Ordering::Relaxed);
+        });
+    }
+
     #[test]
     fn fork_reopens_pagemap() {
         // Open the parent's file first, then walk in a forked child: the child must see its own
@@ -544,8 +574,7 @@ mod tests {
         r.set_read_timeout(Some(std::time::Duration::from_secs(20)))
             .unwrap();
         // SAFETY: the test process is multi-threaded; the child only writes its own memory,
-        // walks (malloc is fork-safe in glibc; the pagemap lock is only write-held for an
-        // instant when the file is first opened, which happened above), writes to a socket and
+        // walks (malloc is fork-safe in glibc; page walks take no lock), writes to a socket and
         // `_exit`s. A deadlock would surface as a read timeout below, not as a false pass.
         let pid = unsafe { libc::fork() };
         if pid == 0 {
