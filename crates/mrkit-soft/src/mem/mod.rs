@@ -21,6 +21,34 @@ pub mod translate;
 #[cfg(test)]
 pub(crate) mod test_util;
 
+/// Bumped in every forked child (`pthread_atfork`): state keyed by an older generation (the
+/// pagemap file, the io_uring pinning rings) belongs to the parent process.
+static FORK_GEN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+/// The atfork handler is registered. A flag, not a `Once`: a `Once` running while another
+/// thread forks stays "running" forever in the child.
+static ATFORK: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+extern "C" fn atfork_child() {
+    FORK_GEN.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// This process's fork generation (0 unless it is a forked child of a process that used this
+/// module). Registers the `pthread_atfork` child handler on first use, so every fork after the
+/// first pin or page walk bumps the child's generation. (A child made by a raw `clone` that
+/// bypasses libc's fork handlers keeps its parent's generation.)
+pub(crate) fn fork_generation() -> u64 {
+    use std::sync::atomic::Ordering;
+    if !ATFORK.load(Ordering::Acquire) && !ATFORK.swap(true, Ordering::AcqRel) {
+        // SAFETY: registers a handler that only bumps an atomic (async-signal-safe), valid for
+        // the whole life of the program.
+        let rc = unsafe { libc::pthread_atfork(None, None, Some(atfork_child)) };
+        if rc != 0 {
+            tracing::warn!("pthread_atfork failed ({rc}); a forked child must not pin or walk");
+        }
+    }
+    FORK_GEN.load(Ordering::Acquire)
+}
+
 /// The base page size of this machine (4 KiB on x86-64).
 pub fn page_size() -> usize {
     rustix::param::page_size()

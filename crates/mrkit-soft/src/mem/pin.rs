@@ -16,6 +16,11 @@
 //! VmPin drops at once) releases the pages synchronously, and gives the slot back. Each slot is
 //! its own pin: overlapping pins never unpin each other. Rings are never destroyed.
 //!
+//! After `fork` the child shares the parent's rings through the inherited descriptors but has
+//! its own copy of the free lists, so both would hand out the same slots and each would unpin
+//! the other's buffers. A forked child therefore pins in a pool of its own (keyed by
+//! the fork generation), and dropping a pin it inherited leaves the parent's slot alone.
+//!
 //! Kernel accounting: io_uring charges the pages to the *user's* `locked_vm` against
 //! RLIMIT_MEMLOCK unless the ring was created with CAP_IPC_LOCK (rings live for the process, so
 //! dropping the capability later does not bring the kernel limit back; [`super::account`] still
@@ -38,7 +43,7 @@
 //! io_uring refuses (EOPNOTSUPP), an unusable io_uring, or an exhausted slot pool. A forced path
 //! never falls back; [`pin_via`] selects a path for a single call.
 
-use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicPtr, AtomicU8, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
 use io_uring::IoUring;
@@ -298,7 +303,7 @@ pub fn io_uring_available() -> bool {
 
 /// Why io_uring is unusable (`None` when it is usable). Probes like [`io_uring_available`].
 pub fn io_uring_unavailable_reason() -> Option<String> {
-    match RINGS[0].get_or_init(|| Ring::create().map(Box::new)) {
+    match ring_set().rings[0].get_or_init(|| Ring::create().map(Box::new)) {
         Ok(_) => None,
         Err(e) => Some(e.clone()),
     }
@@ -341,22 +346,67 @@ impl Ring {
 
 type RingCell = OnceLock<std::result::Result<Box<Ring>, String>>;
 
-/// The ring pool, created lazily; `RINGS[0]` doubles as the availability probe.
-static RINGS: [RingCell; MAX_RINGS] = [const { OnceLock::new() }; MAX_RINGS];
-/// A ring that probably has free slots: where slot searches start.
-static RING_HINT: AtomicUsize = AtomicUsize::new(0);
-
-fn ring(i: usize) -> Option<&'static Ring> {
-    RINGS[i]
-        .get_or_init(|| Ring::create().map(Box::new))
-        .as_ref()
-        .ok()
-        .map(|b| &**b)
+/// The ring pool of one process, created lazily; `rings[0]` doubles as the availability probe.
+struct RingSet {
+    /// The fork generation ([`super::fork_generation`]) of the process that made the pool.
+    gen: u64,
+    rings: [RingCell; MAX_RINGS],
+    /// A ring that probably has free slots: where slot searches start.
+    hint: AtomicUsize,
 }
 
-/// A fixed-buffer slot: (ring index, slot index).
+/// This process's ring pool (null until first use), published once per process and never
+/// freed. A forked child shares its parent's rings through the inherited descriptors, but not
+/// the parent's free lists: both would hand out the same slot, and each update of a shared slot
+/// replaces (unpins) the other's buffer. So a child makes a pool of its own, and leaves the
+/// slots of pins it inherited alone (those pin the parent's pages, not its own). No lock: a
+/// lock held by another thread at `fork` would stay held in the child.
+static RING_SET: AtomicPtr<RingSet> = AtomicPtr::new(std::ptr::null_mut());
+
+fn ring_set() -> &'static RingSet {
+    let gen = super::fork_generation();
+    loop {
+        let current = RING_SET.load(Ordering::Acquire);
+        // SAFETY: a non-null RING_SET points at a leaked `Box<RingSet>` (below), never freed.
+        if let Some(set) = unsafe { current.as_ref() }.filter(|s| s.gen == gen) {
+            return set;
+        }
+        let mine = Box::into_raw(Box::new(RingSet {
+            gen,
+            rings: [const { OnceLock::new() }; MAX_RINGS],
+            hint: AtomicUsize::new(0),
+        }));
+        if RING_SET
+            .compare_exchange(current, mine, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+        {
+            // SAFETY: just published; never freed.
+            return unsafe { &*mine };
+        }
+        // Another thread published first: use its pool (next iteration).
+        // SAFETY: `mine` was never published, so this is its only owner.
+        drop(unsafe { Box::from_raw(mine) });
+    }
+}
+
+impl RingSet {
+    fn ring(&self, i: usize) -> Option<&Ring> {
+        self.rings[i]
+            .get_or_init(|| Ring::create().map(Box::new))
+            .as_ref()
+            .ok()
+            .map(|b| &**b)
+    }
+}
+
+fn ring(i: usize) -> Option<&'static Ring> {
+    ring_set().ring(i)
+}
+
+/// A fixed-buffer slot: (pool generation, ring index, slot index).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct SlotId {
+    gen: u64,
     ring: u32,
     slot: u32,
 }
@@ -370,10 +420,10 @@ enum UringErr {
     Os(i32),
 }
 
-fn acquire_slot() -> std::result::Result<SlotId, UringErr> {
-    let hint = RING_HINT.load(Ordering::Relaxed);
+fn acquire_slot(set: &RingSet) -> std::result::Result<SlotId, UringErr> {
+    let hint = set.hint.load(Ordering::Relaxed);
     for i in (hint..MAX_RINGS).chain(0..hint) {
-        let Some(r) = ring(i) else {
+        let Some(r) = set.ring(i) else {
             return Err(if i == 0 {
                 UringErr::Unavailable
             } else {
@@ -382,9 +432,10 @@ fn acquire_slot() -> std::result::Result<SlotId, UringErr> {
         };
         if let Some(slot) = r.free.lock().pop() {
             if i != hint {
-                RING_HINT.store(i, Ordering::Relaxed);
+                set.hint.store(i, Ordering::Relaxed);
             }
             return Ok(SlotId {
+                gen: set.gen,
                 ring: i as u32,
                 slot,
             });
@@ -393,9 +444,17 @@ fn acquire_slot() -> std::result::Result<SlotId, UringErr> {
     Err(UringErr::Exhausted)
 }
 
-/// Clear a slot (unpins its pages) and return it to its ring's free list.
+/// Clear a slot (unpins its pages) and return it to its ring's free list. A slot of another
+/// generation's pool (a pin inherited from the parent process) is left alone: it pins the
+/// parent's pages, and the parent releases it.
 fn release_slot(s: SlotId) {
-    let r = ring(s.ring as usize).expect("a slot was handed out by this ring");
+    let set = ring_set();
+    if s.gen != set.gen {
+        return;
+    }
+    let r = set
+        .ring(s.ring as usize)
+        .expect("a slot was handed out by this ring");
     let empty = libc::iovec {
         iov_base: std::ptr::null_mut(),
         iov_len: 0,
@@ -409,17 +468,18 @@ fn release_slot(s: SlotId) {
         return;
     }
     r.free.lock().push(s.slot);
-    RING_HINT.fetch_min(s.ring as usize, Ordering::Relaxed);
+    set.hint.fetch_min(s.ring as usize, Ordering::Relaxed);
 }
 
 /// Pin `[start, start + len)` in slots of at most `cap` bytes (`cap` is a parameter so tests can
 /// exercise the splitting without pinning more than 1 GiB).
 fn uring_pin_slots(start: u64, len: u64, cap: u64) -> std::result::Result<Holder, UringErr> {
+    let set = ring_set();
     let mut held: Vec<SlotId> = Vec::new();
     let mut off = 0u64;
     while off < len {
         let chunk = cap.min(len - off);
-        let s = match acquire_slot() {
+        let s = match acquire_slot(set) {
             Ok(s) => s,
             Err(e) => {
                 held.into_iter().for_each(release_slot);
@@ -430,7 +490,7 @@ fn uring_pin_slots(start: u64, len: u64, cap: u64) -> std::result::Result<Holder
             iov_base: (start + off) as *mut libc::c_void,
             iov_len: chunk as usize,
         };
-        let r = ring(s.ring as usize).expect("slot from a live ring");
+        let r = set.ring(s.ring as usize).expect("slot from a live ring");
         if let Err(e) = r.update(s.slot, iov) {
             // A failed update leaves the slot empty: give it straight back.
             r.free.lock().push(s.slot);
@@ -810,7 +870,7 @@ mod tests {
         .unwrap();
         let free_slots = || -> usize {
             (0..MAX_RINGS)
-                .filter_map(|i| RINGS[i].get().and_then(|r| r.as_ref().ok()))
+                .filter_map(|i| ring_set().rings[i].get().and_then(|r| r.as_ref().ok()))
                 .map(|r| r.free.lock().len())
                 .sum()
         };
@@ -903,6 +963,110 @@ mod tests {
         assert_eq!(shared(), vec![true; 4], "mlock is no DMA pin");
         drop(p);
         assert_eq!(shared(), vec![true; 4]);
+    }
+
+    /// Which of `m`'s pages a forked child gets as copies, i.e. which are long-term pinned
+    /// (see `fork_shows_real_pin_state`), compared with the parent's frames around the fork.
+    fn pinned_pages(m: &Map) -> Vec<bool> {
+        loop {
+            let before = crate::mem::translate::walk(m.addr, m.len).unwrap().pfns;
+            let child = child_pfns(m.addr, m.len);
+            let after = crate::mem::translate::walk(m.addr, m.len).unwrap().pfns;
+            if before == after {
+                return child.iter().zip(&after).map(|(c, p)| c != p).collect();
+            }
+        }
+    }
+
+    /// A forked child that drops a pin it inherited (a destructor running in the child, an
+    /// `ibv_dereg_mr` on the parent's MR) must not unpin the parent's pages: the io_uring rings
+    /// are shared through the inherited descriptors. It did before rings were per process.
+    #[test]
+    fn a_child_dropping_an_inherited_pin_leaves_the_parent_pinned() {
+        let _g = serial();
+        let m = Map::new(4 * 4096);
+        m.touch();
+        if !io_uring_available()
+            || !crate::mem::translate::walk(m.addr, m.len)
+                .unwrap()
+                .has_pfns()
+        {
+            println!("SKIP: needs io_uring and visible frame numbers");
+            return;
+        }
+        let p = pin_via(PinPath::IoUring, m.addr, m.len, true).unwrap();
+        assert_eq!(pinned_pages(&m), vec![true; 4]);
+        // SAFETY: the child only drops the pin (an io_uring register call at most) and exits.
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            drop(p);
+            // SAFETY: leave the forked child without running the parent's destructors.
+            unsafe { libc::_exit(0) };
+        }
+        assert!(pid > 0);
+        let mut status = 0;
+        // SAFETY: reaping our own child.
+        unsafe { libc::waitpid(pid, &mut status, 0) };
+        assert_eq!(
+            pinned_pages(&m),
+            vec![true; 4],
+            "the parent's pages stay pinned"
+        );
+        drop(p);
+        assert_eq!(pinned_pages(&m), vec![false; 4]);
+    }
+
+    /// After a fork, parent and child pin new memory at the same time: the child pins in rings
+    /// of its own, so neither update replaces the other's slot (before, both took the same free
+    /// slot of the shared ring, and the child's release unpinned the parent's new pin).
+    #[test]
+    fn parent_and_child_pin_after_fork_without_sharing_slots() {
+        use std::io::{Read, Write};
+        let _g = serial();
+        let m = Map::new(4 * 4096);
+        m.touch();
+        if !io_uring_available()
+            || !crate::mem::translate::walk(m.addr, m.len)
+                .unwrap()
+                .has_pfns()
+        {
+            println!("SKIP: needs io_uring and visible frame numbers");
+            return;
+        }
+        let mine = Map::new(4 * 4096);
+        mine.touch();
+        let (mut a, mut b) = std::os::unix::net::UnixStream::pair().unwrap();
+        a.set_read_timeout(Some(std::time::Duration::from_secs(20)))
+            .unwrap();
+        // SAFETY: the child pins, talks over a socket and exits.
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            let mut byte = [0u8; 1];
+            let ok = pin_via(PinPath::IoUring, mine.addr, mine.len, true).map(|pin| {
+                let _ = b.write_all(b"p"); // pinned
+                let _ = b.read_exact(&mut byte); // the parent has pinned too
+                drop(pin);
+            });
+            let _ = b.write_all(if ok.is_ok() { b"d" } else { b"e" });
+            // SAFETY: leave the forked child without running the parent's destructors.
+            unsafe { libc::_exit(0) };
+        }
+        assert!(pid > 0);
+        let mut byte = [0u8; 1];
+        a.read_exact(&mut byte).expect("child pinned");
+        let p = pin_via(PinPath::IoUring, m.addr, m.len, true).unwrap();
+        a.write_all(b"go").unwrap();
+        a.read_exact(&mut byte).expect("child released its pin");
+        assert_eq!(&byte, b"d", "the child pinned and released its own memory");
+        let mut status = 0;
+        // SAFETY: reaping our own child.
+        unsafe { libc::waitpid(pid, &mut status, 0) };
+        assert_eq!(
+            pinned_pages(&m),
+            vec![true; 4],
+            "the parent's pin survived the child's release"
+        );
+        drop(p);
     }
 
     #[test]

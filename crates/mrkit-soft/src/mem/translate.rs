@@ -29,7 +29,7 @@
 
 use std::fs::File;
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicPtr, AtomicU8, Ordering};
 
 use crate::error::{err, Result};
 
@@ -91,7 +91,7 @@ const NO: u8 = 2;
 
 struct Pagemap {
     file: File,
-    /// [`FORK_GEN`] when the file was opened (a forked child has a newer generation and must
+    /// [`super::fork_generation`] when the file was opened (a forked child has a newer generation and must
     /// open its own: this file shows the parent's address space).
     gen: u64,
     /// Whether frame numbers read through this file are real (UNKNOWN until seen).
@@ -104,17 +104,6 @@ struct Pagemap {
 /// held by another thread at `fork` stays held forever in the child (a reader in the middle
 /// of a walk made the child's first walk hang).
 static PAGEMAP: AtomicPtr<Pagemap> = AtomicPtr::new(std::ptr::null_mut());
-/// Bumped in every forked child (pthread_atfork): a file opened under an older generation
-/// belongs to the parent's address space.
-static FORK_GEN: AtomicU64 = AtomicU64::new(0);
-/// The atfork handler is registered (set before the first file is published, so every fork
-/// after a publication runs it). A flag, not a `Once`: a `Once` running at `fork` would stay
-/// "running" in the child.
-static ATFORK: AtomicBool = AtomicBool::new(false);
-
-extern "C" fn atfork_child() {
-    FORK_GEN.fetch_add(1, Ordering::Relaxed);
-}
 /// PAGEMAP_SCAN availability: UNKNOWN, YES or NO.
 static HUGE_DETECT: AtomicU8 = AtomicU8::new(UNKNOWN);
 
@@ -122,19 +111,11 @@ static HUGE_DETECT: AtomicU8 = AtomicU8::new(UNKNOWN);
 /// forked child).
 fn with_pagemap<R>(f: impl FnOnce(&Pagemap) -> R) -> Result<R> {
     loop {
-        let gen = FORK_GEN.load(Ordering::Acquire);
+        let gen = super::fork_generation();
         let current = PAGEMAP.load(Ordering::Acquire);
         // SAFETY: a non-null PAGEMAP points at a leaked `Box<Pagemap>` (below), never freed.
         if let Some(p) = unsafe { current.as_ref() }.filter(|p| p.gen == gen) {
             return Ok(f(p));
-        }
-        if !ATFORK.swap(true, Ordering::AcqRel) {
-            // SAFETY: registers a handler that only bumps an atomic (async-signal-safe), valid
-            // for the whole life of the program.
-            let rc = unsafe { libc::pthread_atfork(None, None, Some(atfork_child)) };
-            if rc != 0 {
-                tracing::warn!("pthread_atfork failed ({rc}); a forked child must not walk pages");
-            }
         }
         let file = File::open("/proc/self/pagemap").map_err(|e| {
             err!(
