@@ -929,46 +929,33 @@ mod tests {
             println!("frame numbers hidden: cannot observe pin state through fork");
             return;
         }
-        // Which pages a forked child shares with the parent, compared with the parent's frames
-        // around that fork, not with `parent` above: the parent's frames may change in
-        // between. Each fork leaves the pages write-protected and no longer exclusive, and a
-        // later FOLL_WRITE pin (io_uring) or mlock (which populates with FOLL_WRITE) copies a
-        // page instead of reusing it when anything else still holds a reference (the exiting
-        // child, a per-CPU LRU batch) — seen under CPU load, about one run in 25. A measurement
-        // during which the parent's frames moved is taken again.
-        let shared = || -> Vec<bool> {
-            for _ in 0..100 {
-                let before = crate::mem::translate::walk(m.addr, m.len).unwrap().pfns;
-                let child = child_pfns(m.addr, m.len);
-                let after = crate::mem::translate::walk(m.addr, m.len).unwrap().pfns;
-                if before == after {
-                    return child.iter().zip(&after).map(|(c, p)| c == p).collect();
-                }
-            }
-            panic!("the parent's frames kept changing during 100 forks");
-        };
-        assert_eq!(shared(), vec![true; 4]);
+        assert_eq!(pinned_pages(&m), vec![false; 4]);
         if io_uring_available() {
             let p = pin_via(PinPath::IoUring, m.addr, 2 * ps, true).unwrap();
             assert_eq!(
-                shared(),
-                vec![false, false, true, true],
+                pinned_pages(&m),
+                vec![true, true, false, false],
                 "io_uring-pinned pages must be copied at fork"
             );
             drop(p);
             // Immediately after the empty-slot update the pages are shared again: unpinned.
-            assert_eq!(shared(), vec![true; 4]);
+            assert_eq!(pinned_pages(&m), vec![false; 4]);
         }
         let p = pin_via(PinPath::Mlock, m.addr, 2 * ps, true).unwrap();
-        assert_eq!(shared(), vec![true; 4], "mlock is no DMA pin");
+        assert_eq!(pinned_pages(&m), vec![false; 4], "mlock is no DMA pin");
         drop(p);
-        assert_eq!(shared(), vec![true; 4]);
+        assert_eq!(pinned_pages(&m), vec![false; 4]);
     }
 
-    /// Which of `m`'s pages a forked child gets as copies, i.e. which are long-term pinned
-    /// (see `fork_shows_real_pin_state`), compared with the parent's frames around the fork.
+    /// Which of `m`'s pages a forked child gets as copies, i.e. which are long-term pinned.
+    /// Compared with the parent's frames around that fork, not with frames seen earlier: the
+    /// parent's frames may change in between. Each fork leaves the pages write-protected and no
+    /// longer exclusive, and a later FOLL_WRITE pin (io_uring) or mlock (which populates with
+    /// FOLL_WRITE) copies a page instead of reusing it when anything else still holds a
+    /// reference (the exiting child, a per-CPU LRU batch) — seen under CPU load, about one run
+    /// in 25. A measurement during which the parent's frames moved is taken again.
     fn pinned_pages(m: &Map) -> Vec<bool> {
-        loop {
+        for _ in 0..100 {
             let before = crate::mem::translate::walk(m.addr, m.len).unwrap().pfns;
             let child = child_pfns(m.addr, m.len);
             let after = crate::mem::translate::walk(m.addr, m.len).unwrap().pfns;
@@ -976,6 +963,22 @@ mod tests {
                 return child.iter().zip(&after).map(|(c, p)| c != p).collect();
             }
         }
+        panic!("the parent's frames kept changing during 100 forks");
+    }
+
+    /// Four touched pages for the fork tests, or `None` (said loudly) without io_uring or
+    /// visible frame numbers.
+    fn fork_test_map() -> Option<Map> {
+        let m = Map::new(4 * 4096);
+        m.touch();
+        let pfns = crate::mem::translate::walk(m.addr, m.len)
+            .unwrap()
+            .has_pfns();
+        if !io_uring_available() || !pfns {
+            println!("SKIP: needs io_uring and visible frame numbers");
+            return None;
+        }
+        Some(m)
     }
 
     /// A forked child that drops a pin it inherited (a destructor running in the child, an
@@ -984,16 +987,7 @@ mod tests {
     #[test]
     fn a_child_dropping_an_inherited_pin_leaves_the_parent_pinned() {
         let _g = serial();
-        let m = Map::new(4 * 4096);
-        m.touch();
-        if !io_uring_available()
-            || !crate::mem::translate::walk(m.addr, m.len)
-                .unwrap()
-                .has_pfns()
-        {
-            println!("SKIP: needs io_uring and visible frame numbers");
-            return;
-        }
+        let Some(m) = fork_test_map() else { return };
         let p = pin_via(PinPath::IoUring, m.addr, m.len, true).unwrap();
         assert_eq!(pinned_pages(&m), vec![true; 4]);
         // SAFETY: the child only drops the pin (an io_uring register call at most) and exits.
@@ -1023,16 +1017,7 @@ mod tests {
     fn parent_and_child_pin_after_fork_without_sharing_slots() {
         use std::io::{Read, Write};
         let _g = serial();
-        let m = Map::new(4 * 4096);
-        m.touch();
-        if !io_uring_available()
-            || !crate::mem::translate::walk(m.addr, m.len)
-                .unwrap()
-                .has_pfns()
-        {
-            println!("SKIP: needs io_uring and visible frame numbers");
-            return;
-        }
+        let Some(m) = fork_test_map() else { return };
         let mine = Map::new(4 * 4096);
         mine.touch();
         let (mut a, mut b) = std::os::unix::net::UnixStream::pair().unwrap();
