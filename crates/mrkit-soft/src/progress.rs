@@ -455,6 +455,11 @@ impl ProgressPolicy {
     }
 }
 
+/// Whether a pass's table of QPs already holds `q`.
+fn holds(batch: &[Option<Arc<QpObject>>], q: &Arc<QpObject>) -> bool {
+    batch.iter().flatten().any(|b| Arc::ptr_eq(b, q))
+}
+
 /// Most QPs one progress pass runs (the others wait for the next pass).
 const PASS_QPS: usize = 16;
 
@@ -596,11 +601,7 @@ impl Context {
             if let Some(mut bufs) = self.dev.rx.try_lock() {
                 crate::net::udp::poll_rx(self, port, &mut bufs, |q, pkts| {
                     q.inbox.lock().append(pkts);
-                    if batch[..received]
-                        .iter()
-                        .flatten()
-                        .any(|b| Arc::ptr_eq(b, q))
-                    {
+                    if holds(&batch[..received], q) {
                         return;
                     }
                     if received < PASS_QPS {
@@ -622,12 +623,7 @@ impl Context {
             while work < PASS_QPS {
                 match g.pop_front() {
                     // Already running in this pass (it received packets): off the queue.
-                    Some(q)
-                        if batch[..received]
-                            .iter()
-                            .flatten()
-                            .any(|b| Arc::ptr_eq(b, &q)) =>
-                    {
+                    Some(q) if holds(&batch[..received], &q) => {
                         q.scheduled.store(false, Ordering::Release);
                     }
                     Some(q) => {

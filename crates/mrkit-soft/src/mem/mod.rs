@@ -49,6 +49,67 @@ pub(crate) fn fork_generation() -> u64 {
     FORK_GEN.load(Ordering::Acquire)
 }
 
+/// A value made at most once per process and never freed: a forked child (a newer
+/// [`fork_generation`]) that finds its parent's value makes and publishes its own. Published
+/// through an atomic pointer, not behind a lock or a `Once`: either, held or running in another
+/// thread at `fork`, would stay so forever in the child.
+pub(crate) struct PerProcess<T> {
+    ptr: std::sync::atomic::AtomicPtr<Generation<T>>,
+}
+
+/// A [`PerProcess`] value and the fork generation of the process that made it.
+pub(crate) struct Generation<T> {
+    pub(crate) gen: u64,
+    value: T,
+}
+
+impl<T> std::ops::Deref for Generation<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.value
+    }
+}
+
+impl<T> PerProcess<T> {
+    pub(crate) const fn new() -> Self {
+        PerProcess {
+            ptr: std::sync::atomic::AtomicPtr::new(std::ptr::null_mut()),
+        }
+    }
+
+    /// This process's value, made with `make` (given the generation) if there is none yet.
+    /// Threads racing to make it use the first one published (`make` may run in several).
+    pub(crate) fn get_or_try_init<E>(
+        &'static self,
+        mut make: impl FnMut(u64) -> std::result::Result<T, E>,
+    ) -> std::result::Result<&'static Generation<T>, E> {
+        use std::sync::atomic::Ordering;
+        let gen = fork_generation();
+        loop {
+            let current = self.ptr.load(Ordering::Acquire);
+            // SAFETY: a non-null pointer is a leaked `Box` published below and never freed.
+            if let Some(v) = unsafe { current.as_ref() }.filter(|v| v.gen == gen) {
+                return Ok(v);
+            }
+            let mine = Box::into_raw(Box::new(Generation {
+                gen,
+                value: make(gen)?,
+            }));
+            if self
+                .ptr
+                .compare_exchange(current, mine, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+            {
+                // SAFETY: just published; never freed.
+                return Ok(unsafe { &*mine });
+            }
+            // Another thread published first: use its value (next iteration).
+            // SAFETY: `mine` was never published, so this is its only owner.
+            drop(unsafe { Box::from_raw(mine) });
+        }
+    }
+}
+
 /// The base page size of this machine (4 KiB on x86-64).
 pub fn page_size() -> usize {
     rustix::param::page_size()

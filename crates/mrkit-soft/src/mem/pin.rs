@@ -43,7 +43,7 @@
 //! io_uring refuses (EOPNOTSUPP), an unusable io_uring, or an exhausted slot pool. A forced path
 //! never falls back; [`pin_via`] selects a path for a single call.
 
-use std::sync::atomic::{AtomicPtr, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
 use io_uring::IoUring;
@@ -303,7 +303,7 @@ pub fn io_uring_available() -> bool {
 
 /// Why io_uring is unusable (`None` when it is usable). Probes like [`io_uring_available`].
 pub fn io_uring_unavailable_reason() -> Option<String> {
-    match ring_set().rings[0].get_or_init(|| Ring::create().map(Box::new)) {
+    match ring_set().cell(0) {
         Ok(_) => None,
         Err(e) => Some(e.clone()),
     }
@@ -348,54 +348,39 @@ type RingCell = OnceLock<std::result::Result<Box<Ring>, String>>;
 
 /// The ring pool of one process, created lazily; `rings[0]` doubles as the availability probe.
 struct RingSet {
-    /// The fork generation ([`super::fork_generation`]) of the process that made the pool.
-    gen: u64,
     rings: [RingCell; MAX_RINGS],
     /// A ring that probably has free slots: where slot searches start.
     hint: AtomicUsize,
 }
 
-/// This process's ring pool (null until first use), published once per process and never
-/// freed. A forked child shares its parent's rings through the inherited descriptors, but not
-/// the parent's free lists: both would hand out the same slot, and each update of a shared slot
-/// replaces (unpins) the other's buffer. So a child makes a pool of its own, and leaves the
-/// slots of pins it inherited alone (those pin the parent's pages, not its own). No lock: a
-/// lock held by another thread at `fork` would stay held in the child.
-static RING_SET: AtomicPtr<RingSet> = AtomicPtr::new(std::ptr::null_mut());
+/// This process's ring pool. A forked child shares its parent's rings through the inherited
+/// descriptors, but not the parent's free lists: both would hand out the same slot, and each
+/// update of a shared slot replaces (unpins) the other's buffer. So a child makes a pool of its
+/// own ([`super::PerProcess`]), and leaves the slots of pins it inherited alone (those pin the
+/// parent's pages, not its own).
+static RING_SET: super::PerProcess<RingSet> = super::PerProcess::new();
 
-fn ring_set() -> &'static RingSet {
-    let gen = super::fork_generation();
-    loop {
-        let current = RING_SET.load(Ordering::Acquire);
-        // SAFETY: a non-null RING_SET points at a leaked `Box<RingSet>` (below), never freed.
-        if let Some(set) = unsafe { current.as_ref() }.filter(|s| s.gen == gen) {
-            return set;
-        }
-        let mine = Box::into_raw(Box::new(RingSet {
-            gen,
+fn ring_set() -> &'static super::Generation<RingSet> {
+    let made = RING_SET.get_or_try_init(|_| {
+        Ok::<_, std::convert::Infallible>(RingSet {
             rings: [const { OnceLock::new() }; MAX_RINGS],
             hint: AtomicUsize::new(0),
-        }));
-        if RING_SET
-            .compare_exchange(current, mine, Ordering::AcqRel, Ordering::Acquire)
-            .is_ok()
-        {
-            // SAFETY: just published; never freed.
-            return unsafe { &*mine };
-        }
-        // Another thread published first: use its pool (next iteration).
-        // SAFETY: `mine` was never published, so this is its only owner.
-        drop(unsafe { Box::from_raw(mine) });
+        })
+    });
+    match made {
+        Ok(set) => set,
+        Err(never) => match never {},
     }
 }
 
 impl RingSet {
+    /// Ring `i`, created on first use (or why it could not be).
+    fn cell(&self, i: usize) -> &std::result::Result<Box<Ring>, String> {
+        self.rings[i].get_or_init(|| Ring::create().map(Box::new))
+    }
+
     fn ring(&self, i: usize) -> Option<&Ring> {
-        self.rings[i]
-            .get_or_init(|| Ring::create().map(Box::new))
-            .as_ref()
-            .ok()
-            .map(|b| &**b)
+        self.cell(i).as_ref().ok().map(|b| &**b)
     }
 }
 
@@ -420,7 +405,7 @@ enum UringErr {
     Os(i32),
 }
 
-fn acquire_slot(set: &RingSet) -> std::result::Result<SlotId, UringErr> {
+fn acquire_slot(set: &super::Generation<RingSet>) -> std::result::Result<SlotId, UringErr> {
     let hint = set.hint.load(Ordering::Relaxed);
     for i in (hint..MAX_RINGS).chain(0..hint) {
         let Some(r) = set.ring(i) else {

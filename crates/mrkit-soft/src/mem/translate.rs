@@ -29,7 +29,7 @@
 
 use std::fs::File;
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicPtr, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 
 use crate::error::{err, Result};
 
@@ -91,55 +91,33 @@ const NO: u8 = 2;
 
 struct Pagemap {
     file: File,
-    /// [`super::fork_generation`] when the file was opened (a forked child has a newer generation and must
-    /// open its own: this file shows the parent's address space).
-    gen: u64,
     /// Whether frame numbers read through this file are real (UNKNOWN until seen).
     pfns: AtomicU8,
 }
 
-/// The open `/proc/self/pagemap` of this process (null until first use). Published once per
-/// process and never freed: a forked child inherits the pointer, sees an older generation and
-/// publishes its own (the parent's stays open in the child, one descriptor). No lock: a lock
-/// held by another thread at `fork` stays held forever in the child (a reader in the middle
-/// of a walk made the child's first walk hang).
-static PAGEMAP: AtomicPtr<Pagemap> = AtomicPtr::new(std::ptr::null_mut());
+/// The open `/proc/self/pagemap` of this process: a forked child opens its own (the parent's
+/// file shows the parent's address space) and takes no lock a walking thread held at `fork`.
+static PAGEMAP: super::PerProcess<Pagemap> = super::PerProcess::new();
 /// PAGEMAP_SCAN availability: UNKNOWN, YES or NO.
 static HUGE_DETECT: AtomicU8 = AtomicU8::new(UNKNOWN);
 
 /// Run `f` with the current process's pagemap file (opened on first use, and again in a
 /// forked child).
 fn with_pagemap<R>(f: impl FnOnce(&Pagemap) -> R) -> Result<R> {
-    loop {
-        let gen = super::fork_generation();
-        let current = PAGEMAP.load(Ordering::Acquire);
-        // SAFETY: a non-null PAGEMAP points at a leaked `Box<Pagemap>` (below), never freed.
-        if let Some(p) = unsafe { current.as_ref() }.filter(|p| p.gen == gen) {
-            return Ok(f(p));
-        }
+    let p = PAGEMAP.get_or_try_init(|_| {
         let file = File::open("/proc/self/pagemap").map_err(|e| {
             err!(
                 EOPNOTSUPP,
                 "cannot open /proc/self/pagemap ({e}); mount procfs to enable page walks"
             )
         })?;
-        let mine = Box::into_raw(Box::new(Pagemap {
+        HUGE_DETECT.store(UNKNOWN, Ordering::Relaxed);
+        Ok(Pagemap {
             file,
-            gen,
             pfns: AtomicU8::new(UNKNOWN),
-        }));
-        if PAGEMAP
-            .compare_exchange(current, mine, Ordering::AcqRel, Ordering::Acquire)
-            .is_ok()
-        {
-            HUGE_DETECT.store(UNKNOWN, Ordering::Relaxed);
-            // SAFETY: just published; never freed.
-            return Ok(f(unsafe { &*mine }));
-        }
-        // Another thread of this process published first: use its file (next iteration).
-        // SAFETY: `mine` was never published, so this is its only owner.
-        drop(unsafe { Box::from_raw(mine) });
-    }
+        })
+    })?;
+    Ok(f(p))
 }
 
 /// Read the pagemap entries of `n` base pages starting at page-aligned `start` into `out`

@@ -12,16 +12,21 @@ use crate::wire::{
 };
 use crate::{AccessFlags as A, Context};
 
-fn host() -> (Context, u32, u32, u32) {
-    crate::net::fuzz::manual_rc_host(64, true)
+/// A manual device, its PD, CQ and RC QP.
+type Host = (Context, u32, u32, u32);
+
+/// Two manual hosts whose RC QPs are connected to each other with `access` (MTU 1024).
+fn connected(access: A) -> (Host, Host) {
+    let a = crate::net::fuzz::manual_rc_host(64, true);
+    let b = crate::net::fuzz::manual_rc_host(64, true);
+    rc_connect(&a.0, a.3, &b.0, b.3, access, 3).unwrap();
+    (a, b)
 }
 
 #[test]
 fn responder_misaligned_atomic_is_rem_inv_req_err() {
     let all = A::LOCAL_WRITE | A::REMOTE_WRITE | A::REMOTE_READ | A::REMOTE_ATOMIC;
-    let (a, apd, acq, aqp) = host();
-    let (b, bpd, _bcq, bqp) = host();
-    rc_connect(&a, aqp, &b, bqp, all, 3).unwrap();
+    let ((a, apd, acq, aqp), (b, bpd, _, bqp)) = connected(all);
     let mut res = [0u8; 8];
     let mut target = [0x11u8; 64];
     let rm = a.reg_mr_va(apd, res.as_mut_ptr() as u64, 8, all).unwrap();
@@ -182,9 +187,7 @@ fn pkt_to_wire_round_trips_through_the_parser() {
 #[test]
 fn responder_coalesces_the_acks_of_one_batch_into_one() {
     let all = A::LOCAL_WRITE | A::REMOTE_WRITE | A::REMOTE_READ;
-    let (a, apd, acq, aqp) = host();
-    let (b, bpd, _bcq, bqp) = host();
-    rc_connect(&a, aqp, &b, bqp, all, 3).unwrap();
+    let ((a, apd, acq, aqp), (b, bpd, _, _)) = connected(all);
     let mut src = [7u8; 64];
     let mut dst = [0u8; 64];
     let sm = a.reg_mr_va(apd, src.as_mut_ptr() as u64, 64, all).unwrap();
