@@ -231,7 +231,7 @@ pub const ENV_VARS: &[(&str, &str)] = &[
     ),
     (
         "MRKIT_DELAYED_ACK",
-        "0 (default): every ACK leaves at once, as on hardware; 1: an ACK produced in the application's poll may wait up to 30 µs for its next send",
+        "1 (default): an ACK produced in the application's poll may wait up to 30 µs and leaves right after its next send; 0: every ACK leaves at once, as on hardware",
     ),
     (
         "MRKIT_PROGRESS",
@@ -334,7 +334,7 @@ impl DeviceConfig {
             dontfork: true,
             udp_addr: None,
             gso: true,
-            delayed_acks: false,
+            delayed_acks: true,
             progress: crate::progress::ProgressPolicy::Auto,
             faults: None,
             sources: BTreeMap::new(),
@@ -560,17 +560,19 @@ impl DeviceConfig {
     pub fn uses_gso(&self) -> bool {
         self.gso
     }
-    /// Delayed ACKs on the UDP link (default off: every ACK leaves at once, as a hardware
-    /// responder sends it). On: a plain ACK produced while the application polls may wait up
-    /// to [`ACK_DELAY_MAX`](crate::fastpath::ACK_DELAY_MAX) to leave with the application's
-    /// next packets (one send call instead of two on a SEND echo); see `docs/transport.md`
-    /// for the bound and its one exception.
+    /// Delayed ACKs on the UDP link (default on; `MRKIT_DELAYED_ACK=0`). On: a plain ACK
+    /// produced while the application polls may wait up to
+    /// [`ACK_DELAY_MAX`](crate::fastpath::ACK_DELAY_MAX) and leaves right after the
+    /// application's next packets, so that a reply does not wait behind the ACK's send call
+    /// (IBA lets a responder coalesce ACKs; the requester's timeout is far longer). Off: every
+    /// ACK leaves at once, as a hardware responder sends it. See `docs/transport.md` for the
+    /// bound and its one exception.
     ///
     /// ```
     /// use mrkit_soft::DeviceConfig;
-    /// let c = DeviceConfig::rxe().delayed_acks(true);
-    /// assert!(c.uses_delayed_acks());
-    /// assert!(!DeviceConfig::rxe().uses_delayed_acks());
+    /// assert!(DeviceConfig::rxe().uses_delayed_acks());
+    /// let c = DeviceConfig::rxe().delayed_acks(false);
+    /// assert!(!c.uses_delayed_acks());
     /// ```
     pub fn delayed_acks(mut self, on: bool) -> Self {
         self.delayed_acks = on;

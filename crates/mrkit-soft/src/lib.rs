@@ -28,6 +28,7 @@
 //! ```
 
 pub mod access;
+mod at_exit;
 mod copy;
 pub mod cq;
 pub mod device;
@@ -114,6 +115,13 @@ impl Drop for DeviceInner {
     /// application pass held back (`fastpath::ACK_DELAY_MAX`) leave now, or a peer waiting
     /// for them would time out.
     fn drop(&mut self) {
+        self.flush_held_acks();
+    }
+}
+
+impl DeviceInner {
+    /// Send every ACK held back (device close, process exit).
+    pub(crate) fn flush_held_acks(&self) {
         if !self.dp.acks_held() {
             return;
         }
@@ -154,6 +162,9 @@ impl Context {
             }),
         };
         net::loopback::attach(ctx.dev.dp.node_id, &ctx.dev);
+        if ctx.dev.config.uses_delayed_acks() {
+            at_exit::register();
+        }
         ctx
     }
 

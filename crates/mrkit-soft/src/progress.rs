@@ -156,7 +156,7 @@ pub(crate) struct DataPath {
     /// Whether `ticking` holds any QP (written under its lock): lets a pass skip that lock
     /// when no QP has timers (the common case of a spinning poll).
     any_ticking: AtomicBool,
-    /// Delayed ACKs allowed (`fastpath::ACK_DELAY_MAX`; `DeviceConfig::delayed_acks`, off by
+    /// Delayed ACKs allowed (`fastpath::ACK_DELAY_MAX`; `DeviceConfig::delayed_acks`, on by
     /// default).
     pub delayed_acks: bool,
 }

@@ -126,7 +126,7 @@ fn held_ack_leaves_with_the_next_send() {
     let t0 = Instant::now();
     send_and_hold(&a, &b, t0);
     let sent = tx(&b);
-    // b replies: its SEND and the held ACK leave together (one GSO send: two datagrams).
+    // b replies: its SEND leaves, and the held ACK right after it (two datagrams).
     let mut s = SendWr::new(2, WrOpcode::Send);
     s.sg_list = b.sge(0, 8);
     b.ctx.post_send(b.qp, &[s]).unwrap();
@@ -222,10 +222,16 @@ fn rnr_nak_is_never_held() {
 }
 
 #[test]
-fn off_by_default_every_ack_leaves_at_once() {
+fn on_by_default() {
+    assert!(DeviceConfig::rxe().uses_delayed_acks());
+    assert!(DeviceConfig::connectx5_seed().uses_delayed_acks());
+}
+
+#[test]
+fn off_every_ack_leaves_at_once() {
     let mk = || {
         host_with_cap(
-            ctx_with(DeviceConfig::rxe(), true),
+            ctx_with(DeviceConfig::rxe().delayed_acks(false), true),
             64,
             QpCap::default(),
             false,
@@ -243,4 +249,148 @@ fn off_by_default_every_ack_leaves_at_once() {
     );
     assert_eq!(tx(&b), sent + 1, "the ACK left in the same pass");
     send_completes(&a);
+}
+
+/// Environment variable that makes [`exiting_receiver_role`] play the receiver.
+const EXIT_CHILD: &str = "MRKIT_TEST_DELAYED_ACK_EXIT_CHILD";
+
+/// Not a test on its own: the child process of
+/// [`receiver_exiting_right_after_its_receive_still_acks`] (does nothing unless [`EXIT_CHILD`]
+/// is set). It receives one SEND through its application's `poll_cq`, checks that the ACK is
+/// held, and exits with `std::process::exit` without destroying anything.
+#[test]
+fn exiting_receiver_role() {
+    use std::io::{BufRead, Write};
+    if std::env::var_os(EXIT_CHILD).is_none() {
+        return;
+    }
+    // Default configuration (delayed ACKs on), progress thread running.
+    let b = host_with_cap(
+        ctx_with(DeviceConfig::rxe(), false),
+        64,
+        QpCap::default(),
+        false,
+    )
+    .with_buf(4096, all());
+    let ip = common::udp_ip(&b);
+    println!("@QP {ip} {}", b.qp);
+    std::io::stdout().flush().unwrap();
+    let mut line = String::new();
+    std::io::stdin().lock().read_line(&mut line).unwrap();
+    let mut it = line.split_whitespace();
+    let peer_ip: std::net::IpAddr = it.next().unwrap().parse().unwrap();
+    let peer_qpn: u32 = it.next().unwrap().parse().unwrap();
+    let remote = mrkit_soft::qp::connect::RemoteQp {
+        qpn: peer_qpn,
+        psn: 0,
+        ip: Some(peer_ip),
+        node: 0,
+    };
+    mrkit_soft::qp::connect::connect_qp(&b.ctx, b.qp, remote, exit_opts()).unwrap();
+    b.ctx
+        .post_recv(
+            b.qp,
+            &[RecvWr {
+                wr_id: 7,
+                sg_list: b.sge(0, 64),
+            }],
+        )
+        .unwrap();
+    println!("@READY");
+    std::io::stdout().flush().unwrap();
+    let mut out = Vec::new();
+    let end = Instant::now() + Duration::from_secs(10);
+    while out.is_empty() && Instant::now() < end {
+        b.ctx.poll_cq(b.cq, &mut out, 1).unwrap();
+    }
+    assert_eq!(out.len(), 1, "no receive completion");
+    assert_eq!(out[0].status, WcStatus::Success);
+    println!("@HELD {}", b.ctx.held_ack_count());
+    std::io::stdout().flush().unwrap();
+    // As a program that is done would: no destroy_qp, no close.
+    std::process::exit(0);
+}
+
+/// Short retransmission timeout and one retry: a lost ACK fails the sender within ~20 ms.
+fn exit_opts() -> ConnectOpts {
+    ConnectOpts {
+        timeout: 12,
+        retry_cnt: 1,
+        ..ConnectOpts::default()
+    }
+}
+
+/// On a ConnectX the responder's ACK has left before the receiver's application sees the
+/// completion, so a receiver that exits right after its last receive still completes its
+/// peer's send. With delayed ACKs that ACK is held in the receiver's process: it must leave at
+/// `exit` (the `atexit` handler), else the sender fails with RETRY_EXC_ERR.
+#[test]
+fn receiver_exiting_right_after_its_receive_still_acks() {
+    use std::io::{BufRead, Write};
+    use std::process::{Command, Stdio};
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "exiting_receiver_role",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(EXIT_CHILD, "1")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut expect = |prefix: &str| -> String {
+        for l in lines.by_ref() {
+            let l = l.unwrap();
+            // libtest may print "test exiting_receiver_role ... " on the same line first.
+            if let Some(at) = l.find(prefix) {
+                return l[at + prefix.len()..].trim().to_string();
+            }
+        }
+        panic!("the child ended before printing {prefix:?}");
+    };
+    let child_qp = expect("@QP ");
+    let mut it = child_qp.split_whitespace();
+    let child_ip: std::net::IpAddr = it.next().unwrap().parse().unwrap();
+    let child_qpn: u32 = it.next().unwrap().parse().unwrap();
+    let a = host_with_cap(
+        ctx_with(DeviceConfig::rxe(), false),
+        64,
+        QpCap::default(),
+        false,
+    )
+    .with_buf(4096, all());
+    let mut stdin = child.stdin.take().unwrap();
+    writeln!(stdin, "{} {}", common::udp_ip(&a), a.qp).unwrap();
+    stdin.flush().unwrap();
+    let remote = mrkit_soft::qp::connect::RemoteQp {
+        qpn: child_qpn,
+        psn: 0,
+        ip: Some(child_ip),
+        node: 0,
+    };
+    mrkit_soft::qp::connect::connect_qp(&a.ctx, a.qp, remote, exit_opts()).unwrap();
+    expect("@READY");
+    let mut s = SendWr::new(1, WrOpcode::Send);
+    s.sg_list = a.sge(0, 8);
+    a.ctx.post_send(a.qp, &[s]).unwrap();
+    let held: usize = expect("@HELD ").parse().unwrap();
+    assert_eq!(
+        held, 1,
+        "the child held its ACK when it exited (else this tests nothing)"
+    );
+    assert!(child.wait().unwrap().success());
+    let mut out = Vec::new();
+    let end = Instant::now() + Duration::from_secs(10);
+    while out.is_empty() && Instant::now() < end {
+        a.ctx.poll_cq(a.cq, &mut out, 1).unwrap();
+    }
+    assert_eq!(out.len(), 1, "no send completion");
+    assert_eq!(
+        (out[0].status, out[0].opcode),
+        (WcStatus::Success, WcOpcode::Send),
+        "the exiting receiver's ACK must reach the sender"
+    );
 }

@@ -37,6 +37,17 @@ pub(crate) fn detach(node: u64) {
     }
 }
 
+/// Send the ACKs every open device of this process holds back (`crate::at_exit`).
+pub(crate) fn flush_held_acks_of_every_device() {
+    let devices: Vec<Arc<DeviceInner>> = match NODES.read().as_ref() {
+        Some(m) => m.values().filter_map(|w| w.upgrade()).collect(),
+        None => return,
+    };
+    for dev in devices {
+        dev.flush_held_acks();
+    }
+}
+
 fn lookup(node: u64) -> Option<Arc<DeviceInner>> {
     NODES.read().as_ref()?.get(&node)?.upgrade()
 }

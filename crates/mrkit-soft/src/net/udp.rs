@@ -412,12 +412,13 @@ pub struct RecvBufs {
     run: Vec<super::Pkt>,
     /// Request/response traffic: ask `recvmmsg` for one slot. Every further slot costs a failed
     /// dequeue when only one datagram is waiting (~0.15-0.25 µs per receive here, two per
-    /// round trip). Set when a receive after an empty poll got one small datagram; cleared
-    /// when data keeps coming (a receive right after one that found something, a GRO batch,
-    /// several or large datagrams), so bursts and streams take [`RX_SLOTS_PER_PASS`] again.
+    /// round trip). Set when a receive that followed fewer than [`BURST_RECEIVES`] receives
+    /// in a row that found something got one small datagram; cleared when data keeps coming
+    /// (that many receives in a row found something, a GRO batch, several or large
+    /// datagrams), so bursts and streams take [`RX_SLOTS_PER_PASS`] again.
     single: bool,
-    /// The previous receive found something.
-    busy: bool,
+    /// Receives in a row that found something (saturating).
+    busy: u8,
     /// Receive offload is off on the socket ([`RecvBufs::adapt_offload`]).
     gro_off: bool,
     /// Single-slot receives may use a plain `recvfrom` (~0.15 µs cheaper than a one-slot
@@ -448,7 +449,11 @@ impl RecvBufs {
     fn after_receive(&mut self, port: &UdpPort, n: usize, slots: usize, small: bool) {
         self.adapt_offload(port, n, slots, small);
         self.single = next_single(self.single, self.busy, n, small);
-        self.busy = n > 0;
+        self.busy = if n > 0 {
+            self.busy.saturating_add(1)
+        } else {
+            0
+        };
     }
 
     /// Follow the traffic with the socket's receive offload after a receive of `n` datagrams
@@ -536,7 +541,7 @@ impl Default for RecvBufs {
             lent: Vec::new(),
             run: Vec::new(),
             single: false,
-            busy: false,
+            busy: 0,
             gro_off: false,
             plain: false,
             small_run: 0,
@@ -577,7 +582,13 @@ pub(crate) fn send_pkts_on(dev: &crate::DeviceInner, port: &UdpPort, pkts: &[sup
     thread_local! {
         static SEND_BUF: std::cell::RefCell<Vec<u8>> = std::cell::RefCell::new(Vec::with_capacity(MAX_GSO_BYTES));
     }
-    SEND_BUF.with(|b| send_runs(dev, port, local, max_seg, pkts, &mut b.borrow_mut()));
+    // At process exit (`crate::at_exit`) this thread's buffer may already be destroyed.
+    if SEND_BUF
+        .try_with(|b| send_runs(dev, port, local, max_seg, pkts, &mut b.borrow_mut()))
+        .is_err()
+    {
+        send_runs(dev, port, local, max_seg, pkts, &mut Vec::new());
+    }
 }
 
 /// One GSO run (or single datagram) serialised into the send buffer.
@@ -812,13 +823,19 @@ pub(crate) fn poll_rx(
     }
 }
 
+/// Receives in a row that found something from which on a single-slot receiver takes
+/// batches again. Two, not one: request/response traffic brings the peer's message and, right
+/// behind it, the delayed ACK of this side's last message (`fastpath::ACK_DELAY_MAX`: a held
+/// ACK leaves after the application's next packets), and each is taken by its own pass.
+const BURST_RECEIVES: u8 = 2;
+
 /// The receive mode after a receive of `n` datagrams (`small`: all below [`SMALL_DATAGRAM`])
-/// that followed a receive which found something (`busy`) or not.
-fn next_single(single: bool, busy: bool, n: usize, small: bool) -> bool {
+/// that followed `busy` receives in a row which found something.
+fn next_single(single: bool, busy: u8, n: usize, small: bool) -> bool {
     if n == 0 {
         single // nothing arrived: keep the mode
     } else {
-        n == 1 && small && !busy
+        n == 1 && small && busy < BURST_RECEIVES
     }
 }
 
@@ -990,15 +1007,17 @@ mod tests {
 
     #[test]
     fn receive_mode_follows_the_traffic() {
-        // (single, busy, n, small) -> single
+        // (single, receives in a row that found something, n, small) -> single
         let table = [
-            ((false, false, 1, true), true), // a lone small datagram after an empty poll
-            ((true, false, 0, true), true),  // empty polls keep the mode
-            ((true, true, 1, true), false),  // data right after data: a burst
-            ((true, false, 1, false), false), // a large datagram: bulk transfer
-            ((true, false, 3, true), false), // several (a GRO batch or a full batch)
-            ((false, false, 0, true), false), // empty polls keep the mode
-            ((false, true, 1, true), false), // still busy
+            ((false, 0, 1, true), true),  // a lone small datagram after an empty poll
+            ((true, 0, 0, true), true),   // empty polls keep the mode
+            ((true, 1, 1, true), true),   // a message, then the ACK that trails it
+            ((true, 2, 1, true), false),  // data in three receives in a row: a burst
+            ((true, 0, 1, false), false), // a large datagram: bulk transfer
+            ((true, 0, 3, true), false),  // several (a GRO batch or a full batch)
+            ((false, 0, 0, true), false), // empty polls keep the mode
+            ((false, 2, 1, true), false), // still busy
+            ((false, 5, 1, true), false), // still busy
         ];
         for ((single, busy, n, small), want) in table {
             assert_eq!(
