@@ -209,26 +209,60 @@ fn poll_n(side: &Side, n: usize, out: &mut Vec<Wc>, deadline: Instant) -> anyhow
     Ok(())
 }
 
-/// The next receive completion: one kept in `early`, else the CQ's next one that is not a
-/// send completion (those are checked into `errors`).
-fn next_recv(
-    side: &Side,
-    early: &mut std::collections::VecDeque<Wc>,
-    errors: &mut u64,
-    deadline: Instant,
-) -> anyhow::Result<Wc> {
-    if let Some(wc) = early.pop_front() {
-        return Ok(wc);
+/// Signaled SENDs of the echo phase whose completions may stay unpolled before the next post
+/// waits for one (bounds the send queue; perftest's `ib_send_lat` reaps its send completions
+/// in batches the same way, outside the measured round trip).
+const MAX_UNREAPED_SENDS: u32 = 32;
+
+/// Completions of one side's echo loop. SEND and RECV completions share the CQ with no order
+/// between them: a SEND's completion needs the peer's ACK, which may travel with or behind
+/// the peer's next message (delayed ACKs), or be lost and resent. So a receive completion
+/// seen while reaping sends is kept for later, and send completions seen while waiting for a
+/// receive are counted (`sends` is the number still unpolled).
+#[derive(Default)]
+struct EchoCompletions {
+    early: std::collections::VecDeque<Wc>,
+    sends: u32,
+    errors: u64,
+    wcs: Vec<Wc>,
+}
+
+impl EchoCompletions {
+    fn take_send(&mut self, wc: &Wc) {
+        self.sends = self.sends.saturating_sub(1);
+        self.errors += u64::from(wc.status != WcStatus::Success);
     }
-    let mut wcs = Vec::new();
-    loop {
-        wcs.clear();
-        poll_n(side, 1, &mut wcs, deadline)?;
-        let wc = wcs[0];
-        if wc.opcode != WcOpcode::Send {
+
+    /// The next receive completion: one kept earlier, else the CQ's next one that is not a
+    /// send completion.
+    fn next_recv(&mut self, side: &Side, deadline: Instant) -> anyhow::Result<Wc> {
+        if let Some(wc) = self.early.pop_front() {
             return Ok(wc);
         }
-        *errors += u64::from(wc.status != WcStatus::Success);
+        loop {
+            self.wcs.clear();
+            poll_n(side, 1, &mut self.wcs, deadline)?;
+            let wc = self.wcs[0];
+            if wc.opcode != WcOpcode::Send {
+                return Ok(wc);
+            }
+            self.take_send(&wc);
+        }
+    }
+
+    /// Poll until at most `left` sends are unpolled.
+    fn reap_sends(&mut self, side: &Side, left: u32, deadline: Instant) -> anyhow::Result<()> {
+        while self.sends > left {
+            self.wcs.clear();
+            poll_n(side, 1, &mut self.wcs, deadline)?;
+            let wc = self.wcs[0];
+            if wc.opcode == WcOpcode::Send {
+                self.take_send(&wc);
+            } else {
+                self.early.push_back(wc);
+            }
+        }
+        Ok(())
     }
 }
 
@@ -343,17 +377,13 @@ fn serve_one(dev: &Context, conn: TcpStream) -> anyhow::Result<()> {
         // Echo phase (latency), then receive phase (bandwidth); the client tells the count.
         let (echo, bulk): (u32, u32) = read_line(&mut r)?;
         let deadline = Instant::now() + Duration::from_secs(120);
-        // Send and receive completions share the CQ with no order between them: the reply's
-        // send completion may come after the next message's receive (its ACK can travel with
-        // or behind the client's next SEND, or be lost and resent). Receive completions taken
-        // while waiting for a send one are kept for the next step.
-        let mut early: std::collections::VecDeque<Wc> = Default::default();
-        let mut wcs = Vec::new();
+        let mut c = EchoCompletions::default();
         for i in 0..echo {
-            let wc = next_recv(&side, &mut early, &mut errors, deadline)?;
-            errors += u64::from(wc.status != WcStatus::Success);
+            let wc = c.next_recv(&side, deadline)?;
+            c.errors += u64::from(wc.status != WcStatus::Success);
             side.ctx
                 .post_recv(side.qp, &[recv_wr(&side, 1000 + u64::from(i), 0, size)])?;
+            c.reap_sends(&side, MAX_UNREAPED_SENDS - 1, deadline)?;
             side.ctx.post_send(
                 side.qp,
                 &[send_wr(
@@ -365,22 +395,14 @@ fn serve_one(dev: &Context, conn: TcpStream) -> anyhow::Result<()> {
                     true,
                 )],
             )?;
-            // Wait for the reply's send completion.
-            loop {
-                wcs.clear();
-                poll_n(&side, 1, &mut wcs, deadline)?;
-                let wc = wcs[0];
-                if wc.opcode == WcOpcode::Send {
-                    errors += u64::from(wc.status != WcStatus::Success);
-                    break;
-                }
-                early.push_back(wc);
-            }
+            c.sends += 1;
         }
+        // Every reply completed before the receive phase.
+        c.reap_sends(&side, 0, deadline)?;
         let mut expect = vec![0u8; size as usize];
         pattern(peer.seed.wrapping_add(1), &mut expect);
         for i in 0..bulk {
-            let wc = next_recv(&side, &mut early, &mut errors, deadline)?;
+            let wc = c.next_recv(&side, deadline)?;
             let bad = wc.status != WcStatus::Success || u64::from(wc.byte_len) != size;
             // The last message is checked byte for byte (earlier ones share the buffer).
             if bad || (i + 1 == bulk && side.buf[..size as usize] != expect[..]) {
@@ -389,6 +411,7 @@ fn serve_one(dev: &Context, conn: TcpStream) -> anyhow::Result<()> {
             side.ctx
                 .post_recv(side.qp, &[recv_wr(&side, 2000 + u64::from(i), 0, size)])?;
         }
+        errors += c.errors;
     }
     // Wait for the client's verdict; reply with our error count.
     let _done: String = read_line(&mut r)?;
@@ -478,22 +501,35 @@ pub fn run_client(a: &PerfArgs, server: &str) -> anyhow::Result<PerfResult> {
         send_line(&mut w, &(samples, a.iters))?;
     }
     let mut lat = Vec::with_capacity(samples as usize);
+    let mut echo = EchoCompletions::default();
     for i in 0..samples {
         // The work request is built before the clock starts, as perftest's latency tests
-        // prepare theirs: the round trip is post → completion.
+        // prepare theirs: the round trip is post → completion. For SEND it is post → the
+        // echo's receive completion, as perftest's ib_send_lat measures it; the SEND's own
+        // (signaled) completion is reaped whenever the CQ shows it, outside the timed span.
         let wr = [make(&side, u64::from(i), true)];
+        if a.op == Op::Send {
+            echo.reap_sends(&side, MAX_UNREAPED_SENDS - 1, deadline)?;
+        }
         let t = Instant::now();
         side.ctx.post_send(side.qp, &wr)?;
-        wcs.clear();
-        let expect = if a.op == Op::Send { 2 } else { 1 };
-        poll_n(&side, expect, &mut wcs, deadline)?;
-        lat.push(t.elapsed().as_secs_f64() * 1e6);
-        errors += wcs.iter().filter(|w| w.status != WcStatus::Success).count() as u64;
         if a.op == Op::Send {
+            echo.sends += 1;
+            let wc = echo.next_recv(&side, deadline)?;
+            lat.push(t.elapsed().as_secs_f64() * 1e6);
+            echo.errors += u64::from(wc.status != WcStatus::Success);
             side.ctx
                 .post_recv(side.qp, &[recv_wr(&side, 6000 + u64::from(i), size, size)])?;
+        } else {
+            wcs.clear();
+            poll_n(&side, 1, &mut wcs, deadline)?;
+            lat.push(t.elapsed().as_secs_f64() * 1e6);
+            errors += wcs.iter().filter(|w| w.status != WcStatus::Success).count() as u64;
         }
     }
+    // Every SEND of the latency phase completed (and was counted) before the bandwidth phase.
+    echo.reap_sends(&side, 0, deadline)?;
+    errors += echo.errors;
     // Bandwidth phase: keep `window` WRs outstanding, signal every 8th.
     let window = a.window.clamp(1, 512);
     let sig_every = 8u32.min(window);
