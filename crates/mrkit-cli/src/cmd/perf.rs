@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use clap::{Args, ValueEnum};
 use mrkit_soft::cq::{Wc, WcOpcode, WcStatus};
 use mrkit_soft::qp::connect::{connect_qp, ConnectOpts, RemoteQp};
-use mrkit_soft::qp::{QpCap, QpInitAttr, RecvWr, SendWr, Sge, WrOpcode};
+use mrkit_soft::qp::{send_flags, QpCap, QpInitAttr, RecvWr, SendWr, Sge, WrOpcode};
 use mrkit_soft::{AccessFlags, Context, DeviceConfig, MrInfo};
 use serde::{Deserialize, Serialize};
 
@@ -317,10 +317,17 @@ fn recv_wr(side: &Side, id: u64, off: u64, len: u64) -> RecvWr {
     }
 }
 
+/// Messages up to this size are posted inline (`IBV_SEND_INLINE`: copied at post time, as
+/// perftest's latency tests post theirs); within the QP's default `max_inline_data`.
+const INLINE_MAX: u64 = 64;
+
 fn send_wr(side: &Side, id: u64, op: WrOpcode, off: u64, len: u64, signaled: bool) -> SendWr {
     let mut w = SendWr::new(id, op);
     if !signaled {
         w.flags = 0;
+    }
+    if matches!(op, WrOpcode::Send | WrOpcode::RdmaWrite) && len <= INLINE_MAX {
+        w.flags |= send_flags::INLINE;
     }
     w.sg_list = vec![Sge {
         addr: side.mr.iova + off,
