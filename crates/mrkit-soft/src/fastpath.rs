@@ -93,8 +93,7 @@ fn delayable(p: &Pkt) -> bool {
 impl Context {
     /// Run one QP now on this thread and deliver what it produced (with any held ACKs).
     pub(crate) fn run_qp_inline(&self, q: &Arc<QpObject>) {
-        let (pkts, needs_tick) = q.run(self, Instant::now());
-        self.set_ticking(q.qpn, needs_tick);
+        let pkts = q.run(self, Instant::now());
         self.deliver_pkts(pkts, None);
     }
 
@@ -200,11 +199,11 @@ fn around_held(held: Vec<Pkt>, pkts: Vec<Pkt>) -> (Vec<Pkt>, Vec<Pkt>) {
         pkts.iter()
             .any(|p| p.src_qpn == qpn && p.bth.opcode.info().is_response())
     };
+    if !held.iter().any(|h| responds(h.src_qpn)) {
+        return (pkts, held); // the common case: no partition, no allocation
+    }
     let (mut first, then): (Vec<Pkt>, Vec<Pkt>) =
         held.into_iter().partition(|h| responds(h.src_qpn));
-    if first.is_empty() {
-        return (pkts, then);
-    }
     first.extend(pkts);
     (first, then)
 }

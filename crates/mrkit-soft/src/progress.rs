@@ -159,6 +159,10 @@ pub(crate) struct DataPath {
     /// Delayed ACKs allowed (`fastpath::ACK_DELAY_MAX`; `DeviceConfig::delayed_acks`, on by
     /// default).
     pub delayed_acks: bool,
+    /// An application posted a send since the UDP receiver last found data: the traffic is
+    /// request/response, not a burst (`net::udp::RecvBufs::single`). A hint only: set by
+    /// `post_send`, taken by the receiver; no other data is ordered by it.
+    pub answered: AtomicBool,
 }
 
 impl DataPath {
@@ -179,6 +183,7 @@ impl DataPath {
             ticking: Mutex::new((HashSet::default(), None)),
             any_ticking: AtomicBool::new(false),
             delayed_acks,
+            answered: AtomicBool::new(false),
         }
     }
 
@@ -652,8 +657,7 @@ impl Context {
             if i >= received {
                 q.scheduled.store(false, Ordering::Release); // taken off the run queue
             }
-            let (pkts, needs_tick) = q.run(self, now);
-            self.set_ticking(q.qpn, needs_tick);
+            let pkts = q.run(self, now);
             self.deliver_pkts(pkts, hold.filter(|_| q.delay_acks.load(Ordering::Relaxed)));
         }
         for qpn in tick {
@@ -662,8 +666,7 @@ impl Context {
                 self.set_ticking(qpn, false);
                 continue;
             };
-            let (pkts, needs_tick) = q.run(self, now);
-            self.set_ticking(qpn, needs_tick);
+            let pkts = q.run(self, now);
             if !pkts.is_empty() {
                 work += 1;
             }

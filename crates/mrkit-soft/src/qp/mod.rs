@@ -430,6 +430,10 @@ pub(crate) struct QpInner {
     pub send_wcs: Vec<Wc>,
     /// Empty buffer swapped with `QpObject::inbox` by a run (no allocation per run).
     pub inbox_spare: Vec<Pkt>,
+    /// This QP is in the device's set of QPs whose timers need ticks (`DataPath::ticking`).
+    /// Changed only by a run, under this lock, so that two threads' runs cannot apply their
+    /// answers out of order, and the set's lock is taken only when the answer changes.
+    pub ticking: bool,
 }
 
 /// A QP as the device keeps it.
@@ -469,13 +473,15 @@ fn pow2(v: u32) -> u32 {
 
 impl QpObject {
     /// One run: process the inbox, timers and the send queue; push completions; hand back the
-    /// packets to send. Returns (packets, whether timers still need ticks).
-    pub(crate) fn run(&self, ctx: &Context, now: Instant) -> (Vec<Pkt>, bool) {
+    /// packets to send. Whether its timers still need ticks is recorded in the device's
+    /// ticking set before the QP lock is released (`QpInner::ticking`).
+    pub(crate) fn run(&self, ctx: &Context, now: Instant) -> Vec<Pkt> {
         let mut g = self.inner.lock();
         let st = &mut *g;
         if st.destroyed {
             self.inbox.lock().clear();
-            return (Vec::new(), false);
+            self.note_ticking(ctx, st, false);
+            return Vec::new();
         }
         // Swap the inbox with this QP's empty spare (lock order: inner, then inbox): the
         // packets are taken under one short lock and the buffer returns as the next spare,
@@ -616,11 +622,21 @@ impl QpObject {
             || (st.state == QpState::Rts && st.sq.cursor < st.sq.q.len());
         inbox.clear(); // what an error left unprocessed
         st.inbox_spare = inbox;
+        self.note_ticking(ctx, st, needs_tick);
         drop(g);
         for e in out.events {
             ctx.raise_async_event(e);
         }
-        (out.pkts, needs_tick)
+        out.pkts
+    }
+
+    /// Put this QP in the device's ticking set or take it out (under the QP lock: lock order
+    /// QP, then the set; nothing takes them the other way round).
+    fn note_ticking(&self, ctx: &Context, st: &mut QpInner, on: bool) {
+        if st.ticking != on {
+            ctx.set_ticking(self.qpn, on);
+            st.ticking = on;
+        }
     }
 }
 
@@ -756,6 +772,7 @@ impl Context {
                 last_wqe_notified: false,
                 send_wcs: Vec::new(),
                 inbox_spare: Vec::new(),
+                ticking: false,
             }),
         });
         dp.qps.write().insert(qpn, obj);
@@ -781,6 +798,8 @@ impl Context {
             g.sq.q.clear();
             g.rq.clear();
             g.resp.reset(0);
+            // Out of the ticking set now (its number may be reused by a new QP).
+            q.note_ticking(self, &mut g, false);
         }
         q.inbox.lock().clear();
         q.send_cq.users.fetch_sub(1, Ordering::AcqRel);
@@ -1031,6 +1050,7 @@ impl Context {
         })();
         drop(g);
         q.delay_acks.store(true, Ordering::Relaxed);
+        self.dev.dp.answered.store(true, Ordering::Relaxed);
         if inline {
             self.run_qp_inline(&q);
         } else {
@@ -1085,8 +1105,12 @@ impl Context {
             Ok(())
         })();
         drop(g);
-        self.dev.dp.schedule(qpn);
-        let _ = flushed;
+        if flushed {
+            // A receive posted in ERR completes at once with WR_FLUSH_ERR (the next run
+            // flushes it). In any other state nothing waits for it: a SEND that found no
+            // receive was RNR-NAKed and its retry arrives as a new packet.
+            self.dev.dp.schedule(qpn);
+        }
         res
     }
 }
