@@ -129,9 +129,9 @@ impl Context {
             }
         }
         if dp.acks_held() {
-            let held = dp.take_held_acks();
-            if !held.is_empty() {
-                let (first, then) = around_held(held, pkts);
+            let mut held = dp.take_held_acks();
+            if !held.pkts.is_empty() {
+                let (first, then) = around_held(std::mem::take(&mut held.pkts), pkts);
                 crate::net::deliver(self, first);
                 if !then.is_empty() {
                     crate::net::deliver(self, then);
@@ -154,20 +154,22 @@ impl Context {
                 return;
             }
         }
-        let held = dp.take_held_acks();
+        let mut held = dp.take_held_acks();
+        let held_pkts = std::mem::take(&mut held.pkts);
         if aged_at.is_some() {
             // These ACKs waited for nothing: the application does not answer on these QPs
             // (a one-way stream, whose sender waits for the ACKs). Send theirs at once from
             // now on, until the application posts a send on the QP again.
-            for h in &held {
+            for h in &held_pkts {
                 if let Some(q) = dp.qp_object(h.src_qpn) {
                     q.delay_acks.store(false, Ordering::Relaxed);
                 }
             }
         }
-        if !held.is_empty() {
-            crate::net::deliver(self, held);
+        if !held_pkts.is_empty() {
+            crate::net::deliver(self, held_pkts);
         }
+        drop(held); // sent: release the flush lock
     }
 
     /// Run one progress pass as an application thread's `poll_cq` does (plain ACKs may be

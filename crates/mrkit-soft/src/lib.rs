@@ -122,12 +122,11 @@ impl Drop for DeviceInner {
 impl DeviceInner {
     /// Send every ACK held back (device close, process exit).
     pub(crate) fn flush_held_acks(&self) {
-        if !self.dp.acks_held() {
-            return;
-        }
+        // No early return when none is held: taking them waits for a thread that took some
+        // and is still sending them (the flush lock), which an exit must not cut short.
         let held = self.dp.take_held_acks();
         if let Some(port) = self.udp.get() {
-            net::udp::send_pkts_on(self, port, &held);
+            net::udp::send_pkts_on(self, port, &held.pkts);
         }
     }
 }

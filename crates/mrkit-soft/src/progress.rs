@@ -120,6 +120,17 @@ struct Sched {
     /// When the oldest ACK in `held_acks` was held (ns since [`epoch`]; 0: none held). Written
     /// under the `held_acks` lock; read without it so that passes check for due ACKs cheaply.
     held_at_ns: AtomicU64,
+    /// Held from taking held ACKs until they are sent ([`HeldAcks`]): a thread that exits or
+    /// closes the device right after must not find them taken but not yet sent (the exit
+    /// would kill the sending thread mid-way: seen as a lost ACK in 1 of 8 runs).
+    ack_flush: Mutex<()>,
+}
+
+/// Held ACKs taken for sending; the flush lock is held until this is dropped (send first).
+pub(crate) struct HeldAcks<'a> {
+    _flush: parking_lot::MutexGuard<'a, ()>,
+    /// The ACKs.
+    pub pkts: Vec<Pkt>,
 }
 
 /// Process-wide time origin for the atomics holding timestamps.
@@ -284,11 +295,17 @@ impl DataPath {
         self.sched.acks_due(now)
     }
 
-    /// Take every held ACK.
-    pub(crate) fn take_held_acks(&self) -> Vec<Pkt> {
+    /// Take every held ACK, holding the flush lock until the returned value is dropped: send
+    /// them before dropping it.
+    pub(crate) fn take_held_acks(&self) -> HeldAcks<'_> {
+        let flush = self.sched.ack_flush.lock();
         let mut g = self.sched.held_acks.lock();
         self.sched.held_at_ns.store(0, Ordering::Release);
-        std::mem::take(&mut *g)
+        let pkts = std::mem::take(&mut *g);
+        HeldAcks {
+            _flush: flush,
+            pkts,
+        }
     }
 
     pub(crate) fn held_ack_count(&self) -> usize {

@@ -264,9 +264,11 @@ fn exiting_receiver_role() {
     if std::env::var_os(EXIT_CHILD).is_none() {
         return;
     }
-    // Default configuration (delayed ACKs on), progress thread running.
+    // Default configuration (delayed ACKs on). Manual progress driven as the application's
+    // poll_cq drives it: with a progress thread, that thread sometimes receives the SEND
+    // first and ACKs it at once, and there is then nothing held to test.
     let b = host_with_cap(
-        ctx_with(DeviceConfig::rxe(), false),
+        ctx_with(DeviceConfig::rxe(), true),
         64,
         QpCap::default(),
         false,
@@ -301,6 +303,7 @@ fn exiting_receiver_role() {
     let mut out = Vec::new();
     let end = Instant::now() + Duration::from_secs(10);
     while out.is_empty() && Instant::now() < end {
+        b.ctx.progress_once_as_app(Instant::now());
         b.ctx.poll_cq(b.cq, &mut out, 1).unwrap();
     }
     assert_eq!(out.len(), 1, "no receive completion");
@@ -311,10 +314,12 @@ fn exiting_receiver_role() {
     std::process::exit(0);
 }
 
-/// Short retransmission timeout and one retry: a lost ACK fails the sender within ~20 ms.
+/// One retry after a 1.07 s timeout: a lost ACK fails the sender within ~2.2 s. (A 17 ms
+/// timeout failed under CI load: the child, descheduled, had not even received the SEND
+/// before the sender gave up.)
 fn exit_opts() -> ConnectOpts {
     ConnectOpts {
-        timeout: 12,
+        timeout: 18,
         retry_cnt: 1,
         ..ConnectOpts::default()
     }
