@@ -621,7 +621,7 @@ impl Context {
         if let Some(port) = self.dev.udp.get() {
             // One receiver at a time keeps the socket's order (see DeviceInner::rx).
             if let Some(mut bufs) = self.dev.rx.try_lock() {
-                crate::net::udp::poll_rx(self, port, &mut bufs, |q, pkts| {
+                crate::net::udp::poll_rx(self, port, &mut bufs, app, |q, pkts| {
                     q.inbox.lock().append(pkts);
                     if holds(&batch[..received], q) {
                         return;
