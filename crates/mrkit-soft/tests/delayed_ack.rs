@@ -49,8 +49,8 @@ fn until_wc(h: &BufHost, mut pass: impl FnMut()) -> Wc {
     panic!("no completion within 10 s: {:?}", h.ctx.net_stats());
 }
 
-/// `a` SENDs 8 bytes to `b`, whose application pass (at `t0`) receives it.
-fn send_one(a: &BufHost, b: &BufHost, t0: Instant) {
+/// Post one 64-byte receive on `b`.
+fn post_recv(b: &BufHost) {
     b.ctx
         .post_recv(
             b.qp,
@@ -60,6 +60,11 @@ fn send_one(a: &BufHost, b: &BufHost, t0: Instant) {
             }],
         )
         .unwrap();
+}
+
+/// `a` SENDs 8 bytes to `b`, whose application pass (at `t0`) receives it.
+fn send_one(a: &BufHost, b: &BufHost, t0: Instant) {
+    post_recv(b);
     let mut s = SendWr::new(1, WrOpcode::Send);
     s.sg_list = a.sge(0, 8);
     a.ctx.post_send(a.qp, &[s]).unwrap();
@@ -282,36 +287,29 @@ fn exiting_receiver_role() {
     let mut it = line.split_whitespace();
     let peer_ip: std::net::IpAddr = it.next().unwrap().parse().unwrap();
     let peer_qpn: u32 = it.next().unwrap().parse().unwrap();
-    let remote = mrkit_soft::qp::connect::RemoteQp {
-        qpn: peer_qpn,
-        psn: 0,
-        ip: Some(peer_ip),
-        node: 0,
-    };
-    mrkit_soft::qp::connect::connect_qp(&b.ctx, b.qp, remote, exit_opts()).unwrap();
-    b.ctx
-        .post_recv(
-            b.qp,
-            &[RecvWr {
-                wr_id: 7,
-                sg_list: b.sge(0, 64),
-            }],
-        )
-        .unwrap();
+    connect_for_exit(&b, peer_ip, peer_qpn);
+    post_recv(&b);
     println!("@READY");
     std::io::stdout().flush().unwrap();
-    let mut out = Vec::new();
-    let end = Instant::now() + Duration::from_secs(10);
-    while out.is_empty() && Instant::now() < end {
+    let wc = until_wc(&b, || {
         b.ctx.progress_once_as_app(Instant::now());
-        b.ctx.poll_cq(b.cq, &mut out, 1).unwrap();
-    }
-    assert_eq!(out.len(), 1, "no receive completion");
-    assert_eq!(out[0].status, WcStatus::Success);
+    });
+    assert_eq!(wc.status, WcStatus::Success);
     println!("@HELD {}", b.ctx.held_ack_count());
     std::io::stdout().flush().unwrap();
     // As a program that is done would: no destroy_qp, no close.
     std::process::exit(0);
+}
+
+/// Connect `h`'s QP to the peer's, with [`exit_opts`].
+fn connect_for_exit(h: &BufHost, ip: std::net::IpAddr, qpn: u32) {
+    let remote = mrkit_soft::qp::connect::RemoteQp {
+        qpn,
+        psn: 0,
+        ip: Some(ip),
+        node: 0,
+    };
+    mrkit_soft::qp::connect::connect_qp(&h.ctx, h.qp, remote, exit_opts()).unwrap();
 }
 
 /// One retry after a 1.07 s timeout: a lost ACK fails the sender within ~2.2 s. (A 17 ms
@@ -370,13 +368,7 @@ fn receiver_exiting_right_after_its_receive_still_acks() {
     let mut stdin = child.stdin.take().unwrap();
     writeln!(stdin, "{} {}", common::udp_ip(&a), a.qp).unwrap();
     stdin.flush().unwrap();
-    let remote = mrkit_soft::qp::connect::RemoteQp {
-        qpn: child_qpn,
-        psn: 0,
-        ip: Some(child_ip),
-        node: 0,
-    };
-    mrkit_soft::qp::connect::connect_qp(&a.ctx, a.qp, remote, exit_opts()).unwrap();
+    connect_for_exit(&a, child_ip, child_qpn);
     expect("@READY");
     let mut s = SendWr::new(1, WrOpcode::Send);
     s.sg_list = a.sge(0, 8);
@@ -387,14 +379,9 @@ fn receiver_exiting_right_after_its_receive_still_acks() {
         "the child held its ACK when it exited (else this tests nothing)"
     );
     assert!(child.wait().unwrap().success());
-    let mut out = Vec::new();
-    let end = Instant::now() + Duration::from_secs(10);
-    while out.is_empty() && Instant::now() < end {
-        a.ctx.poll_cq(a.cq, &mut out, 1).unwrap();
-    }
-    assert_eq!(out.len(), 1, "no send completion");
+    let wc = until_wc(&a, || {}); // the progress thread runs
     assert_eq!(
-        (out[0].status, out[0].opcode),
+        (wc.status, wc.opcode),
         (WcStatus::Success, WcOpcode::Send),
         "the exiting receiver's ACK must reach the sender"
     );
