@@ -440,6 +440,12 @@ impl Sched {
         let age = Duration::from_nanos(ns_since_epoch(now).saturating_sub(at));
         APP_WINDOW.checked_sub(age).filter(|d| !d.is_zero())
     }
+
+    /// Whether an application thread polled within [`APP_RECENT`] of `now`.
+    fn app_polled_recently(&self, now: Instant) -> bool {
+        let at = self.app_poll_ns.load(Ordering::Relaxed);
+        at != 0 && ns_since_epoch(now).saturating_sub(at) < APP_RECENT.as_nanos() as u64
+    }
 }
 
 impl Drop for DataPath {
@@ -487,6 +493,10 @@ const PASS_QPS: usize = 16;
 
 /// An application that polled an empty CQ this recently is driving progress itself.
 pub const APP_WINDOW: Duration = Duration::from_micros(50);
+/// An application that polled this recently polls between other work (perftest's
+/// `ib_write_lat` polls for its send completion, then spins on memory): the progress thread,
+/// which then runs only in the gaps and may park after any pass, takes full receive batches.
+pub const APP_RECENT: Duration = Duration::from_millis(10);
 /// Longest park while the application keeps polling (the re-check period backs off to it).
 pub const PARK_MAX: Duration = Duration::from_millis(2);
 /// Adaptive spin budget bounds (and the initial budget).
@@ -621,7 +631,16 @@ impl Context {
         if let Some(port) = self.dev.udp.get() {
             // One receiver at a time keeps the socket's order (see DeviceInner::rx).
             if let Some(mut bufs) = self.dev.rx.try_lock() {
-                crate::net::udp::poll_rx(self, port, &mut bufs, app, |q, pkts| {
+                // One datagram at a time suits request/response traffic that someone polls for
+                // continuously: an application's own pass, or the progress thread when no
+                // application polls (a passive WRITE target). A progress thread running in the
+                // gaps of an application's polls may park after its pass, and a datagram left
+                // queued (the peer's WRITE behind its ACK) then waits for the next poll or
+                // re-check: perftest's ib_write_lat went from ~5 µs to 70-170 µs typical that
+                // way. That thread takes full batches. (Always full batches for the progress
+                // thread cost a passive WRITE target ~0.4 µs per round trip.)
+                let one_ok = app || !dp.sched.app_polled_recently(now);
+                crate::net::udp::poll_rx(self, port, &mut bufs, one_ok, |q, pkts| {
                     q.inbox.lock().append(pkts);
                     if holds(&batch[..received], q) {
                         return;

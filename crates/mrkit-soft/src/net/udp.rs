@@ -445,10 +445,10 @@ impl RecvBufs {
         }
     }
 
-    /// Receive slots for a pass by an application thread (`app`) or the progress thread,
-    /// which always takes a full batch (see `poll_rx`).
-    fn slots_for(&self, app: bool) -> usize {
-        if app {
+    /// Receive slots for a pass that may take one datagram at a time (`one_ok`) or must take
+    /// a full batch (see `poll_rx`).
+    fn slots_for(&self, one_ok: bool) -> usize {
+        if one_ok {
             self.slots_per_pass()
         } else {
             RX_SLOTS_PER_PASS
@@ -771,14 +771,14 @@ const RX_SLOTS_PER_PASS: usize = 4;
 
 /// Receive ready datagrams (one bounded batch) on the device's port and hand the packets to
 /// their QPs: `deliver(qp, packets)` for each run of consecutive packets for one QP (it
-/// takes the packets). Returns how many datagrams arrived. `app`: an application thread's
-/// pass (progress on poll), which may take one datagram at a time
-/// ([`RecvBufs::slots_per_pass`]); the progress thread always takes a full batch.
+/// takes the packets). Returns how many datagrams arrived. `one_ok`: the pass may take one
+/// datagram at a time in request/response mode ([`RecvBufs::slots_per_pass`]); otherwise it
+/// takes a full batch (`Context::progress_pass` decides).
 pub(crate) fn poll_rx(
     ctx: &crate::Context,
     port: &UdpPort,
     bufs: &mut RecvBufs,
-    app: bool,
+    one_ok: bool,
     mut deliver: impl FnMut(&std::sync::Arc<crate::qp::QpObject>, &mut Vec<super::Pkt>),
 ) -> usize {
     use std::sync::atomic::Ordering::Relaxed;
@@ -796,12 +796,7 @@ pub(crate) fn poll_rx(
     // the next batch is taken. Draining the socket first would let a receiver that fell
     // behind take a sender's whole window at once and acknowledge it only at the end, and
     // the two sides would then take turns instead of overlapping.
-    // The progress thread takes a full batch even in request/response mode: after its pass it
-    // may park (the application polls), and a datagram it left queued (the peer's WRITE
-    // behind its ACK) would wait for the application's next poll or the parked thread's
-    // re-check: perftest's ib_write_lat, whose applications spin on memory between polls,
-    // went from ~5 µs to 70-170 µs typical that way.
-    let slots = bufs.slots_for(app);
+    let slots = bufs.slots_for(one_ok);
     let mut small = true;
     let r = port.recv_some(bufs, slots, 1, |src, buf, off, len| {
         small &= len < SMALL_DATAGRAM;
@@ -1099,15 +1094,15 @@ mod tests {
     }
 
     #[test]
-    fn the_progress_thread_takes_full_batches_in_request_response_mode() {
+    fn a_pass_that_must_not_leave_datagrams_takes_a_full_batch() {
         let (_a, b) = pair(None);
         let mut bufs = RecvBufs::default();
         bufs.after_receive(&b, 0, RX_SLOTS_PER_PASS, true, false);
         bufs.after_receive(&b, 1, RX_SLOTS_PER_PASS, true, true);
         assert!(bufs.single);
-        // (application pass, slots)
-        for (app, slots) in [(true, 1), (false, RX_SLOTS_PER_PASS)] {
-            assert_eq!(bufs.slots_for(app), slots, "app pass: {app}");
+        // (one at a time allowed, slots)
+        for (one_ok, slots) in [(true, 1), (false, RX_SLOTS_PER_PASS)] {
+            assert_eq!(bufs.slots_for(one_ok), slots, "one at a time: {one_ok}");
         }
     }
 
