@@ -388,8 +388,8 @@ fn serve_one(dev: &Context, conn: TcpStream) -> anyhow::Result<()> {
         for i in 0..echo {
             let wc = c.next_recv(&side, deadline)?;
             c.errors += u64::from(wc.status != WcStatus::Success);
-            side.ctx
-                .post_recv(side.qp, &[recv_wr(&side, 1000 + u64::from(i), 0, size)])?;
+            // Reply first, then replace the consumed receive (512 are posted: the next
+            // message cannot find the queue empty), as a latency-minded server would.
             c.reap_sends(&side, MAX_UNREAPED_SENDS - 1, deadline)?;
             side.ctx.post_send(
                 side.qp,
@@ -403,6 +403,8 @@ fn serve_one(dev: &Context, conn: TcpStream) -> anyhow::Result<()> {
                 )],
             )?;
             c.sends += 1;
+            side.ctx
+                .post_recv(side.qp, &[recv_wr(&side, 1000 + u64::from(i), 0, size)])?;
         }
         // Every reply completed before the receive phase.
         c.reap_sends(&side, 0, deadline)?;
