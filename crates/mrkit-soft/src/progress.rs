@@ -433,18 +433,20 @@ impl Sched {
     /// Whether an application thread polled within [`APP_WINDOW`] of `now`; if so, how long
     /// until that window closes.
     fn app_driving(&self, now: Instant) -> Option<Duration> {
-        let at = self.app_poll_ns.load(Ordering::Relaxed);
-        if at == 0 {
-            return None;
-        }
-        let age = Duration::from_nanos(ns_since_epoch(now).saturating_sub(at));
+        let age = self.app_poll_age(now)?;
         APP_WINDOW.checked_sub(age).filter(|d| !d.is_zero())
     }
 
     /// Whether an application thread polled within [`APP_RECENT`] of `now`.
     fn app_polled_recently(&self, now: Instant) -> bool {
+        self.app_poll_age(now).is_some_and(|age| age < APP_RECENT)
+    }
+
+    /// How long ago an application thread last polled an empty CQ (`None`: never, or it
+    /// blocked since).
+    fn app_poll_age(&self, now: Instant) -> Option<Duration> {
         let at = self.app_poll_ns.load(Ordering::Relaxed);
-        at != 0 && ns_since_epoch(now).saturating_sub(at) < APP_RECENT.as_nanos() as u64
+        (at != 0).then(|| Duration::from_nanos(ns_since_epoch(now).saturating_sub(at)))
     }
 }
 

@@ -13,14 +13,13 @@ use mrkit_soft::qp::connect::ConnectOpts;
 use mrkit_soft::qp::{attr_mask, QpAttr, QpCap, QpState, RecvWr, SendWr, WrOpcode};
 use mrkit_soft::DeviceConfig;
 
+/// A host with a 4 KiB buffer on a device with `cfg`, in manual-progress mode if `manual`.
+fn host_on(cfg: DeviceConfig, manual: bool) -> BufHost {
+    host_with_cap(ctx_with(cfg, manual), 64, QpCap::default(), false).with_buf(4096, all())
+}
+
 fn host() -> BufHost {
-    host_with_cap(
-        ctx_with(DeviceConfig::rxe().delayed_acks(true), true),
-        64,
-        QpCap::default(),
-        false,
-    )
-    .with_buf(4096, all())
+    host_on(DeviceConfig::rxe().delayed_acks(true), true)
 }
 
 fn pair() -> (BufHost, BufHost) {
@@ -234,15 +233,7 @@ fn on_by_default() {
 
 #[test]
 fn off_every_ack_leaves_at_once() {
-    let mk = || {
-        host_with_cap(
-            ctx_with(DeviceConfig::rxe().delayed_acks(false), true),
-            64,
-            QpCap::default(),
-            false,
-        )
-        .with_buf(4096, all())
-    };
+    let mk = || host_on(DeviceConfig::rxe().delayed_acks(false), true);
     let (a, b) = (mk(), mk());
     connect_udp(&a, &b, ConnectOpts::default());
     let sent = tx(&b);
@@ -272,13 +263,7 @@ fn exiting_receiver_role() {
     // Default configuration (delayed ACKs on). Manual progress driven as the application's
     // poll_cq drives it: with a progress thread, that thread sometimes receives the SEND
     // first and ACKs it at once, and there is then nothing held to test.
-    let b = host_with_cap(
-        ctx_with(DeviceConfig::rxe(), true),
-        64,
-        QpCap::default(),
-        false,
-    )
-    .with_buf(4096, all());
+    let b = host_on(DeviceConfig::rxe(), true);
     let ip = common::udp_ip(&b);
     println!("@QP {ip} {}", b.qp);
     std::io::stdout().flush().unwrap();
@@ -358,13 +343,7 @@ fn receiver_exiting_right_after_its_receive_still_acks() {
     let mut it = child_qp.split_whitespace();
     let child_ip: std::net::IpAddr = it.next().unwrap().parse().unwrap();
     let child_qpn: u32 = it.next().unwrap().parse().unwrap();
-    let a = host_with_cap(
-        ctx_with(DeviceConfig::rxe(), false),
-        64,
-        QpCap::default(),
-        false,
-    )
-    .with_buf(4096, all());
+    let a = host_on(DeviceConfig::rxe(), false);
     let mut stdin = child.stdin.take().unwrap();
     writeln!(stdin, "{} {}", common::udp_ip(&a), a.qp).unwrap();
     stdin.flush().unwrap();

@@ -237,6 +237,13 @@ impl EchoCompletions {
         self.errors += u64::from(wc.status != WcStatus::Success);
     }
 
+    /// The CQ's next completion.
+    fn poll_one(&mut self, side: &Side, deadline: Instant) -> anyhow::Result<Wc> {
+        self.wcs.clear();
+        poll_n(side, 1, &mut self.wcs, deadline)?;
+        Ok(self.wcs[0])
+    }
+
     /// The next receive completion: one kept earlier, else the CQ's next one that is not a
     /// send completion.
     fn next_recv(&mut self, side: &Side, deadline: Instant) -> anyhow::Result<Wc> {
@@ -244,9 +251,7 @@ impl EchoCompletions {
             return Ok(wc);
         }
         loop {
-            self.wcs.clear();
-            poll_n(side, 1, &mut self.wcs, deadline)?;
-            let wc = self.wcs[0];
+            let wc = self.poll_one(side, deadline)?;
             if wc.opcode != WcOpcode::Send {
                 return Ok(wc);
             }
@@ -257,9 +262,7 @@ impl EchoCompletions {
     /// Poll until at most `left` sends are unpolled.
     fn reap_sends(&mut self, side: &Side, left: u32, deadline: Instant) -> anyhow::Result<()> {
         while self.sends > left {
-            self.wcs.clear();
-            poll_n(side, 1, &mut self.wcs, deadline)?;
-            let wc = self.wcs[0];
+            let wc = self.poll_one(side, deadline)?;
             if wc.opcode == WcOpcode::Send {
                 self.take_send(&wc);
             } else {
