@@ -299,6 +299,10 @@ fn run_inner(quick: bool) -> anyhow::Result<serde_json::Value> {
         let ip = format!("127.78.{net}.{}", next.get());
         next.set(next.get() + 1);
         let r = run_client_with(server_addr, port, Some(&ip), op, size, iters, 32)?;
+        // A run with a failed completion or wrong data measured something else: no number.
+        if r.errors != 0 {
+            anyhow::bail!("{op:?} {size} B: {} errors (completion or data)", r.errors);
+        }
         Ok(serde_json::to_value(r)?)
     };
     let _ = one(Op::Write, 8, 20); // warm-up (and the connection the probe consumed)

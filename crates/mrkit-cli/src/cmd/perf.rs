@@ -334,7 +334,10 @@ fn send_wr(side: &Side, id: u64, op: WrOpcode, off: u64, len: u64, signaled: boo
         w.flags = 0;
     }
     if matches!(op, WrOpcode::Send | WrOpcode::RdmaWrite) && len <= INLINE_MAX {
+        // Inline: the bytes travel in the WR (copied here as `ibv_post_send` copies them).
         w.flags |= send_flags::INLINE;
+        w.inline_data = side.buf[off as usize..(off + len) as usize].to_vec();
+        return w;
     }
     w.sg_list = vec![Sge {
         addr: side.mr.iova + off,
@@ -394,7 +397,7 @@ fn serve_one(dev: &Context, conn: TcpStream) -> anyhow::Result<()> {
         let mut c = EchoCompletions::default();
         for i in 0..echo {
             let wc = c.next_recv(&side, deadline)?;
-            c.errors += u64::from(wc.status != WcStatus::Success);
+            c.errors += u64::from(wc.status != WcStatus::Success || u64::from(wc.byte_len) != size);
             // Reply first, then replace the consumed receive (512 are posted: the next
             // message cannot find the queue empty), as a latency-minded server would.
             c.reap_sends(&side, MAX_UNREAPED_SENDS - 1, deadline)?;
@@ -533,7 +536,9 @@ pub fn run_client(a: &PerfArgs, server: &str) -> anyhow::Result<PerfResult> {
             echo.sends += 1;
             let wc = echo.next_recv(&side, deadline)?;
             lat.push(t.elapsed().as_secs_f64() * 1e6);
-            echo.errors += u64::from(wc.status != WcStatus::Success);
+            // The echo is the first (at most) 8 bytes back.
+            echo.errors +=
+                u64::from(wc.status != WcStatus::Success || u64::from(wc.byte_len) != size.min(8));
             side.ctx
                 .post_recv(side.qp, &[recv_wr(&side, 6000 + u64::from(i), size, size)])?;
         } else {

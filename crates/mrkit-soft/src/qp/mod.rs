@@ -1162,6 +1162,15 @@ fn validate_send(wr: &SendWr, cap: &QpCap) -> Result<req::Wqe> {
                 cap.max_inline_data
             ));
         }
+        // The bytes of an inline message are `inline_data`; a gather list with bytes beside
+        // an empty `inline_data` would silently send an empty message (this API cannot read
+        // raw addresses the way `ibv_post_send` copies an inline gather list).
+        if wr.inline_data.is_empty() && wr.sg_list.iter().any(|s| s.length > 0) {
+            return Err(err!(
+                EINVAL,
+                "INLINE with an empty inline_data but a gather list: put the bytes in inline_data"
+            ));
+        }
     }
     if wr.opcode == O::BindMw && (!wr.sg_list.is_empty() || wr.imm_data != 0 || wr.bind.is_none()) {
         return Err(err!(
@@ -1243,6 +1252,43 @@ mod inline_tests {
                 want,
                 "{queued} queued, {started} started"
             );
+        }
+    }
+
+    #[test]
+    fn inline_post_time_rules() {
+        let cap = QpCap::default(); // max_inline_data 64
+        let inline = |op, bytes: usize, sge_len: Option<u32>| {
+            let mut w = SendWr::new(1, op).flags(send_flags::INLINE | send_flags::SIGNALED);
+            w.inline_data = vec![7; bytes];
+            if let Some(l) = sge_len {
+                w = w.sge(0x1000, l, 5);
+            }
+            w
+        };
+        use WrOpcode as O;
+        // (WR, accepted at post)
+        let table = [
+            (inline(O::Send, 8, None), true),
+            (inline(O::Send, 8, Some(8)), true), // the libibverbs shape: bytes + gather list
+            (inline(O::RdmaWrite, 64, None), true),
+            (inline(O::Send, 0, None), true), // a zero-length message
+            (inline(O::Send, 0, Some(0)), true), // ... with a zero-length SGE
+            (inline(O::Send, 65, None), false), // > max_inline_data
+            (inline(O::RdmaRead, 8, None), false),
+            (inline(O::AtomicFetchAndAdd, 8, None), false),
+            // The bytes left in the gather list: would send an empty message.
+            (inline(O::Send, 0, Some(8)), false),
+            (inline(O::RdmaWrite, 0, Some(8)), false),
+        ];
+        for (i, (wr, ok)) in table.into_iter().enumerate() {
+            match validate_send(&wr, &cap) {
+                Ok(_) => assert!(ok, "row {i} accepted"),
+                Err(e) => {
+                    assert!(!ok, "row {i}: {e}");
+                    assert_eq!(e.errno(), crate::Errno::EINVAL, "row {i}");
+                }
+            }
         }
     }
 }
