@@ -184,6 +184,10 @@ pub struct CqObject {
     /// millions of times a second) takes no lock. A stale zero only defers a completion to the
     /// next poll; a stale non-zero takes the lock and finds the truth.
     queued: AtomicUsize,
+    /// Set once by `destroy_cq` (after the CQ left the device's table): a poller that
+    /// reaches this CQ through its per-thread cache (`Context::poll_cq`) goes back to the
+    /// table, which no longer has it. Orders nothing else.
+    pub(crate) destroyed: std::sync::atomic::AtomicBool,
 }
 
 impl CqObject {
@@ -200,6 +204,7 @@ impl CqObject {
             channel,
             cond: Condvar::new(),
             queued: AtomicUsize::new(0),
+            destroyed: std::sync::atomic::AtomicBool::new(false),
         }
     }
 

@@ -148,6 +148,9 @@ fn ns_since_epoch(t: Instant) -> u64 {
 /// per-poll lookups.
 type NumHash = rustc_hash::FxBuildHasher;
 
+/// How often the QPs with pending timers (retransmission, RNR) are run.
+const TICK_EVERY: Duration = Duration::from_millis(1);
+
 /// Data-path state of one device instance.
 #[derive(Debug)]
 pub(crate) struct DataPath {
@@ -167,6 +170,10 @@ pub(crate) struct DataPath {
     /// Whether `ticking` holds any QP (written under its lock): lets a pass skip that lock
     /// when no QP has timers (the common case of a spinning poll).
     any_ticking: AtomicBool,
+    /// When the ticking set is next due (`ns_since_epoch`; 0: at once), a copy of the
+    /// `Option<Instant>` in `ticking` written under its lock: lets a pass skip that lock
+    /// between ticks. A stale value only moves a tick to the next pass.
+    tick_due_ns: AtomicU64,
     /// Delayed ACKs allowed (`fastpath::ACK_DELAY_MAX`; `DeviceConfig::delayed_acks`, on by
     /// default).
     pub delayed_acks: bool,
@@ -193,6 +200,7 @@ impl DataPath {
             started: AtomicBool::new(false),
             ticking: Mutex::new((HashSet::default(), None)),
             any_ticking: AtomicBool::new(false),
+            tick_due_ns: AtomicU64::new(0),
             delayed_acks,
             answered: AtomicBool::new(false),
         }
@@ -620,19 +628,31 @@ impl Context {
     /// plain ACKs back and sends them once due.
     pub(crate) fn progress_pass(&self, now: Instant, app: bool) -> usize {
         let dp = &self.dev.dp;
-        let _running = crate::fastpath::Running::enter(self);
-        let hold = (app && dp.delayed_acks).then_some(now);
         if !app {
             self.flush_acks(None);
         }
+        // One pass at a time per device (the pass lock is the receive buffers' lock, held for
+        // the whole pass): another thread in a pass (the progress thread, another poller) is
+        // already moving the same QPs, and two threads contending for one QP's lock only slow
+        // both down; one receiver at a time also keeps the socket's order (DeviceInner::rx).
+        // The loser returns at once: the holder receives, runs the run queue and the timers.
+        let Some(mut bufs) = self.dev.rx.try_lock() else {
+            if app {
+                // That thread may be preempted in the middle of its pass for milliseconds
+                // (seen on 2 vCPUs with two spinning applications: ACKs held 2-6 ms): this
+                // thread still sends its held ACKs once due.
+                self.flush_acks(Some(now));
+            }
+            return 0;
+        };
+        let hold = (app && dp.delayed_acks).then_some(now);
         // The QPs this pass runs: first those that just received packets (handed over here
         // rather than through the run queue: no scheduling flag, no run-queue lock twice),
         // then up to PASS_QPS in all from the run queue.
         let mut batch: [Option<Arc<QpObject>>; PASS_QPS] = Default::default();
         let mut received = 0;
         if let Some(port) = self.dev.udp.get() {
-            // One receiver at a time keeps the socket's order (see DeviceInner::rx).
-            if let Some(mut bufs) = self.dev.rx.try_lock() {
+            {
                 // One datagram at a time suits request/response traffic that someone polls for
                 // continuously: an application's own pass, or the progress thread when no
                 // application polls (a passive WRITE target). A progress thread running in the
@@ -678,13 +698,19 @@ impl Context {
             }
             dp.sched.runq_len.store(g.len(), Ordering::Release);
         }
-        let tick: Vec<u32> = if !dp.any_ticking.load(Ordering::Acquire) {
+        let now_ns = ns_since_epoch(now);
+        let tick: Vec<u32> = if !dp.any_ticking.load(Ordering::Acquire)
+            || now_ns < dp.tick_due_ns.load(Ordering::Relaxed)
+        {
             Vec::new()
         } else {
             let mut t = dp.ticking.lock();
             let due = t.1.map_or(true, |at| now >= at);
             if due && !t.0.is_empty() {
-                t.1 = Some(now + Duration::from_millis(1));
+                let next = now + TICK_EVERY;
+                t.1 = Some(next);
+                dp.tick_due_ns
+                    .store(ns_since_epoch(next), Ordering::Relaxed);
                 t.0.iter().copied().collect()
             } else {
                 Vec::new()
@@ -708,11 +734,13 @@ impl Context {
             if !pkts.is_empty() {
                 work += 1;
             }
+            q.untick_if_idle(self);
             self.deliver_pkts(pkts, hold.filter(|_| q.delay_acks.load(Ordering::Relaxed)));
         }
         if app {
             self.flush_acks(Some(now));
         }
+        drop(bufs); // the pass ends
         work
     }
 
@@ -837,24 +865,58 @@ impl Context {
                 "CQ {cqn} is used by {users} QP(s); destroy them first"
             ));
         }
-        g.remove(&cqn);
+        if let Some(cq) = g.remove(&cqn) {
+            cq.destroyed.store(true, Ordering::Release);
+        }
         Ok(())
+    }
+
+    /// Run `f` on CQ `cqn`. The CQ a thread polled last is kept in a per-thread cache (keyed
+    /// by this device's unique node id and the CQ number, checked against the CQ's
+    /// `destroyed` flag): a spinning application polls one CQ millions of times a second, and
+    /// the table's read lock is two atomic read-modify-writes per poll.
+    fn with_cq<R>(&self, cqn: u32, f: impl FnOnce(&CqObject) -> R) -> Result<R> {
+        thread_local! {
+            static LAST_CQ: std::cell::RefCell<Option<(u64, Arc<CqObject>)>> =
+                const { std::cell::RefCell::new(None) };
+        }
+        let node = self.dev.dp.node_id;
+        let mut f = Some(f);
+        let hit = LAST_CQ
+            .try_with(|c| match &*c.borrow() {
+                Some((n, cq))
+                    if *n == node && cq.cqn == cqn && !cq.destroyed.load(Ordering::Acquire) =>
+                {
+                    f.take().map(|f| f(cq))
+                }
+                _ => None,
+            })
+            .ok()
+            .flatten();
+        if let Some(r) = hit {
+            return Ok(r);
+        }
+        let cq = self
+            .dev
+            .dp
+            .cqs
+            .read()
+            .get(&cqn)
+            .cloned()
+            .ok_or_else(|| err!(EINVAL, "CQ {cqn} does not exist"))?;
+        let r = f
+            .take()
+            .map(|f| f(&cq))
+            .expect("f is taken only on a cache hit");
+        let _ = LAST_CQ.try_with(|c| *c.borrow_mut() = Some((node, cq)));
+        Ok(r)
     }
 
     /// `ibv_poll_cq`: append up to `max` completions to `out`; returns how many.
     /// On an empty CQ (and without manual progress) it first runs the device's progress
     /// inline once (progress-on-poll, `fastpath.rs`).
     pub fn poll_cq(&self, cqn: u32, out: &mut Vec<Wc>, max: usize) -> Result<usize> {
-        // Polled under the table's read lock rather than through a cloned Arc: a spinning
-        // application calls this millions of times a second, and the clone and its drop are
-        // two atomic read-modify-writes on the CQ's reference count.
-        let poll = |out: &mut Vec<Wc>| -> Result<usize> {
-            let g = self.dev.dp.cqs.read();
-            let cq = g
-                .get(&cqn)
-                .ok_or_else(|| err!(EINVAL, "CQ {cqn} does not exist"))?;
-            Ok(cq.poll(out, max))
-        };
+        let poll = |out: &mut Vec<Wc>| self.with_cq(cqn, |cq| cq.poll(out, max));
         let n = poll(out)?;
         if n == 0 && max > 0 && !self.dev.dp.manual() {
             let now = Instant::now();
@@ -894,6 +956,53 @@ impl Context {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_idle_qp_leaves_the_ticking_set_at_the_next_tick_not_per_message() {
+        use crate::qp::{rc_connect, QpCap, QpInitAttr, RecvWr, SendWr, WrOpcode};
+        let c = Context::open(crate::DeviceConfig::rxe());
+        c.set_manual_progress();
+        let pd = c.alloc_pd().unwrap();
+        let cq = c.create_cq(16, None).unwrap();
+        let init = QpInitAttr {
+            pd,
+            send_cq: cq,
+            recv_cq: cq,
+            cap: QpCap::default(),
+            sq_sig_all: false,
+        };
+        let (q1, _) = c.create_qp(init).unwrap();
+        let (q2, _) = c.create_qp(init).unwrap();
+        rc_connect(&c, q1, &c, q2, crate::AccessFlags::LOCAL_WRITE, 3).unwrap();
+        let dp = &c.dev.dp;
+        let ticking = || dp.any_ticking.load(Ordering::Acquire);
+        let t0 = Instant::now();
+        let mut out = Vec::new();
+        for (i, now) in [t0, t0 + Duration::from_micros(10)].into_iter().enumerate() {
+            let recv = RecvWr {
+                wr_id: i as u64,
+                sg_list: vec![],
+            };
+            c.post_recv(q2, &[recv]).unwrap();
+            c.post_send(q1, &[SendWr::new(i as u64, WrOpcode::Send)])
+                .unwrap();
+            while c.progress_once(now) > 0 {}
+            out.clear();
+            assert_eq!(
+                c.poll_cq(cq, &mut out, 4).unwrap(),
+                2,
+                "send and receive completed"
+            );
+            // Acknowledged, so no timer is pending, but the QP stays in the set until a tick
+            // (the first pass with a ticking QP ticks at once: check the second message).
+            if i == 1 {
+                assert!(ticking(), "still in the ticking set between ticks");
+            }
+        }
+        // The next tick runs it, finds it idle and takes it out.
+        c.progress_once(t0 + TICK_EVERY * 3);
+        assert!(!ticking(), "an idle QP left the set at its tick");
+    }
 
     #[test]
     fn progress_policy_parses() {

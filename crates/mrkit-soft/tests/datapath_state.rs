@@ -207,3 +207,40 @@ fn modify_qp_through_the_device() {
     ctx.destroy_cq(cq).unwrap();
     ctx.dealloc_pd(pd).unwrap();
 }
+
+/// `poll_cq` keeps the CQ a thread polled last in a per-thread cache: a destroyed CQ must still
+/// answer EINVAL, a CQ number reused by a new CQ must reach the new CQ, and a CQ with the same
+/// number on another device must not be confused with this one.
+#[test]
+fn poll_cq_finds_the_right_cq_through_its_per_thread_cache() {
+    let a = Context::open(DeviceConfig::default());
+    let b = Context::open(DeviceConfig::default());
+    a.set_manual_progress();
+    b.set_manual_progress();
+    let mut out = Vec::new();
+    let ca = a.create_cq(4, None).unwrap();
+    let cb = b.create_cq(4, None).unwrap();
+    assert_eq!(ca, cb, "both devices number their first CQ alike");
+    assert_eq!(a.poll_cq(ca, &mut out, 1).unwrap(), 0); // cached: (a, ca)
+    assert_eq!(b.poll_cq(cb, &mut out, 1).unwrap(), 0); // another device: not the cached one
+    a.destroy_cq(ca).unwrap();
+    assert_eq!(
+        a.poll_cq(ca, &mut out, 1).unwrap_err().errno(),
+        Errno::EINVAL
+    );
+    assert_eq!(b.poll_cq(cb, &mut out, 1).unwrap(), 0);
+    assert_eq!(
+        a.poll_cq(ca, &mut out, 1).unwrap_err().errno(),
+        Errno::EINVAL
+    );
+    // A new CQ (its number may be the old one's): polled, not the destroyed one.
+    let c2 = a.create_cq(4, None).unwrap();
+    assert_eq!(a.poll_cq(c2, &mut out, 1).unwrap(), 0);
+    assert_eq!(a.cq_len(c2).unwrap().1, 4);
+    b.destroy_cq(cb).unwrap();
+    assert_eq!(
+        b.poll_cq(cb, &mut out, 1).unwrap_err().errno(),
+        Errno::EINVAL
+    );
+    assert_eq!(a.poll_cq(c2, &mut out, 1).unwrap(), 0);
+}

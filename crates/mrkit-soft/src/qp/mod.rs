@@ -431,9 +431,12 @@ pub(crate) struct QpInner {
     /// Empty buffer swapped with `QpObject::inbox` by a run (no allocation per run).
     pub inbox_spare: Vec<Pkt>,
     /// This QP is in the device's set of QPs whose timers need ticks (`DataPath::ticking`).
-    /// Changed only by a run, under this lock, so that two threads' runs cannot apply their
-    /// answers out of order, and the set's lock is taken only when the answer changes.
+    /// Set by a run that leaves timers pending, cleared by a tick that finds the QP idle
+    /// (`untick_if_idle`) or by destroy, always under this lock, so that two threads cannot
+    /// apply their answers out of order, and the set's lock is taken only on a change.
     pub ticking: bool,
+    /// The last run left timers that need ticks (pending retransmission or RNR wait).
+    pub needs_tick: bool,
 }
 
 /// A QP as the device keeps it.
@@ -622,12 +625,26 @@ impl QpObject {
             || (st.state == QpState::Rts && st.sq.cursor < st.sq.q.len());
         inbox.clear(); // what an error left unprocessed
         st.inbox_spare = inbox;
-        self.note_ticking(ctx, st, needs_tick);
+        // Into the ticking set at once; out of it only when a tick finds the QP idle
+        // (`untick_if_idle`): a request/response QP needs ticks again one message later, and
+        // the set's lock per message cost two lock round trips on the latency path.
+        st.needs_tick = needs_tick;
+        if needs_tick {
+            self.note_ticking(ctx, st, true);
+        }
         drop(g);
         for e in out.events {
             ctx.raise_async_event(e);
         }
         out.pkts
+    }
+
+    /// After a tick ran this QP: leave the ticking set if its timers no longer need ticks.
+    pub(crate) fn untick_if_idle(&self, ctx: &Context) {
+        let mut g = self.inner.lock();
+        if !g.needs_tick {
+            self.note_ticking(ctx, &mut g, false);
+        }
     }
 
     /// Put this QP in the device's ticking set or take it out (under the QP lock: lock order
@@ -773,6 +790,7 @@ impl Context {
                 send_wcs: Vec::new(),
                 inbox_spare: Vec::new(),
                 ticking: false,
+                needs_tick: false,
             }),
         });
         dp.qps.write().insert(qpn, obj);
