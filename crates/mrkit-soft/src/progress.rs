@@ -342,7 +342,7 @@ impl DataPath {
     pub(crate) fn enqueue_packet(&self, p: Pkt) {
         let q = self.qps.read().get(&p.bth.dest_qpn).cloned();
         if let Some(q) = q {
-            q.inbox.lock().push(p);
+            q.inbox.push(p);
             self.schedule_obj(&q);
         }
     }
@@ -663,7 +663,7 @@ impl Context {
                 // thread cost a passive WRITE target ~0.4 µs per round trip.)
                 let one_ok = app || !dp.sched.app_polled_recently(now);
                 crate::net::udp::poll_rx(self, port, &mut bufs, one_ok, |q, pkts| {
-                    q.inbox.lock().append(pkts);
+                    q.inbox.append(pkts);
                     if holds(&batch[..received], q) {
                         return;
                     }

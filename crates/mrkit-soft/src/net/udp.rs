@@ -841,7 +841,8 @@ pub(crate) fn poll_rx(
     }
     match r {
         Ok(n) => {
-            let answered = n > 0 && dp.answered.swap(false, Relaxed);
+            // Load first: the flag is usually already clear, and a swap is a locked RMW.
+            let answered = n > 0 && dp.answered.load(Relaxed) && dp.answered.swap(false, Relaxed);
             bufs.after_receive(port, n, slots, small, answered);
             n
         }

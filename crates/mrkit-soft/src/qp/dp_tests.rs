@@ -205,18 +205,7 @@ fn responder_coalesces_the_acks_of_one_batch_into_one() {
     a.progress_once(now); // a sends all four into b's inbox
     b.progress_once(now); // b takes them in one run
                           // ... are acknowledged by one ACK for the last PSN: ACKs are cumulative.
-    let inbox: Vec<(Opcode, u32, bool)> = a.dev.dp.qps.read()[&aqp]
-        .inbox
-        .lock()
-        .iter()
-        .map(|p| {
-            (
-                p.bth.opcode,
-                p.bth.psn,
-                p.ext.aeth.is_some_and(|x| x.is_ack()),
-            )
-        })
-        .collect();
+    let inbox = a.dev.dp.qps.read()[&aqp].inbox.summary();
     assert_eq!(inbox, vec![(Opcode::Acknowledge, 3, true)]);
     drive_until_idle(&[&a, &b]);
     let mut wcs: Vec<Wc> = Vec::new();

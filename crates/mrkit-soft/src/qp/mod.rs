@@ -449,7 +449,7 @@ pub(crate) struct QpObject {
     /// The SRQ receive WQEs come from (`rq` then only holds the one taken for the next
     /// message).
     pub srq: Option<Arc<crate::srq::SrqObject>>,
-    pub inbox: Mutex<Vec<Pkt>>,
+    pub inbox: Inbox,
     pub scheduled: AtomicBool,
     /// Whether application passes may hold this QP's plain ACKs back (delayed ACK,
     /// `fastpath::ACK_DELAY_MAX`). Cleared when a held ACK had to leave on its own (the
@@ -474,6 +474,66 @@ fn pow2(v: u32) -> u32 {
     }
 }
 
+/// Packets received for a QP, waiting for its next run. Producers append and then schedule
+/// the QP (or hand it to the pass that runs it), so a run always follows an append.
+#[derive(Debug, Default)]
+pub(crate) struct Inbox {
+    pkts: Mutex<Vec<Pkt>>,
+    /// Whether `pkts` may be non-empty: set under the lock by every append, cleared under it by
+    /// the run that takes the packets. Lets a run with nothing received (an inline
+    /// `post_send`) skip the lock. A stale `false` cannot strand packets: the append is
+    /// followed by scheduling, which orders it before that scheduled run's read of this flag.
+    ready: AtomicBool,
+}
+
+impl Inbox {
+    /// Append packets (and leave `pkts` empty).
+    pub(crate) fn append(&self, pkts: &mut Vec<Pkt>) {
+        let mut g = self.pkts.lock();
+        g.append(pkts);
+        self.ready.store(true, Ordering::Release);
+    }
+
+    /// Append one packet.
+    pub(crate) fn push(&self, p: Pkt) {
+        let mut g = self.pkts.lock();
+        g.push(p);
+        self.ready.store(true, Ordering::Release);
+    }
+
+    /// Swap the waiting packets into `into` (an empty buffer, which becomes the inbox).
+    pub(crate) fn swap_into(&self, into: &mut Vec<Pkt>) {
+        if !self.ready.load(Ordering::Acquire) {
+            return;
+        }
+        let mut g = self.pkts.lock();
+        std::mem::swap(&mut *g, into);
+        self.ready.store(false, Ordering::Release);
+    }
+
+    /// The waiting packets' (opcode, PSN, is a plain ACK) (tests).
+    #[cfg(test)]
+    pub(crate) fn summary(&self) -> Vec<(crate::wire::Opcode, u32, bool)> {
+        let g = self.pkts.lock();
+        g.iter()
+            .map(|p| {
+                (
+                    p.bth.opcode,
+                    p.bth.psn,
+                    p.ext.aeth.is_some_and(|x| x.is_ack()),
+                )
+            })
+            .collect()
+    }
+
+    /// Drop every waiting packet.
+    pub(crate) fn clear(&self) {
+        let mut g = self.pkts.lock();
+        g.clear();
+        self.ready.store(false, Ordering::Release);
+    }
+}
+
 impl QpObject {
     /// One run: process the inbox, timers and the send queue; push completions; hand back the
     /// packets to send. Whether its timers still need ticks is recorded in the device's
@@ -482,7 +542,7 @@ impl QpObject {
         let mut g = self.inner.lock();
         let st = &mut *g;
         if st.destroyed {
-            self.inbox.lock().clear();
+            self.inbox.clear();
             self.note_ticking(ctx, st, false);
             return Vec::new();
         }
@@ -490,7 +550,7 @@ impl QpObject {
         // packets are taken under one short lock and the buffer returns as the next spare,
         // so neither side allocates and no second inbox lock is needed.
         let mut inbox = std::mem::take(&mut st.inbox_spare);
-        std::mem::swap(&mut *self.inbox.lock(), &mut inbox);
+        self.inbox.swap_into(&mut inbox);
         let q = QpCtx {
             ctx,
             qpn: self.qpn,
@@ -773,7 +833,7 @@ impl Context {
             recv_cq,
             sq_sig_all: init.sq_sig_all,
             srq,
-            inbox: Mutex::new(Vec::new()),
+            inbox: Inbox::default(),
             scheduled: AtomicBool::new(false),
             delay_acks: AtomicBool::new(true),
             inner: Mutex::new(QpInner {
@@ -819,7 +879,7 @@ impl Context {
             // Out of the ticking set now (its number may be reused by a new QP).
             q.note_ticking(self, &mut g, false);
         }
-        q.inbox.lock().clear();
+        q.inbox.clear();
         q.send_cq.users.fetch_sub(1, Ordering::AcqRel);
         q.recv_cq.users.fetch_sub(1, Ordering::AcqRel);
         if let Some(s) = &q.srq {
@@ -1003,7 +1063,7 @@ impl Context {
                 g.req = req::Requester::default();
                 g.comp = comp::Completer::new(Instant::now());
                 g.resp = resp::Responder::default();
-                q.inbox.lock().clear();
+                q.inbox.clear();
                 // CQ clean (cq.rs): under the QP lock, so no completion of this QP can be
                 // pushed between the clean and the state change becoming visible.
                 q.send_cq.clean_qp(qpn);
