@@ -91,9 +91,14 @@ fn delayable(p: &Pkt) -> bool {
 }
 
 impl Context {
-    /// Run one QP now on this thread and deliver what it produced (with any held ACKs).
-    pub(crate) fn run_qp_inline(&self, q: &Arc<QpObject>) {
-        let pkts = q.run(self, Instant::now());
+    /// Run one QP now on this thread (its lock `g` held by the caller) and deliver what it
+    /// produced (with any held ACKs).
+    pub(crate) fn run_qp_inline(
+        &self,
+        q: &Arc<QpObject>,
+        g: parking_lot::MutexGuard<'_, crate::qp::QpInner>,
+    ) {
+        let pkts = q.run_locked(self, Instant::now(), g);
         self.deliver_pkts(pkts, None);
     }
 

@@ -428,6 +428,8 @@ pub(crate) struct QpInner {
     pub last_wqe_notified: bool,
     /// Reused buffer for a run's send completions (no allocation per completion).
     pub send_wcs: Vec<Wc>,
+    /// Reused buffer for a run's receive completions (`Out::recv_wcs`).
+    pub recv_wcs: Vec<(Wc, bool)>,
     /// Empty buffer swapped with `QpObject::inbox` by a run (no allocation per run).
     pub inbox_spare: Vec<Pkt>,
     /// This QP is in the device's set of QPs whose timers need ticks (`DataPath::ticking`).
@@ -539,7 +541,17 @@ impl QpObject {
     /// packets to send. Whether its timers still need ticks is recorded in the device's
     /// ticking set before the QP lock is released (`QpInner::ticking`).
     pub(crate) fn run(&self, ctx: &Context, now: Instant) -> Vec<Pkt> {
-        let mut g = self.inner.lock();
+        self.run_locked(ctx, now, self.inner.lock())
+    }
+
+    /// [`run`](Self::run) with the QP lock already held (`post_send` posts and runs under
+    /// one lock); releases it before raising events.
+    pub(crate) fn run_locked(
+        &self,
+        ctx: &Context,
+        now: Instant,
+        mut g: parking_lot::MutexGuard<'_, QpInner>,
+    ) -> Vec<Pkt> {
         let st = &mut *g;
         if st.destroyed {
             self.inbox.clear();
@@ -567,7 +579,10 @@ impl QpObject {
             model: ctx.dev.config.model(),
             state: st.state,
         };
-        let mut out = Out::default();
+        let mut out = Out {
+            recv_wcs: std::mem::take(&mut st.recv_wcs),
+            ..Out::default()
+        };
         for p in inbox.drain(..) {
             if st.state == QpState::Err || out.error {
                 break; // a QP in ERR drops every incoming packet
@@ -649,11 +664,13 @@ impl QpObject {
             }
         }
         st.send_wcs = send_wcs;
-        for (wc, sol) in std::mem::take(&mut out.recv_wcs) {
+        let mut recv_wcs = std::mem::take(&mut out.recv_wcs);
+        for (wc, sol) in recv_wcs.drain(..) {
             if self.recv_cq.push(wc, sol).is_err() {
                 overflow = Some(self.recv_cq.cqn);
             }
         }
+        st.recv_wcs = recv_wcs;
         if let Some(cqn) = overflow {
             out.events.push(AsyncEvent::CqErr { cqn });
             if st.state != QpState::Err {
@@ -849,6 +866,7 @@ impl Context {
                 last_wqe_notified: false,
                 send_wcs: Vec::new(),
                 inbox_spare: Vec::new(),
+                recv_wcs: Vec::new(),
                 ticking: false,
                 needs_tick: false,
             }),
@@ -1126,12 +1144,12 @@ impl Context {
             }
             Ok(())
         })();
-        drop(g);
         q.delay_acks.store(true, Ordering::Relaxed);
         self.dev.dp.answered.store(true, Ordering::Relaxed);
         if inline {
-            self.run_qp_inline(&q);
+            self.run_qp_inline(&q, g);
         } else {
+            drop(g);
             self.dev.dp.schedule(qpn);
         }
         res
