@@ -26,6 +26,14 @@ pub enum Payload {
     Empty,
     /// Owned bytes (inline sends, packets received from a wire).
     Bytes(Vec<u8>),
+    /// Up to [`SMALL_PAYLOAD`] bytes held in the packet itself (short messages, atomics,
+    /// inline sends): no allocation and no shared receive buffer per packet.
+    Small {
+        /// Bytes used.
+        len: u8,
+        /// The bytes (`..len`).
+        bytes: [u8; SMALL_PAYLOAD],
+    },
     /// Pieces of registered memory `(guard, offset in guard, length)`.
     Mem(Vec<(MrGuard, u64, usize)>),
     /// A range of a shared receive buffer (packets from the UDP link: no per-packet copy or
@@ -33,12 +41,32 @@ pub enum Payload {
     Shared(std::sync::Arc<Vec<u8>>, usize, usize),
 }
 
+/// Largest payload kept in the packet itself ([`Payload::Small`]).
+pub const SMALL_PAYLOAD: usize = 32;
+
 impl Payload {
+    /// Owned copy of `bytes`: in the packet itself when short, else on the heap.
+    pub fn copied(bytes: &[u8]) -> Payload {
+        match bytes.len() {
+            0 => Payload::Empty,
+            n if n <= SMALL_PAYLOAD => {
+                let mut b = [0u8; SMALL_PAYLOAD];
+                b[..n].copy_from_slice(bytes);
+                Payload::Small {
+                    len: n as u8,
+                    bytes: b,
+                }
+            }
+            _ => Payload::Bytes(bytes.to_vec()),
+        }
+    }
+
     /// Payload length in bytes.
     pub fn len(&self) -> usize {
         match self {
             Payload::Empty => 0,
             Payload::Bytes(b) => b.len(),
+            Payload::Small { len, .. } => usize::from(*len),
             Payload::Shared(_, _, n) => *n,
             Payload::Mem(p) => p.iter().map(|x| x.2).sum(),
         }
@@ -52,6 +80,7 @@ impl Payload {
         match self {
             Payload::Empty => debug_assert_eq!(n, 0),
             Payload::Bytes(b) => copy::write_from(dst, doff, &b[poff..poff + n]),
+            Payload::Small { bytes, .. } => copy::write_from(dst, doff, &bytes[poff..poff + n]),
             Payload::Shared(b, start, _) => {
                 copy::write_from(dst, doff, &b[start + poff..start + poff + n])
             }
@@ -78,6 +107,7 @@ impl Payload {
         match self {
             Payload::Empty => {}
             Payload::Bytes(b) => dst.copy_from_slice(&b[poff..poff + dst.len()]),
+            Payload::Small { bytes, .. } => dst.copy_from_slice(&bytes[poff..poff + dst.len()]),
             Payload::Shared(b, start, _) => {
                 dst.copy_from_slice(&b[start + poff..start + poff + dst.len()])
             }
@@ -177,40 +207,39 @@ impl Pkt {
         dst: std::net::SocketAddr,
         node: u64,
     ) -> Result<Pkt, Drop> {
-        Self::from_wire_in(datagram, None, src, dst, node)
+        let (mut p, at) = Self::parse_wire(datagram, src, dst, node)?;
+        p.payload = Payload::copied(&datagram[at]);
+        Ok(p)
     }
 
-    /// As [`from_wire`](Self::from_wire); with `shared = Some((buffer, offset))` where
-    /// `datagram` lies at `offset` inside `buffer`, the payload refers to the buffer instead of
-    /// being copied.
-    pub fn from_wire_in(
+    /// As [`from_wire`](Self::from_wire), but the payload is left [`Payload::Empty`] and its
+    /// byte range in `datagram` returned, for the caller to place (the UDP receiver shares
+    /// its buffer for long payloads instead of copying them).
+    pub(crate) fn parse_wire(
         datagram: &[u8],
-        shared: Option<(&std::sync::Arc<Vec<u8>>, usize)>,
         src: std::net::SocketAddr,
         dst: std::net::SocketAddr,
         node: u64,
-    ) -> Result<Pkt, Drop> {
+    ) -> Result<(Pkt, std::ops::Range<usize>), Drop> {
         let view = crate::wire::Packet::parse(datagram).map_err(|_| Drop::Malformed)?;
         if !icrc_ok(&view, src, dst) {
             return Err(Drop::BadIcrc);
         }
-        Ok(Pkt {
-            dst_node: node,
-            dst_ip: None,
-            src_node: 0,
-            src_qpn: 0,
-            bth: view.bth,
-            ext: view.ext,
-            payload: match shared {
-                _ if view.payload.is_empty() => Payload::Empty,
-                Some((buf, base)) => {
-                    // The payload's position inside the datagram, then inside the buffer.
-                    let at = view.payload.as_ptr() as usize - datagram.as_ptr() as usize;
-                    Payload::Shared(buf.clone(), base + at, view.payload.len())
-                }
-                None => Payload::Bytes(view.payload.to_vec()),
+        // The payload's position inside the datagram.
+        let at = view.payload.as_ptr() as usize - datagram.as_ptr() as usize;
+        let range = at..at + view.payload.len();
+        Ok((
+            Pkt {
+                dst_node: node,
+                dst_ip: None,
+                src_node: 0,
+                src_qpn: 0,
+                bth: view.bth,
+                ext: view.ext,
+                payload: Payload::Empty,
             },
-        })
+            range,
+        ))
     }
 }
 
@@ -276,4 +305,37 @@ pub(crate) fn deliver(ctx: &crate::Context, pkts: Vec<Pkt>) {
         loopback::deliver(local);
     }
     udp::send_pkts(ctx, wire);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn copied_payloads_live_in_the_packet_up_to_small_payload_bytes() {
+        // (length, variant) and every byte reads back.
+        for n in [0, 1, 8, SMALL_PAYLOAD, SMALL_PAYLOAD + 1, 4096] {
+            let src: Vec<u8> = (0..n).map(|i| i as u8 ^ 0x5a).collect();
+            let p = Payload::copied(&src);
+            let kind = match &p {
+                Payload::Empty => "empty",
+                Payload::Small { .. } => "small",
+                Payload::Bytes(_) => "heap",
+                _ => "other",
+            };
+            let want = match n {
+                0 => "empty",
+                n if n <= SMALL_PAYLOAD => "small",
+                _ => "heap",
+            };
+            assert_eq!((n, kind), (n, want));
+            assert_eq!(p.len(), n);
+            assert_eq!(p.to_vec(), src);
+            if n > 2 {
+                let mut part = vec![0u8; n - 2];
+                p.read(1, &mut part);
+                assert_eq!(part, src[1..n - 1]);
+            }
+        }
+    }
 }

@@ -313,14 +313,15 @@ impl UdpPort {
         self.faults.as_ref().map(|f| f.lock().stats())
     }
 
-    /// Receive whatever is ready (non-blocking): calls `f(src, buffer, offset, len)` for each
-    /// datagram (GRO batches are split by their stride), where the datagram is
-    /// `buffer[offset..offset + len]`. Buffers still referenced by packets from an earlier call
-    /// are replaced, the others reused. Returns the number of datagrams.
+    /// Receive whatever is ready (non-blocking): calls `f(src, datagram)` for each datagram
+    /// (GRO batches are split by their stride). [`Datagram::bytes`] reads it;
+    /// [`Datagram::share`] hands out its buffer for packets to keep (buffers still referenced
+    /// by packets from an earlier call are replaced, the others reused). Returns the number of
+    /// datagrams.
     pub fn recv(
         &self,
         bufs: &mut RecvBufs,
-        f: impl FnMut(SocketAddr, &std::sync::Arc<Vec<u8>>, usize, usize),
+        f: impl FnMut(SocketAddr, &mut Datagram<'_>),
     ) -> io::Result<usize> {
         self.recv_some(bufs, RECV_BATCH, usize::MAX, f)
     }
@@ -332,14 +333,15 @@ impl UdpPort {
         bufs: &mut RecvBufs,
         slots: usize,
         calls: usize,
-        mut f: impl FnMut(SocketAddr, &std::sync::Arc<Vec<u8>>, usize, usize),
+        mut f: impl FnMut(SocketAddr, &mut Datagram<'_>),
     ) -> io::Result<usize> {
         let slots = slots.clamp(1, RECV_BATCH);
         if slots == 1 && bufs.plain && calls > 0 {
             return match sockio::recv_one(&self.rx, &mut bufs.slots[0])? {
                 None => Ok(0),
                 Some((addr, len)) => {
-                    f(addr, &bufs.share(0), 0, len);
+                    let mut handle = None;
+                    f(addr, &mut Datagram::new(bufs, 0, &mut handle, 0, len));
                     Ok(1)
                 }
             };
@@ -361,13 +363,13 @@ impl UdpPort {
             match r {
                 Ok(n) => {
                     for (i, m) in meta.iter().enumerate().take(n) {
-                        // Packets refer to this buffer from now on.
-                        let buf = &bufs.share(i);
+                        // Shared with packets (once per slot) only if a packet keeps a range.
+                        let mut handle = None;
                         let stride = m.stride.max(1);
                         let mut off = 0;
                         while off < m.len {
                             let len = stride.min(m.len - off);
-                            f(m.addr, buf, off, len);
+                            f(m.addr, &mut Datagram::new(bufs, i, &mut handle, off, len));
                             off += len;
                             total += 1;
                         }
@@ -385,6 +387,54 @@ impl UdpPort {
     /// The receive socket (to wait on it with poll()).
     pub fn rx_socket(&self) -> &UdpSocket {
         &self.rx
+    }
+}
+
+/// One received datagram, lent to a receive callback ([`UdpPort::recv`]).
+pub struct Datagram<'a> {
+    bufs: &'a mut RecvBufs,
+    slot: usize,
+    /// The slot's buffer once shared with packets (its bytes moved into this handle).
+    handle: &'a mut Option<std::sync::Arc<Vec<u8>>>,
+    off: usize,
+    len: usize,
+}
+
+impl<'a> Datagram<'a> {
+    fn new(
+        bufs: &'a mut RecvBufs,
+        slot: usize,
+        handle: &'a mut Option<std::sync::Arc<Vec<u8>>>,
+        off: usize,
+        len: usize,
+    ) -> Datagram<'a> {
+        Datagram {
+            bufs,
+            slot,
+            handle,
+            off,
+            len,
+        }
+    }
+
+    /// The datagram's bytes.
+    pub fn bytes(&self) -> &[u8] {
+        let buf = match &*self.handle {
+            Some(h) => &h[..],
+            None => &self.bufs.slots[self.slot][..],
+        };
+        &buf[self.off..self.off + self.len]
+    }
+
+    /// The buffer holding the datagram, for packets to keep a range of it, and the datagram's
+    /// offset in it. The first call per receive slot trades the slot's buffer for a free one
+    /// (see [`RecvBufs`]); short payloads are better copied ([`super::Payload::copied`]).
+    pub fn share(&mut self) -> (&std::sync::Arc<Vec<u8>>, usize) {
+        let (bufs, slot) = (&mut *self.bufs, self.slot);
+        (
+            self.handle.get_or_insert_with(|| bufs.share(slot)),
+            self.off,
+        )
     }
 }
 
@@ -798,11 +848,20 @@ pub(crate) fn poll_rx(
     // the two sides would then take turns instead of overlapping.
     let slots = bufs.slots_for(one_ok);
     let mut small = true;
-    let r = port.recv_some(bufs, slots, 1, |src, buf, off, len| {
-        small &= len < SMALL_DATAGRAM;
+    let r = port.recv_some(bufs, slots, 1, |src, d| {
+        small &= d.len < SMALL_DATAGRAM;
         received += 1;
-        let d = &buf[off..off + len];
-        match super::Pkt::from_wire_in(d, Some((buf, off)), src, local, node) {
+        let parsed = super::Pkt::parse_wire(d.bytes(), src, local, node).map(|(mut p, at)| {
+            p.payload = if at.len() <= super::SMALL_PAYLOAD {
+                super::Payload::copied(&d.bytes()[at])
+            } else {
+                // Long payloads stay in the receive buffer (no copy, no allocation).
+                let (buf, base) = d.share();
+                super::Payload::Shared(buf.clone(), base + at.start, at.len())
+            };
+            p
+        });
+        match parsed {
             Ok(p) => {
                 let qpn = p.bth.dest_qpn;
                 if cur.as_ref().map_or(true, |(n, _)| *n != qpn) {
@@ -946,10 +1005,8 @@ mod tests {
         let mut got = Vec::new();
         let end = Instant::now() + Duration::from_secs(5);
         while got.len() < n && Instant::now() < end {
-            p.recv(&mut bufs, |src, b, off, len| {
-                got.push((src, b[off..off + len].to_vec()))
-            })
-            .unwrap();
+            p.recv(&mut bufs, |src, d| got.push((src, d.bytes().to_vec())))
+                .unwrap();
         }
         got
     }
@@ -991,9 +1048,13 @@ mod tests {
             let mut got = None;
             let end = Instant::now() + Duration::from_secs(5);
             while got.is_none() && Instant::now() < end {
-                b.recv(&mut bufs, |_, buf, off, len| {
-                    assert_eq!(&buf[off..off + len], &[i; 100][..]);
+                b.recv(&mut bufs, |_, d| {
+                    assert_eq!(d.bytes(), &[i; 100][..]);
+                    let (buf, off) = d.share();
+                    assert_eq!(&buf[off..off + 100], &[i; 100][..]);
                     got = Some(buf.clone()); // a packet referring to the buffer
+                                             // The slot traded its buffer: the datagram is read from the shared one.
+                    assert_eq!(d.bytes(), &[i; 100][..]);
                 })
                 .unwrap();
             }
@@ -1120,9 +1181,7 @@ mod tests {
             let slots = bufs.slots_per_pass();
             let mut got = Vec::new();
             let n = b
-                .recv_some(bufs, slots, 1, |_, buf, off, len| {
-                    got.push(buf[off..off + len].to_vec())
-                })
+                .recv_some(bufs, slots, 1, |_, d| got.push(d.bytes().to_vec()))
                 .unwrap();
             let small = got.iter().all(|d| d.len() < SMALL_DATAGRAM);
             bufs.after_receive(&b, n, slots, small, false);

@@ -284,7 +284,7 @@ impl Completer {
                     &w.wr.sg_list,
                     0,
                     8,
-                    &Payload::Bytes(orig.to_ne_bytes().to_vec()),
+                    &Payload::copied(&orig.to_ne_bytes()),
                 );
                 self.advance(psn);
                 w.st = WqeSt::Done(if r.is_ok() {

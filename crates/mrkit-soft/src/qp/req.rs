@@ -454,7 +454,7 @@ impl Requester {
         p.payload = if n == 0 {
             Payload::Empty
         } else if w.inline {
-            Payload::Bytes(w.wr.inline_data[off as usize..(off + n) as usize].to_vec())
+            Payload::copied(&w.wr.inline_data[off as usize..(off + n) as usize])
         } else {
             let mut pieces = Vec::with_capacity(1);
             for_pieces(&w.wr.sg_list, off, n, |s, soff, len| {
