@@ -94,17 +94,18 @@ pub struct DeviceInner {
     pub(crate) dp: progress::DataPath,
     /// Shared receive queues.
     pub(crate) srqs: srq::SrqTable,
+    /// Threads inside a progress pass right now (`fastpath.rs`: a poller skips its pass
+    /// while another thread is in one). Orders nothing else.
+    pub(crate) progress_runners: std::sync::atomic::AtomicUsize,
     /// The RoCEv2 UDP port, bound on first use (query_gid, a QP with a GID address vector).
     pub(crate) udp: std::sync::OnceLock<Arc<net::udp::UdpPort>>,
     /// Serialises the first bind of `udp`.
     udp_init: parking_lot::Mutex<()>,
     /// Link counters.
     pub(crate) net_stats: net::udp::NetStats,
-    /// Receive buffers of the UDP port, and the **pass lock**: a progress pass
-    /// (`Context::progress_pass`) holds it from start to end, so one thread at a time receives
-    /// *and* hands the packets to their QPs (packets reach a QP in the order the socket
-    /// delivered them even when the application thread and the progress thread both make
-    /// progress), and a thread that finds it taken skips its pass instead of contending.
+    /// Receive buffers of the UDP port. Whoever holds this lock receives *and* hands the
+    /// packets to their QPs, so packets reach a QP in the order the socket delivered them even
+    /// when the application thread and the progress thread both make progress.
     pub(crate) rx: parking_lot::Mutex<net::udp::RecvBufs>,
     /// Where asynchronous events go (`events.rs`).
     pub(crate) event_hook: events::HookSlot,
@@ -149,6 +150,7 @@ impl Context {
                 udp: std::sync::OnceLock::new(),
                 udp_init: parking_lot::Mutex::new(()),
                 net_stats: net::udp::NetStats::default(),
+                progress_runners: std::sync::atomic::AtomicUsize::new(0),
                 rx: parking_lot::Mutex::new(net::udp::RecvBufs::default()),
                 event_hook: events::HookSlot::default(),
                 pds: KeyTable::new(1, (1 << 24) - 1, a.max_pd),

@@ -628,31 +628,22 @@ impl Context {
     /// plain ACKs back and sends them once due.
     pub(crate) fn progress_pass(&self, now: Instant, app: bool) -> usize {
         let dp = &self.dev.dp;
+        let _running = crate::fastpath::Running::enter(self);
+        let hold = (app && dp.delayed_acks).then_some(now);
         if !app {
             self.flush_acks(None);
         }
-        // One pass at a time per device (the pass lock is the receive buffers' lock, held for
-        // the whole pass): another thread in a pass (the progress thread, another poller) is
-        // already moving the same QPs, and two threads contending for one QP's lock only slow
-        // both down; one receiver at a time also keeps the socket's order (DeviceInner::rx).
-        // The loser returns at once: the holder receives, runs the run queue and the timers.
-        let Some(mut bufs) = self.dev.rx.try_lock() else {
-            if app {
-                // That thread may be preempted in the middle of its pass for milliseconds
-                // (seen on 2 vCPUs with two spinning applications: ACKs held 2-6 ms): this
-                // thread still sends its held ACKs once due.
-                self.flush_acks(Some(now));
-            }
-            return 0;
-        };
-        let hold = (app && dp.delayed_acks).then_some(now);
         // The QPs this pass runs: first those that just received packets (handed over here
         // rather than through the run queue: no scheduling flag, no run-queue lock twice),
         // then up to PASS_QPS in all from the run queue.
         let mut batch: [Option<Arc<QpObject>>; PASS_QPS] = Default::default();
         let mut received = 0;
         if let Some(port) = self.dev.udp.get() {
-            {
+            // One receiver at a time keeps the socket's order (see DeviceInner::rx). A progress
+            // thread that finds it taken still runs the run queue (a stream's sends go out
+            // from the other CPU while the application receives: ib_send_bw lost ~25 % when
+            // the whole pass was one lock).
+            if let Some(mut bufs) = self.dev.rx.try_lock() {
                 // One datagram at a time suits request/response traffic that someone polls for
                 // continuously: an application's own pass, or the progress thread when no
                 // application polls (a passive WRITE target). A progress thread running in the
@@ -740,7 +731,6 @@ impl Context {
         if app {
             self.flush_acks(Some(now));
         }
-        drop(bufs); // the pass ends
         work
     }
 
