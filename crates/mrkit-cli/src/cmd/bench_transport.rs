@@ -234,6 +234,18 @@ pub fn run(json_out: bool, quick: bool) -> u8 {
     }
 }
 
+/// Latency rounds of `bench transport --quick` and of the full run.
+const LAT_ROUNDS_QUICK: usize = 5;
+const LAT_ROUNDS: usize = 9;
+
+fn median(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
 /// The perf server child: killed, reaped and its log removed however the run ends.
 struct ServerGuard(std::process::Child, std::path::PathBuf);
 
@@ -264,7 +276,9 @@ fn run_inner(quick: bool) -> anyhow::Result<serde_json::Value> {
     let server_log =
         std::env::temp_dir().join(format!("mrkit-bench-server-{}.log", std::process::id()));
     let sizes: &[u64] = &[4096, 65536, 1 << 20];
-    let runs = sizes.len() * 2 + 2 + 2; // + the start-up probe and the warm-up
+    let lat_rounds = if quick { LAT_ROUNDS_QUICK } else { LAT_ROUNDS };
+    // + the latency rounds (a WRITE and a SEND run each), the start-up probe and the warm-up
+    let runs = sizes.len() * 2 + 2 * lat_rounds + 2;
     let server = Command::new(exe)
         .args([
             "perf",
@@ -317,11 +331,41 @@ fn run_inner(quick: bool) -> anyhow::Result<serde_json::Value> {
             rows.push(v);
         }
     }
-    // The latency floor right before the latency runs (it drifts with the VM's load), and
-    // enough samples for stable medians: iters / 4 round trips per run (see `mrkit perf`).
-    let pp = raw_pingpong(8, 20_000)?;
-    let wlat = one(Op::Write, 8, if quick { 20_000 } else { 40_000 })?;
-    let slat = one(Op::Send, 8, if quick { 20_000 } else { 40_000 })?;
+    // Latency in rounds, each the floor and both round trips back to back: this VM drifts
+    // between a fast and a slow state for tens to hundreds of milliseconds at a time (every
+    // system call and instruction ~30-40 % slower; the raw ping-pong alone reads 3.9-5.3 µs
+    // over a minute), so a floor measured once may come from another state than the run it
+    // divides. Each ratio is taken within its round; the report gives their median and range.
+    // iters / 4 = 5000 round trips per run (see `mrkit perf`).
+    let mut rounds = Vec::new();
+    for _ in 0..lat_rounds {
+        let floor = raw_pingpong(8, 5_000)?;
+        let write = one(Op::Write, 8, 20_000)?;
+        let send = one(Op::Send, 8, 20_000)?;
+        rounds.push(json!({"floor_us": floor, "write": write, "send": send}));
+    }
+    let pp = median(
+        rounds
+            .iter()
+            .filter_map(|r| r["floor_us"].as_f64())
+            .collect(),
+    );
+    let lat = |k: &str| -> serde_json::Value {
+        let p50 = |r: &serde_json::Value| r[k]["lat_us_p50"].as_f64().unwrap_or(0.0);
+        let ratios: Vec<f64> = rounds
+            .iter()
+            .map(|r| p50(r) / r["floor_us"].as_f64().unwrap_or(1.0).max(1e-9))
+            .collect();
+        // The run whose p50 is the median one, with the ratios of all rounds.
+        let mut by_p50: Vec<&serde_json::Value> = rounds.iter().collect();
+        by_p50.sort_by(|a, b| p50(a).total_cmp(&p50(b)));
+        let mut row = by_p50[by_p50.len() / 2][k].clone();
+        row["ratio_to_floor_median"] = json!(median(ratios.clone()));
+        row["ratio_to_floor_min"] = json!(ratios.iter().copied().fold(f64::MAX, f64::min));
+        row["ratio_to_floor_max"] = json!(ratios.iter().copied().fold(0.0, f64::max));
+        row
+    };
+    let (wlat, slat) = (lat("write"), lat("send"));
     drop(server);
     let ucx_bw = ucx("ucp_put_bw", 65536, if quick { 2000 } else { 20000 });
     let ucx_am_lat = ucx("ucp_am_lat", 8, if quick { 20000 } else { 100000 });
@@ -333,6 +377,7 @@ fn run_inner(quick: bool) -> anyhow::Result<serde_json::Value> {
         "mrkit": rows,
         "write_lat": wlat,
         "send_lat": slat,
+        "latency_rounds": rounds,
         "ucx_tcp_put_bw_64k_mbps": ucx_bw,
         "ucx_tcp_am_lat_8b_us_one_way": ucx_am_lat,
     }))
@@ -369,9 +414,13 @@ fn print_table(v: &serde_json::Value) {
     }
     for k in ["write_lat", "send_lat"] {
         let l = v[k]["lat_us_p50"].as_f64().unwrap_or(0.0);
+        let r = |q: &str| v[k][q].as_f64().unwrap_or(l / pp.max(1e-9));
         println!(
-            "{k:>10} 8 B RTT p50 {l:.1} µs = {:.2}x raw UDP ping-pong",
-            l / pp.max(1e-9)
+            "{k:>10} 8 B RTT p50 {l:.1} µs = {:.2}x raw UDP ping-pong (median of per-round \
+             ratios; rounds {:.2}-{:.2}x)",
+            r("ratio_to_floor_median"),
+            r("ratio_to_floor_min"),
+            r("ratio_to_floor_max"),
         );
     }
     match (
