@@ -864,7 +864,8 @@ impl Context {
     /// Run `f` on CQ `cqn`. The CQ a thread polled last is kept in a per-thread cache (keyed
     /// by this device's unique node id and the CQ number, checked against the CQ's
     /// `destroyed` flag): a spinning application polls one CQ millions of times a second, and
-    /// the table's read lock is two atomic read-modify-writes per poll.
+    /// the table's read lock is two atomic read-modify-writes per poll. A destroyed CQ's
+    /// memory stays with the threads that polled it last until they poll another CQ or exit.
     fn with_cq<R>(&self, cqn: u32, f: impl FnOnce(&CqObject) -> R) -> Result<R> {
         thread_local! {
             static LAST_CQ: std::cell::RefCell<Option<(u64, Arc<CqObject>)>> =
