@@ -239,11 +239,7 @@ const LAT_ROUNDS_QUICK: usize = 5;
 const LAT_ROUNDS: usize = 9;
 
 fn median(mut v: Vec<f64>) -> f64 {
-    if v.is_empty() {
-        return 0.0;
-    }
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
+    super::perf::percentile(&mut v, 0.5)
 }
 
 /// The perf server child: killed, reaped and its log removed however the run ends.

@@ -324,6 +324,9 @@ fn recv_wr(side: &Side, id: u64, off: u64, len: u64) -> RecvWr {
     }
 }
 
+/// The server echoes each message's first (at most) this many bytes.
+const ECHO_MAX: u64 = 8;
+
 /// Messages up to this size are posted inline (`IBV_SEND_INLINE`: copied at post time, as
 /// perftest's latency tests post theirs); within the QP's default `max_inline_data`.
 const INLINE_MAX: u64 = 64;
@@ -408,7 +411,7 @@ fn serve_one(dev: &Context, conn: TcpStream) -> anyhow::Result<()> {
                     u64::from(i),
                     WrOpcode::Send,
                     size,
-                    size.min(8),
+                    size.min(ECHO_MAX),
                     true,
                 )],
             )?;
@@ -438,7 +441,7 @@ fn serve_one(dev: &Context, conn: TcpStream) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn percentile(v: &mut [f64], q: f64) -> f64 {
+pub(crate) fn percentile(v: &mut [f64], q: f64) -> f64 {
     if v.is_empty() {
         return 0.0;
     }
@@ -536,9 +539,9 @@ pub fn run_client(a: &PerfArgs, server: &str) -> anyhow::Result<PerfResult> {
             echo.sends += 1;
             let wc = echo.next_recv(&side, deadline)?;
             lat.push(t.elapsed().as_secs_f64() * 1e6);
-            // The echo is the first (at most) 8 bytes back.
-            echo.errors +=
-                u64::from(wc.status != WcStatus::Success || u64::from(wc.byte_len) != size.min(8));
+            echo.errors += u64::from(
+                wc.status != WcStatus::Success || u64::from(wc.byte_len) != size.min(ECHO_MAX),
+            );
             side.ctx
                 .post_recv(side.qp, &[recv_wr(&side, 6000 + u64::from(i), size, size)])?;
         } else {

@@ -61,14 +61,22 @@ impl Payload {
         }
     }
 
+    /// The bytes of a payload held in one piece (owned, in the packet, or a range of a receive
+    /// buffer); `None` for no payload and for pieces of registered memory.
+    fn contiguous(&self) -> Option<&[u8]> {
+        match self {
+            Payload::Bytes(b) => Some(b),
+            Payload::Small { len, bytes } => Some(&bytes[..usize::from(*len)]),
+            Payload::Shared(b, start, n) => Some(&b[*start..*start + *n]),
+            Payload::Empty | Payload::Mem(_) => None,
+        }
+    }
+
     /// Payload length in bytes.
     pub fn len(&self) -> usize {
         match self {
-            Payload::Empty => 0,
-            Payload::Bytes(b) => b.len(),
-            Payload::Small { len, .. } => usize::from(*len),
-            Payload::Shared(_, _, n) => *n,
             Payload::Mem(p) => p.iter().map(|x| x.2).sum(),
+            _ => self.contiguous().map_or(0, <[u8]>::len),
         }
     }
     /// True when empty.
@@ -77,13 +85,10 @@ impl Payload {
     }
     /// Copy `n` payload bytes starting at `poff` into registered memory `dst` at `doff`.
     pub(crate) fn copy_to(&self, mut poff: usize, dst: &MrGuard, mut doff: u64, mut n: usize) {
+        if let Some(b) = self.contiguous() {
+            return copy::write_from(dst, doff, &b[poff..poff + n]);
+        }
         match self {
-            Payload::Empty => debug_assert_eq!(n, 0),
-            Payload::Bytes(b) => copy::write_from(dst, doff, &b[poff..poff + n]),
-            Payload::Small { bytes, .. } => copy::write_from(dst, doff, &bytes[poff..poff + n]),
-            Payload::Shared(b, start, _) => {
-                copy::write_from(dst, doff, &b[start + poff..start + poff + n])
-            }
             Payload::Mem(pieces) => {
                 for (g, goff, glen) in pieces {
                     if n == 0 {
@@ -100,32 +105,29 @@ impl Payload {
                     poff = 0;
                 }
             }
+            _ => debug_assert_eq!(n, 0), // no payload
         }
     }
     /// Copy `dst.len()` payload bytes starting at `poff` into a slice.
     pub(crate) fn read(&self, mut poff: usize, dst: &mut [u8]) {
-        match self {
-            Payload::Empty => {}
-            Payload::Bytes(b) => dst.copy_from_slice(&b[poff..poff + dst.len()]),
-            Payload::Small { bytes, .. } => dst.copy_from_slice(&bytes[poff..poff + dst.len()]),
-            Payload::Shared(b, start, _) => {
-                dst.copy_from_slice(&b[start + poff..start + poff + dst.len()])
-            }
-            Payload::Mem(pieces) => {
-                let mut d = 0;
-                for (g, goff, glen) in pieces {
-                    if d == dst.len() {
-                        break;
-                    }
-                    if poff >= *glen {
-                        poff -= glen;
-                        continue;
-                    }
-                    let k = (glen - poff).min(dst.len() - d);
-                    copy::read_into(g, goff + poff as u64, &mut dst[d..d + k]);
-                    d += k;
-                    poff = 0;
+        if let Some(b) = self.contiguous() {
+            return dst.copy_from_slice(&b[poff..poff + dst.len()]);
+        }
+        // Otherwise pieces of registered memory (or no payload: nothing to read).
+        if let Payload::Mem(pieces) = self {
+            let mut d = 0;
+            for (g, goff, glen) in pieces {
+                if d == dst.len() {
+                    break;
                 }
+                if poff >= *glen {
+                    poff -= glen;
+                    continue;
+                }
+                let k = (glen - poff).min(dst.len() - d);
+                copy::read_into(g, goff + poff as u64, &mut dst[d..d + k]);
+                d += k;
+                poff = 0;
             }
         }
     }

@@ -1052,8 +1052,9 @@ mod tests {
                     assert_eq!(d.bytes(), &[i; 100][..]);
                     let (buf, off) = d.share();
                     assert_eq!(&buf[off..off + 100], &[i; 100][..]);
-                    got = Some(buf.clone()); // a packet referring to the buffer
-                                             // The slot traded its buffer: the datagram is read from the shared one.
+                    // A packet referring to the buffer.
+                    got = Some(buf.clone());
+                    // The slot traded its buffer: the datagram is read from the shared one.
                     assert_eq!(d.bytes(), &[i; 100][..]);
                 })
                 .unwrap();
