@@ -930,6 +930,18 @@ proptest! {
         fuzz_parse(&d);
     }
 
+    /// The cached-prefix ICRC equals a one-pass CRC over the pseudo-packet written out from
+    /// roce.md §2 (independently of `IcrcInputs::compute`), for both families, any length,
+    /// and three flows taking turns (the per-thread cache holds two).
+    #[test]
+    fn prop_icrc_matches_one_pass_reference(flows in prop::collection::vec(arb_inputs(), 3),
+                                            bodies in prop::collection::vec(prop::collection::vec(any::<u8>(), 0..300), 1..8)) {
+        for (i, body) in bodies.iter().enumerate() {
+            let inputs = flows[i % 3];
+            prop_assert_eq!(inputs.compute(body), reference_icrc(&inputs, body));
+        }
+    }
+
     #[test]
     fn prop_psn(a in 0u32..=PSN_MASK, k in 0u32..0x80_0000) {
         prop_assert_eq!(psn_diff(psn_add(a, k), a), k as i32);
@@ -971,4 +983,43 @@ proptest! {
         p[pos % n] ^= x;
         fuzz_parse(&p);
     }
+}
+
+/// The ICRC over the whole pseudo-packet in one pass, written out field by field (roce.md §2).
+fn reference_icrc(inputs: &IcrcInputs, body: &[u8]) -> u32 {
+    let udp_len = (8 + body.len() + 4) as u16;
+    let mut m = vec![0xFFu8; 8];
+    match inputs.ip {
+        IpInfo::V4 {
+            src,
+            dst,
+            identification,
+            flags_fragment,
+        } => {
+            m.extend_from_slice(&[0x45, 0xFF]);
+            m.extend_from_slice(&(20 + udp_len).to_be_bytes());
+            m.extend_from_slice(&identification.to_be_bytes());
+            m.extend_from_slice(&flags_fragment.to_be_bytes());
+            m.extend_from_slice(&[0xFF, 17, 0xFF, 0xFF]);
+            m.extend_from_slice(&src.octets());
+            m.extend_from_slice(&dst.octets());
+        }
+        IpInfo::V6 { src, dst } => {
+            m.extend_from_slice(&[0x6F, 0xFF, 0xFF, 0xFF]);
+            m.extend_from_slice(&udp_len.to_be_bytes());
+            m.extend_from_slice(&[17, 0xFF]);
+            m.extend_from_slice(&src.octets());
+            m.extend_from_slice(&dst.octets());
+        }
+    }
+    m.extend_from_slice(&inputs.src_port.to_be_bytes());
+    m.extend_from_slice(&inputs.dst_port.to_be_bytes());
+    m.extend_from_slice(&udp_len.to_be_bytes());
+    m.extend_from_slice(&[0xFF, 0xFF]);
+    let at = m.len();
+    m.extend_from_slice(body);
+    if body.len() > 4 {
+        m[at + 4] = 0xFF;
+    }
+    crc32fast::hash(&m)
 }
