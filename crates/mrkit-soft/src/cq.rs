@@ -190,6 +190,15 @@ pub struct CqObject {
     pub(crate) destroyed: std::sync::atomic::AtomicBool,
 }
 
+impl crate::last_used::Cached for CqObject {
+    fn number(&self) -> u32 {
+        self.cqn
+    }
+    fn destroyed(&self) -> bool {
+        self.destroyed.load(std::sync::atomic::Ordering::Acquire)
+    }
+}
+
 impl CqObject {
     pub(crate) fn new(cqn: u32, cap: usize, channel: Option<Arc<CompChannel>>) -> CqObject {
         CqObject {

@@ -35,6 +35,7 @@ pub mod device;
 pub mod error;
 pub mod events;
 pub mod fastpath;
+mod last_used;
 pub mod mem;
 pub mod mr;
 pub mod mw;

@@ -861,46 +861,22 @@ impl Context {
         Ok(())
     }
 
-    /// Run `f` on CQ `cqn`. The CQ a thread polled last is kept in a per-thread cache (keyed
-    /// by this device's unique node id and the CQ number, checked against the CQ's
-    /// `destroyed` flag): a spinning application polls one CQ millions of times a second, and
-    /// the table's read lock is two atomic read-modify-writes per poll. A destroyed CQ's
-    /// memory stays with the threads that polled it last until they poll another CQ or exit.
+    /// Run `f` on CQ `cqn`, through this thread's last-used CQ cache (`last_used.rs`: no
+    /// table lock per poll; a destroyed CQ's memory stays with the threads that polled it
+    /// last until they poll another CQ or exit).
     fn with_cq<R>(&self, cqn: u32, f: impl FnOnce(&CqObject) -> R) -> Result<R> {
         thread_local! {
-            static LAST_CQ: std::cell::RefCell<Option<(u64, Arc<CqObject>)>> =
-                const { std::cell::RefCell::new(None) };
+            static LAST_CQ: crate::last_used::Slot<CqObject> = const { std::cell::RefCell::new(None) };
         }
-        let node = self.dev.dp.node_id;
-        let mut f = Some(f);
-        let hit = LAST_CQ
-            .try_with(|c| match &*c.borrow() {
-                Some((n, cq))
-                    if *n == node && cq.cqn == cqn && !cq.destroyed.load(Ordering::Acquire) =>
-                {
-                    f.take().map(|f| f(cq))
-                }
-                _ => None,
-            })
-            .ok()
-            .flatten();
-        if let Some(r) = hit {
-            return Ok(r);
-        }
-        let cq = self
-            .dev
-            .dp
-            .cqs
-            .read()
-            .get(&cqn)
-            .cloned()
-            .ok_or_else(|| err!(EINVAL, "CQ {cqn} does not exist"))?;
-        let r = f
-            .take()
-            .map(|f| f(&cq))
-            .expect("f is taken only on a cache hit");
-        let _ = LAST_CQ.try_with(|c| *c.borrow_mut() = Some((node, cq)));
-        Ok(r)
+        let dp = &self.dev.dp;
+        crate::last_used::with_cached(
+            &LAST_CQ,
+            dp.node_id,
+            cqn,
+            || dp.cqs.read().get(&cqn).cloned(),
+            |cq| f(cq),
+        )
+        .ok_or_else(|| err!(EINVAL, "CQ {cqn} does not exist"))
     }
 
     /// `ibv_poll_cq`: append up to `max` completions to `out`; returns how many.

@@ -223,6 +223,7 @@ fn poll_cq_finds_the_right_cq_through_its_per_thread_cache() {
     assert_eq!(ca, cb, "both devices number their first CQ alike");
     assert_eq!(a.poll_cq(ca, &mut out, 1).unwrap(), 0); // cached: (a, ca)
     assert_eq!(b.poll_cq(cb, &mut out, 1).unwrap(), 0); // another device: not the cached one
+    assert_eq!(a.poll_cq(ca, &mut out, 1).unwrap(), 0); // cached again: (a, ca)
     a.destroy_cq(ca).unwrap();
     assert_eq!(
         a.poll_cq(ca, &mut out, 1).unwrap_err().errno(),
@@ -243,4 +244,70 @@ fn poll_cq_finds_the_right_cq_through_its_per_thread_cache() {
         Errno::EINVAL
     );
     assert_eq!(a.poll_cq(c2, &mut out, 1).unwrap(), 0);
+}
+
+/// `post_send`/`post_recv` reach their QP through a per-thread last-used cache: a QP with the
+/// same number on another device must not be confused with the cached one, and a destroyed
+/// QP must answer EINVAL while the cache still holds it.
+#[test]
+fn post_finds_the_right_qp_through_its_per_thread_cache() {
+    use mrkit_soft::qp::{RecvWr, SendWr, WrOpcode};
+    let qp_on = |ctx: &Context| {
+        ctx.set_manual_progress();
+        let pd = ctx.alloc_pd().unwrap();
+        let cq = ctx.create_cq(16, None).unwrap();
+        let init = QpInitAttr {
+            pd,
+            send_cq: cq,
+            recv_cq: cq,
+            cap: QpCap::default(),
+            sq_sig_all: false,
+        };
+        ctx.create_qp(init).unwrap().0
+    };
+    let a = Context::open(DeviceConfig::default());
+    let b = Context::open(DeviceConfig::default());
+    let (qa, qb) = (qp_on(&a), qp_on(&b));
+    assert_eq!(qa, qb, "both devices number their first QP alike");
+    // a's QP in INIT takes receives; b's, in RESET, refuses them.
+    let init = QpAttr {
+        qp_state: QpState::Init as u32,
+        port_num: 1,
+        ..QpAttr::default()
+    };
+    a.modify_qp(qa, &init, m::STATE | 0x38).unwrap();
+    let recv = [RecvWr {
+        wr_id: 1,
+        sg_list: vec![],
+    }];
+    let send = [SendWr::new(2, WrOpcode::Send)];
+    for _ in 0..2 {
+        a.post_recv(qa, &recv).unwrap(); // cached: (a, qa)
+        let e = b.post_recv(qb, &recv).unwrap_err();
+        assert_eq!(e.error.errno(), Errno::EINVAL, "b's QP is in RESET");
+        assert_eq!(
+            b.post_send(qb, &send).unwrap_err().error.errno(),
+            Errno::EINVAL
+        );
+    }
+    a.post_recv(qa, &recv).unwrap();
+    a.destroy_qp(qa).unwrap();
+    for _ in 0..2 {
+        assert_eq!(
+            a.post_recv(qa, &recv).unwrap_err().error.errno(),
+            Errno::EINVAL
+        );
+        assert_eq!(
+            a.post_send(qa, &send).unwrap_err().error.errno(),
+            Errno::EINVAL
+        );
+        assert_eq!(a.query_qp(qa).unwrap_err().errno(), Errno::EINVAL);
+    }
+    // b's QP is still there and still in RESET.
+    assert_eq!(
+        b.post_recv(qb, &recv).unwrap_err().error.errno(),
+        Errno::EINVAL
+    );
+    b.modify_qp(qb, &init, m::STATE | 0x38).unwrap();
+    b.post_recv(qb, &recv).unwrap();
 }

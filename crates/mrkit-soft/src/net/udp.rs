@@ -868,7 +868,7 @@ pub(crate) fn poll_rx(
                     if let Some((_, q)) = &cur {
                         deliver(q, &mut run);
                     }
-                    cur = dp.qp_object(qpn).map(|q| (qpn, q));
+                    cur = ctx.qp_cached(qpn).map(|q| (qpn, q));
                 }
                 if cur.is_some() {
                     run.push(p);

@@ -459,7 +459,24 @@ pub(crate) struct QpObject {
     /// for every ACK); set again by `post_send` (the request/response pattern that pays).
     /// A hint only: no other data is ordered by it.
     pub delay_acks: AtomicBool,
+    /// Set by `destroy_qp` once the QP is out of the table (the per-thread last-used cache
+    /// checks it, `last_used.rs`). Guards nothing else.
+    pub destroyed: AtomicBool,
     pub inner: Mutex<QpInner>,
+}
+
+thread_local! {
+    /// The QP this thread posted to or received for last (`last_used.rs`).
+    static LAST_QP: crate::last_used::Slot<QpObject> = const { std::cell::RefCell::new(None) };
+}
+
+impl crate::last_used::Cached for QpObject {
+    fn number(&self) -> u32 {
+        self.qpn
+    }
+    fn destroyed(&self) -> bool {
+        self.destroyed.load(Ordering::Acquire)
+    }
 }
 
 impl std::fmt::Debug for QpObject {
@@ -751,6 +768,20 @@ impl Context {
             .ok_or_else(|| err!(EINVAL, "QP {qpn} does not exist"))
     }
 
+    /// Run `f` on QP `qpn` through this thread's last-used QP cache (`last_used.rs`).
+    fn with_qp<R>(&self, qpn: u32, f: impl FnOnce(&Arc<QpObject>) -> R) -> Result<R> {
+        let dp = &self.dev.dp;
+        crate::last_used::with_cached(&LAST_QP, dp.node_id, qpn, || dp.qp_object(qpn), f)
+            .ok_or_else(|| err!(EINVAL, "QP {qpn} does not exist"))
+    }
+
+    /// QP `qpn` (a clone of its handle) through this thread's last-used QP cache: the
+    /// receive path's lookup per packet run.
+    pub(crate) fn qp_cached(&self, qpn: u32) -> Option<Arc<QpObject>> {
+        let dp = &self.dev.dp;
+        crate::last_used::with_cached(&LAST_QP, dp.node_id, qpn, || dp.qp_object(qpn), Arc::clone)
+    }
+
     /// `ibv_create_qp` (RC). EINVAL for caps above the device limits (queue depth ≤ max_qp_wr,
     /// SGEs ≤ max_sge, inline ≤ 512), an unknown PD or CQ; ENOMEM when max_qp QPs exist.
     /// Returns the QP number and the actual caps.
@@ -853,6 +884,7 @@ impl Context {
             inbox: Inbox::default(),
             scheduled: AtomicBool::new(false),
             delay_acks: AtomicBool::new(true),
+            destroyed: AtomicBool::new(false),
             inner: Mutex::new(QpInner {
                 attr,
                 state: QpState::Reset,
@@ -888,6 +920,7 @@ impl Context {
             .write()
             .remove(&qpn)
             .ok_or_else(|| err!(EINVAL, "QP {qpn} does not exist"))?;
+        q.destroyed.store(true, Ordering::Release);
         {
             let mut g = q.inner.lock();
             g.destroyed = true;
@@ -1115,9 +1148,15 @@ impl Context {
     /// Keys are not checked here. WRs before `bad_wr` are posted. In ERR every WR completes
     /// with WR_FLUSH_ERR.
     pub fn post_send(&self, qpn: u32, wrs: &[SendWr]) -> std::result::Result<(), PostError> {
-        let q = self
-            .qp(qpn)
-            .map_err(|error| PostError { bad_wr: 0, error })?;
+        self.with_qp(qpn, |q| self.post_send_to(q, wrs))
+            .map_err(|error| PostError { bad_wr: 0, error })?
+    }
+
+    fn post_send_to(
+        &self,
+        q: &Arc<QpObject>,
+        wrs: &[SendWr],
+    ) -> std::result::Result<(), PostError> {
         let mut g = q.inner.lock();
         // Inline requester (docs/datapath.md "Latency"): an idle QP in RTS generates and
         // delivers its packets on the caller's thread instead of waking the progress thread.
@@ -1147,19 +1186,26 @@ impl Context {
         q.delay_acks.store(true, Ordering::Relaxed);
         self.dev.dp.answered.store(true, Ordering::Relaxed);
         if inline {
-            self.run_qp_inline(&q, g);
+            self.run_qp_inline(q, g);
         } else {
             drop(g);
-            self.dev.dp.schedule(qpn);
+            self.dev.dp.schedule(q.qpn);
         }
         res
     }
 
     /// `ibv_post_recv`: RESET → EINVAL, too many SGEs → EINVAL, RQ full → ENOMEM.
     pub fn post_recv(&self, qpn: u32, wrs: &[RecvWr]) -> std::result::Result<(), PostError> {
-        let q = self
-            .qp(qpn)
-            .map_err(|error| PostError { bad_wr: 0, error })?;
+        self.with_qp(qpn, |q| self.post_recv_to(q, wrs))
+            .map_err(|error| PostError { bad_wr: 0, error })?
+    }
+
+    fn post_recv_to(
+        &self,
+        q: &Arc<QpObject>,
+        wrs: &[RecvWr],
+    ) -> std::result::Result<(), PostError> {
+        let qpn = q.qpn;
         let mut g = q.inner.lock();
         let mut flushed = false;
         let res = (|| {
