@@ -265,7 +265,13 @@ fn icrc_ok(
         return false;
     };
     let found = u32::from_le_bytes(*found);
-    let expected = inputs.with_ipv4_id(0, 0).compute(body);
+    // Computed as our own sender sends (ID 0, DF): the common case is accepted without the
+    // solver. Anything else (a GSO segment's ID, a foreign peer) goes through the solver,
+    // which starts from the value with DF clear (the DF bit's term is linear).
+    let expected = inputs.compute(body);
+    if expected == found {
+        return true;
+    }
     // The solver's basis depends only on the datagram length: cache a few per thread (FxHash:
     // this lookup runs for every datagram received).
     thread_local! {
@@ -280,7 +286,7 @@ fn icrc_ok(
         }
         c.entry(len)
             .or_insert_with(|| crate::wire::Ipv4IdSolver::new(len))
-            .solve_values(expected, found)
+            .solve_values_df(expected, found)
             .is_some()
     })
 }
@@ -312,6 +318,55 @@ pub(crate) fn deliver(ctx: &crate::Context, pkts: Vec<Pkt>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The receive-side ICRC check accepts every IPv4 ID and DF value a sender may use (our
+    /// own: ID 0 with DF, GSO segments 1, 2, ...; a foreign stack: any ID, DF or not), and
+    /// rejects a corrupted packet; IPv6 is exact.
+    #[test]
+    fn icrc_check_accepts_any_ipv4_id_and_df_and_rejects_corruption() {
+        use crate::wire::{Opcode, PacketBuilder, IPV4_FLAGS_DF};
+        let src: std::net::SocketAddr = "127.0.0.2:49152".parse().unwrap();
+        let dst: std::net::SocketAddr = "127.0.0.1:4791".parse().unwrap();
+        let base = IcrcInputs::from_socket_addrs(src, dst);
+        let b = PacketBuilder::new(Opcode::SendOnly, 0x12, 7);
+        for (id, flags) in [
+            (0, IPV4_FLAGS_DF),
+            (1, IPV4_FLAGS_DF),
+            (63, IPV4_FLAGS_DF),
+            (0, 0),
+            (0xBEEF, 0),
+        ] {
+            for len in [0usize, 8, 100, 4096] {
+                let sender = base.with_ipv4_id(id, flags);
+                let d = b.to_vec(&vec![0xA5; len], &sender).unwrap();
+                let view = crate::wire::Packet::parse(&d).unwrap();
+                assert!(
+                    icrc_ok(&view, src, dst),
+                    "id {id} flags {flags:#x} len {len}"
+                );
+                let mut bad = d.clone();
+                let at = bad.len() / 2;
+                bad[at] ^= 0x10;
+                let view = crate::wire::Packet::parse(&bad).unwrap();
+                assert!(!icrc_ok(&view, src, dst), "corrupted: id {id} len {len}");
+            }
+        }
+        let src6: std::net::SocketAddr = "[fd00::2]:49152".parse().unwrap();
+        let dst6: std::net::SocketAddr = "[fd00::1]:4791".parse().unwrap();
+        let d = b
+            .to_vec(&[1, 2, 3, 4], &IcrcInputs::from_socket_addrs(src6, dst6))
+            .unwrap();
+        assert!(icrc_ok(
+            &crate::wire::Packet::parse(&d).unwrap(),
+            src6,
+            dst6
+        ));
+        assert!(!icrc_ok(
+            &crate::wire::Packet::parse(&d).unwrap(),
+            src6,
+            "[fd00::3]:4791".parse().unwrap()
+        ));
+    }
 
     #[test]
     fn copied_payloads_live_in_the_packet_up_to_small_payload_bytes() {

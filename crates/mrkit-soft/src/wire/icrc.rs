@@ -548,6 +548,9 @@ pub struct Ipv4IdSolver {
     datagram_len: usize,
     /// XOR basis indexed by pivot bit: (vector, combination of unknown bits).
     basis: [(u32, u32); 32],
+    /// The CRC term of the DF bit alone (the ICRC with DF set is the one with DF clear XOR
+    /// this).
+    df_term: u32,
 }
 
 impl Ipv4IdSolver {
@@ -559,6 +562,7 @@ impl Ipv4IdSolver {
         let total = LRH_STANDIN.len() + IPV4_HDR_LEN + UDP_HDR_LEN + body_len;
         let zero = crc_of_sparse(total, None);
         let mut basis = [(0u32, 0u32); 32];
+        let mut df_term = 0;
         for unknown in 0..17u32 {
             let (byte, bit) = if unknown < 16 {
                 (
@@ -569,6 +573,9 @@ impl Ipv4IdSolver {
                 (LRH_STANDIN.len() + 6, 6)
             };
             let mut v = crc_of_sparse(total, Some((byte, 1u8 << bit))) ^ zero;
+            if unknown == 16 {
+                df_term = v;
+            }
             let mut c = 1u32 << unknown;
             for p in (0..32).rev() {
                 if v & (1 << p) == 0 {
@@ -585,6 +592,7 @@ impl Ipv4IdSolver {
         Ipv4IdSolver {
             datagram_len,
             basis,
+            df_term,
         }
     }
 
@@ -618,7 +626,31 @@ impl Ipv4IdSolver {
     /// carried. Lets a receiver compute the CRC over the packet once and both check the common
     /// case and solve for the ID.
     pub fn solve_values(&self, expected: u32, found: u32) -> Option<(u16, bool)> {
-        let mut d = expected ^ found;
+        self.solve_diff(expected ^ found)
+    }
+
+    /// [`solve_values`](Self::solve_values) from the ICRC computed with ID 0 and **DF set**
+    /// (what [`IcrcInputs::ipv4`] describes): a receiver computes that one value, accepts our
+    /// own senders' packets when it matches, and solves only otherwise.
+    ///
+    /// ```
+    /// use mrkit_soft::wire::{IcrcInputs, Ipv4IdSolver};
+    /// use std::net::Ipv4Addr;
+    /// let lo = Ipv4Addr::LOCALHOST;
+    /// let mut dgram = vec![0x11, 0, 0xff, 0xff, 0, 0, 0, 0x12, 0, 0, 0, 5, 0x1f, 0, 0, 1, 0, 0, 0, 0];
+    /// IcrcInputs::ipv4(lo, lo, 0xc000, 4791).with_ipv4_id(7, 0).fill(&mut dgram).unwrap();
+    /// let body = &dgram[..dgram.len() - 4];
+    /// let found = u32::from_le_bytes(dgram[dgram.len() - 4..].try_into().unwrap());
+    /// let with_df = IcrcInputs::ipv4(lo, lo, 0xc000, 4791).compute(body);
+    /// let solver = Ipv4IdSolver::new(dgram.len());
+    /// assert_eq!(solver.solve_values_df(with_df, found), Some((7, false)));
+    /// ```
+    pub fn solve_values_df(&self, expected_with_df: u32, found: u32) -> Option<(u16, bool)> {
+        self.solve_diff(expected_with_df ^ self.df_term ^ found)
+    }
+
+    fn solve_diff(&self, diff: u32) -> Option<(u16, bool)> {
+        let mut d = diff;
         let mut c = 0u32;
         for p in (0..32).rev() {
             if d & (1 << p) != 0 && self.basis[p].0 != 0 {
