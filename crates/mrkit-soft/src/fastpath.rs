@@ -124,7 +124,7 @@ impl Context {
     /// ACKs along.
     pub(crate) fn deliver_pkts(&self, pkts: Vec<Pkt>, hold: Option<Instant>) {
         if pkts.is_empty() {
-            return;
+            return crate::net::recycle(pkts);
         }
         let dp = &self.dev.dp;
         if let Some(now) = hold {

@@ -265,12 +265,12 @@ impl DataPath {
 
     /// Hold plain ACKs back (delayed ACK) produced at `now` by an application progress pass.
     /// A newer ACK of a QP replaces its held one (ACKs are cumulative).
-    pub(crate) fn hold_acks(&self, pkts: Vec<Pkt>, now: Instant) {
+    pub(crate) fn hold_acks(&self, mut pkts: Vec<Pkt>, now: Instant) {
         let s = &*self.sched;
         let at = ns_since_epoch(now);
         {
             let mut g = s.held_acks.lock();
-            for p in pkts {
+            for p in pkts.drain(..) {
                 if let Some(old) = g.iter_mut().find(|h| h.src_qpn == p.src_qpn) {
                     *old = p;
                 } else {
@@ -283,6 +283,7 @@ impl DataPath {
                 s.held_at_ns.store(at, Ordering::SeqCst);
             }
         }
+        crate::net::recycle(pkts);
         // A progress thread sleeping (nobody was driving the device) is woken: it then
         // sleeps again with a timeout capped at the ACK's deadline. A *parked* thread is not
         // (the application is polling and sends the ACK itself once due; see
@@ -309,7 +310,7 @@ impl DataPath {
         let flush = self.sched.ack_flush.lock();
         let mut g = self.sched.held_acks.lock();
         self.sched.held_at_ns.store(0, Ordering::Release);
-        let pkts = std::mem::take(&mut *g);
+        let pkts = std::mem::replace(&mut *g, crate::net::pkt_vec());
         HeldAcks {
             _flush: flush,
             pkts,

@@ -291,6 +291,41 @@ fn icrc_ok(
     })
 }
 
+thread_local! {
+    /// Emptied packet vectors kept for reuse (`pkt_vec`/`recycle`).
+    static SPARE_PKT_VECS: std::cell::RefCell<Vec<Vec<Pkt>>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Spare packet vectors a thread keeps, and the largest capacity kept.
+const SPARE_PKT_VECS_MAX: usize = 4;
+const SPARE_PKT_VEC_CAP_MAX: usize = 64;
+
+/// An empty packet vector, reused from this thread's spares when there is one. A QP run's
+/// output, the held-ACK list and each send's list would otherwise be one allocation and free
+/// apiece per message (three per request/response leg).
+pub(crate) fn pkt_vec() -> Vec<Pkt> {
+    SPARE_PKT_VECS
+        .try_with(|s| s.try_borrow_mut().ok().and_then(|mut s| s.pop()))
+        .ok()
+        .flatten()
+        .unwrap_or_default()
+}
+
+/// Give a packet vector back for [`pkt_vec`] (its packets are dropped).
+pub(crate) fn recycle(mut v: Vec<Pkt>) {
+    v.clear();
+    if v.capacity() == 0 || v.capacity() > SPARE_PKT_VEC_CAP_MAX {
+        return;
+    }
+    let _ = SPARE_PKT_VECS.try_with(|s| {
+        if let Ok(mut s) = s.try_borrow_mut() {
+            if s.len() < SPARE_PKT_VECS_MAX {
+                s.push(v);
+            }
+        }
+    });
+}
+
 /// Send packets: over the in-process loopback link, or as RoCEv2 datagrams over UDP when the
 /// packet names an IP destination.
 pub(crate) fn deliver(ctx: &crate::Context, pkts: Vec<Pkt>) {

@@ -630,7 +630,8 @@ const IPV4_DF: u16 = 0x4000;
 pub(crate) fn send_pkts(ctx: &crate::Context, pkts: Vec<super::Pkt>) {
     // Bound already (the common case): no reference count taken per send.
     if let Some(port) = ctx.dev.udp.get() {
-        return send_pkts_on(&ctx.dev, port, &pkts);
+        send_pkts_on(&ctx.dev, port, &pkts);
+        return super::recycle(pkts);
     }
     let port = match ctx.udp_port() {
         Ok(p) => p,
@@ -651,14 +652,27 @@ pub(crate) fn send_pkts_on(dev: &crate::DeviceInner, port: &UdpPort, pkts: &[sup
         1
     };
     thread_local! {
-        static SEND_BUF: std::cell::RefCell<Vec<u8>> = std::cell::RefCell::new(Vec::with_capacity(MAX_GSO_BYTES));
+        static SEND_BUF: std::cell::RefCell<(Vec<u8>, Vec<Run>)> = std::cell::RefCell::new(
+            (Vec::with_capacity(MAX_GSO_BYTES), Vec::with_capacity(sockio::MAX_BATCH)),
+        );
     }
     // At process exit (`crate::at_exit`) this thread's buffer may already be destroyed.
     if SEND_BUF
-        .try_with(|b| send_runs(dev, port, local, max_seg, pkts, &mut b.borrow_mut()))
+        .try_with(|b| {
+            let (buf, runs) = &mut *b.borrow_mut();
+            send_runs(dev, port, local, max_seg, pkts, buf, runs)
+        })
         .is_err()
     {
-        send_runs(dev, port, local, max_seg, pkts, &mut Vec::new());
+        send_runs(
+            dev,
+            port,
+            local,
+            max_seg,
+            pkts,
+            &mut Vec::new(),
+            &mut Vec::new(),
+        );
     }
 }
 
@@ -677,17 +691,6 @@ struct Run {
 /// Serialised bytes after which the runs built so far are sent (bounds the buffer).
 const FLUSH_BYTES: usize = 512 << 10;
 
-impl Run {
-    /// A placeholder for unused slots of the fixed run table (no allocation per send).
-    const UNUSED: Run = Run {
-        sport: 0,
-        dst: SocketAddr::V4(std::net::SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 0)),
-        start: 0,
-        len: 0,
-        seg: None,
-    };
-}
-
 fn send_runs(
     dev: &crate::DeviceInner,
     port: &UdpPort,
@@ -695,9 +698,10 @@ fn send_runs(
     max_seg: usize,
     pkts: &[super::Pkt],
     buf: &mut Vec<u8>,
+    runs: &mut Vec<Run>,
 ) {
-    let mut runs = [Run::UNUSED; sockio::MAX_BATCH];
-    let mut nruns = 0;
+    // The runs built so far (this thread's table: no allocation or initialisation per send).
+    runs.clear();
     // `buf[..used]` holds the runs built so far. The buffer only ever grows (zeroed once):
     // zeroing 64 KiB per message before overwriting it cost ~3 % of a bandwidth sender.
     let mut used = 0;
@@ -712,12 +716,12 @@ fn send_runs(
         let sport = crate::wire::udp_sport_for_qpn(first.src_qpn);
         let src = SocketAddr::new(local.ip(), sport);
         let base = crate::wire::IcrcInputs::from_socket_addrs(src, dst);
-        if nruns == sockio::MAX_BATCH
+        if runs.len() == sockio::MAX_BATCH
             || used >= FLUSH_BYTES
-            || (nruns > 0 && runs[nruns - 1].sport != sport)
+            || runs.last().is_some_and(|r| r.sport != sport)
         {
-            flush_runs(dev, port, &runs[..nruns], buf);
-            nruns = 0;
+            flush_runs(dev, port, runs, buf);
+            runs.clear();
             used = 0;
         }
         let run_start = used;
@@ -773,17 +777,16 @@ fn send_runs(
         if n == 0 {
             continue;
         }
-        runs[nruns] = Run {
+        runs.push(Run {
             sport,
             dst,
             start: run_start,
             len: used - run_start,
             // seg_len ≤ one datagram < 64 KiB
             seg: (n > 1).then_some(seg_len as u16),
-        };
-        nruns += 1;
+        });
     }
-    flush_runs(dev, port, &runs[..nruns], buf);
+    flush_runs(dev, port, runs, buf);
 }
 
 /// Send the runs (all from one source port) built in `buf`, and count them.

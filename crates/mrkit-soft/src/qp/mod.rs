@@ -597,6 +597,7 @@ impl QpObject {
             state: st.state,
         };
         let mut out = Out {
+            pkts: crate::net::pkt_vec(),
             recv_wcs: std::mem::take(&mut st.recv_wcs),
             ..Out::default()
         };
