@@ -63,7 +63,7 @@ impl Payload {
 
     /// The bytes of a payload held in one piece (owned, in the packet, or a range of a receive
     /// buffer); `None` for no payload and for pieces of registered memory.
-    fn contiguous(&self) -> Option<&[u8]> {
+    pub(crate) fn contiguous(&self) -> Option<&[u8]> {
         match self {
             Payload::Bytes(b) => Some(b),
             Payload::Small { len, bytes } => Some(&bytes[..usize::from(*len)]),

@@ -1324,7 +1324,7 @@ fn validate_send(wr: &SendWr, cap: &QpCap) -> Result<req::Wqe> {
     if wr.opcode == O::LocalInv && !wr.sg_list.is_empty() {
         return Err(err!(EINVAL, "LOCAL_INV takes no SGEs"));
     }
-    Ok(req::Wqe::new(wr.clone(), len, inline))
+    Ok(req::Wqe::from_wr(wr, len, inline))
 }
 
 /// Bring two RC QPs (possibly on different device instances) to RTS, connected to each other:

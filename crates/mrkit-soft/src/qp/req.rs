@@ -35,7 +35,12 @@ pub(crate) enum WqeSt {
 /// A send WQE.
 #[derive(Debug)]
 pub(crate) struct Wqe {
+    /// The work request, without its unused vector: an inline WQE's `sg_list` and every
+    /// WQE's `inline_data` are empty here (see `inline_bytes`).
     pub wr: SendWr,
+    /// An inline WQE's bytes (copied at post time; in the WQE itself up to
+    /// `net::SMALL_PAYLOAD` bytes, so posting a short inline message allocates nothing).
+    pub inline_bytes: Payload,
     pub len: u64,
     pub inline: bool,
     pub first_psn: u32,
@@ -51,9 +56,39 @@ pub(crate) struct Wqe {
 }
 
 impl Wqe {
+    #[cfg(test)]
     pub(crate) fn new(wr: SendWr, len: u64, inline: bool) -> Wqe {
+        Wqe::from_wr(&wr, len, inline)
+    }
+
+    /// The WQE of a validated work request: copies what the device needs of it, without
+    /// allocating for an inline message of up to `net::SMALL_PAYLOAD` bytes.
+    pub(crate) fn from_wr(wr: &SendWr, len: u64, inline: bool) -> Wqe {
+        let stored = SendWr {
+            wr_id: wr.wr_id,
+            opcode: wr.opcode,
+            flags: wr.flags,
+            sg_list: if inline {
+                Vec::new()
+            } else {
+                wr.sg_list.clone()
+            },
+            imm_data: wr.imm_data,
+            invalidate_rkey: wr.invalidate_rkey,
+            remote_addr: wr.remote_addr,
+            rkey: wr.rkey,
+            compare_add: wr.compare_add,
+            swap: wr.swap,
+            bind: wr.bind,
+            inline_data: Vec::new(),
+        };
         Wqe {
-            wr,
+            wr: stored,
+            inline_bytes: if inline {
+                Payload::copied(&wr.inline_data)
+            } else {
+                Payload::Empty
+            },
             len,
             inline,
             first_psn: 0,
@@ -454,7 +489,8 @@ impl Requester {
         p.payload = if n == 0 {
             Payload::Empty
         } else if w.inline {
-            Payload::copied(&w.wr.inline_data[off as usize..(off + n) as usize])
+            let bytes = w.inline_bytes.contiguous().unwrap_or(&[]);
+            Payload::copied(&bytes[off as usize..(off + n) as usize])
         } else {
             let mut pieces = Vec::with_capacity(1);
             for_pieces(&w.wr.sg_list, off, n, |s, soff, len| {
