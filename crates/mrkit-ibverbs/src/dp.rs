@@ -1295,16 +1295,28 @@ fn opcode_of(op: u32) -> Option<WrOpcode> {
 
 const SEND_INLINE: u32 = 8;
 
-/// Translate one `ibv_send_wr`.
+/// Translate one `ibv_send_wr` into `s`, reusing the capacity of its two vectors (a thread
+/// posting one WR at a time allocates nothing per post, `op_post_send`).
 ///
 /// # Safety
 /// `w` a valid WR whose `sg_list` (and, for INLINE, the memory it describes) is readable, and
 /// whose `bind_mw.mw` / `bind_info.mr` are live objects when the opcode is BIND_MW.
-unsafe fn send_wr_from_c(w: &ibv_send_wr) -> Result<SendWr, c_int> {
+unsafe fn send_wr_from_c(w: &ibv_send_wr, s: &mut SendWr) -> Result<(), c_int> {
     let opcode = opcode_of(w.opcode).ok_or(libc::EINVAL)?;
-    // SAFETY: forwarded contract.
-    let sg = unsafe { sges(w.sg_list, w.num_sge) };
-    let mut s = SendWr::new(w.wr_id, opcode).flags(w.send_flags);
+    let mut sg = std::mem::take(&mut s.sg_list);
+    let mut data = std::mem::take(&mut s.inline_data);
+    sg.clear();
+    data.clear();
+    if w.num_sge > 0 && !w.sg_list.is_null() {
+        // SAFETY: forwarded contract (`num_sge` readable entries).
+        let c = unsafe { std::slice::from_raw_parts(w.sg_list, w.num_sge as usize) };
+        sg.extend(c.iter().map(|g| Sge {
+            addr: g.addr,
+            length: g.length,
+            lkey: g.lkey,
+        }));
+    }
+    *s = SendWr::new(w.wr_id, opcode).flags(w.send_flags);
     match opcode {
         WrOpcode::RdmaWrite | WrOpcode::RdmaWriteWithImm | WrOpcode::RdmaRead => {
             s.remote_addr = w.wr[0];
@@ -1344,8 +1356,6 @@ unsafe fn send_wr_from_c(w: &ibv_send_wr) -> Result<SendWr, c_int> {
         _ => {}
     }
     if w.send_flags & SEND_INLINE != 0 {
-        let total: usize = sg.iter().map(|g| g.length as usize).sum();
-        let mut data = Vec::with_capacity(total);
         for g in &sg {
             if g.length > 0 {
                 // SAFETY: the application's gather list is readable at post time (INLINE
@@ -1355,10 +1365,19 @@ unsafe fn send_wr_from_c(w: &ibv_send_wr) -> Result<SendWr, c_int> {
                 });
             }
         }
-        s.inline_data = data;
     }
+    s.inline_data = data;
     s.sg_list = sg;
-    Ok(s)
+    Ok(())
+}
+
+/// WRs a thread keeps translated for reuse (their vectors' capacity with them).
+const POST_SCRATCH_WRS: usize = 64;
+
+thread_local! {
+    /// `op_post_send`'s translated chain, reused per thread: the WR pointers and the WRs.
+    static POST_SEND_SCRATCH: std::cell::RefCell<(Vec<*mut ibv_send_wr>, Vec<SendWr>)> =
+        const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
 }
 
 /// `ops.post_send(qp, wr, bad_wr)`: 0, or an errno value with `*bad_wr` the first WR not
@@ -1383,20 +1402,20 @@ pub(crate) unsafe extern "C" fn op_post_send(
         return fail(libc::EINVAL);
     };
     let qpn = q.qpn;
-    guard(libc::EIO, || {
-        let mut ptrs: Vec<*mut ibv_send_wr> = Vec::new();
-        let mut wrs: Vec<SendWr> = Vec::new();
+    let post = |ptrs: &mut Vec<*mut ibv_send_wr>, wrs: &mut Vec<SendWr>| {
+        ptrs.clear();
         let mut early: Option<c_int> = None;
         let mut p = wr.cast::<ibv_send_wr>();
         while !p.is_null() {
             // SAFETY: p is an element of the caller's valid chain.
             let w = unsafe { &*p };
+            let n = ptrs.len();
+            if n == wrs.len() {
+                wrs.push(SendWr::new(0, WrOpcode::Send));
+            }
             // SAFETY: forwarded contract for the WR's memory.
-            match unsafe { send_wr_from_c(w) } {
-                Ok(s) => {
-                    ptrs.push(p);
-                    wrs.push(s);
-                }
+            match unsafe { send_wr_from_c(w, &mut wrs[n]) } {
+                Ok(()) => ptrs.push(p),
                 Err(e) => {
                     early = Some(e);
                     break;
@@ -1404,17 +1423,35 @@ pub(crate) unsafe extern "C" fn op_post_send(
             }
             p = w.next;
         }
-        if !wrs.is_empty() {
-            if let Err(PostError { bad_wr: i, error }) = m.soft.post_send(qpn, &wrs) {
-                set_bad(ptrs[i]);
-                return fail(soft_errno(&error));
-            }
+        let n = ptrs.len();
+        let r = if n > 0 {
+            m.soft.post_send(qpn, &wrs[..n]).err()
+        } else {
+            None
+        };
+        wrs.truncate(POST_SCRATCH_WRS);
+        if let Some(PostError { bad_wr: i, error }) = r {
+            set_bad(ptrs[i]);
+            return fail(soft_errno(&error));
         }
         if let Some(e) = early {
             set_bad(p);
             return fail(e);
         }
         0
+    };
+    guard(libc::EIO, || {
+        // This thread's scratch, unless it is in use (a post from a signal handler that
+        // interrupted a post): then fresh vectors.
+        POST_SEND_SCRATCH
+            .try_with(|c| match c.try_borrow_mut() {
+                Ok(mut g) => {
+                    let (ptrs, wrs) = &mut *g;
+                    post(ptrs, wrs)
+                }
+                Err(_) => post(&mut Vec::new(), &mut Vec::new()),
+            })
+            .unwrap_or_else(|_| post(&mut Vec::new(), &mut Vec::new()))
     })
 }
 
