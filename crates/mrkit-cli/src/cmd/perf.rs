@@ -398,23 +398,17 @@ fn serve_one(dev: &Context, conn: TcpStream) -> anyhow::Result<()> {
         let (echo, bulk): (u32, u32) = read_line(&mut r)?;
         let deadline = Instant::now() + Duration::from_secs(120);
         let mut c = EchoCompletions::default();
+        // The reply is prepared once and posted with a new wr_id each time, as perftest
+        // prepares its work requests (its bytes, at offset `size`, never change).
+        let mut reply = send_wr(&side, 0, WrOpcode::Send, size, size.min(ECHO_MAX), true);
         for i in 0..echo {
             let wc = c.next_recv(&side, deadline)?;
             c.errors += u64::from(wc.status != WcStatus::Success || u64::from(wc.byte_len) != size);
             // Reply first, then replace the consumed receive (512 are posted: the next
             // message cannot find the queue empty), as a latency-minded server would.
             c.reap_sends(&side, MAX_UNREAPED_SENDS - 1, deadline)?;
-            side.ctx.post_send(
-                side.qp,
-                &[send_wr(
-                    &side,
-                    u64::from(i),
-                    WrOpcode::Send,
-                    size,
-                    size.min(ECHO_MAX),
-                    true,
-                )],
-            )?;
+            reply.wr_id = u64::from(i);
+            side.ctx.post_send(side.qp, std::slice::from_ref(&reply))?;
             c.sends += 1;
             side.ctx
                 .post_recv(side.qp, &[recv_wr(&side, 1000 + u64::from(i), 0, size)])?;
