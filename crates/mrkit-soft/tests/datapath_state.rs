@@ -98,19 +98,24 @@ fn every_transition_and_mask_bit() {
     );
 }
 
-#[test]
-fn modify_qp_through_the_device() {
-    let ctx = Context::open(DeviceConfig::rxe());
+/// Manual progress on `ctx`, a PD and a CQ of 16, and RC QP attributes with default caps.
+fn manual_qp_attrs(ctx: &Context) -> QpInitAttr {
     ctx.set_manual_progress();
     let pd = ctx.alloc_pd().unwrap();
     let cq = ctx.create_cq(16, None).unwrap();
-    let init = QpInitAttr {
+    QpInitAttr {
         pd,
         send_cq: cq,
         recv_cq: cq,
         cap: QpCap::default(),
         sq_sig_all: false,
-    };
+    }
+}
+
+#[test]
+fn modify_qp_through_the_device() {
+    let ctx = Context::open(DeviceConfig::rxe());
+    let init = manual_qp_attrs(&ctx);
     // Creation limits.
     for cap in [
         QpCap {
@@ -204,8 +209,8 @@ fn modify_qp_through_the_device() {
     ctx.modify_qp(qp, &a, m::STATE).unwrap();
     assert_eq!(ctx.qp_state(qp).unwrap(), QpState::Reset);
     ctx.destroy_qp(qp).unwrap();
-    ctx.destroy_cq(cq).unwrap();
-    ctx.dealloc_pd(pd).unwrap();
+    ctx.destroy_cq(init.send_cq).unwrap();
+    ctx.dealloc_pd(init.pd).unwrap();
 }
 
 /// `poll_cq` keeps the CQ a thread polled last in a per-thread cache: a destroyed CQ must still
@@ -252,19 +257,7 @@ fn poll_cq_finds_the_right_cq_through_its_per_thread_cache() {
 #[test]
 fn post_finds_the_right_qp_through_its_per_thread_cache() {
     use mrkit_soft::qp::{RecvWr, SendWr, WrOpcode};
-    let qp_on = |ctx: &Context| {
-        ctx.set_manual_progress();
-        let pd = ctx.alloc_pd().unwrap();
-        let cq = ctx.create_cq(16, None).unwrap();
-        let init = QpInitAttr {
-            pd,
-            send_cq: cq,
-            recv_cq: cq,
-            cap: QpCap::default(),
-            sq_sig_all: false,
-        };
-        ctx.create_qp(init).unwrap().0
-    };
+    let qp_on = |ctx: &Context| ctx.create_qp(manual_qp_attrs(ctx)).unwrap().0;
     let a = Context::open(DeviceConfig::default());
     let b = Context::open(DeviceConfig::default());
     let (qa, qb) = (qp_on(&a), qp_on(&b));

@@ -1149,7 +1149,16 @@ impl Context {
     /// Keys are not checked here. WRs before `bad_wr` are posted. In ERR every WR completes
     /// with WR_FLUSH_ERR.
     pub fn post_send(&self, qpn: u32, wrs: &[SendWr]) -> std::result::Result<(), PostError> {
-        self.with_qp(qpn, |q| self.post_send_to(q, wrs))
+        self.post_on(qpn, |q| self.post_send_to(q, wrs))
+    }
+
+    /// Run a post on QP `qpn` (an unknown QP fails the first WR with EINVAL).
+    fn post_on(
+        &self,
+        qpn: u32,
+        post: impl FnOnce(&Arc<QpObject>) -> std::result::Result<(), PostError>,
+    ) -> std::result::Result<(), PostError> {
+        self.with_qp(qpn, post)
             .map_err(|error| PostError { bad_wr: 0, error })?
     }
 
@@ -1197,8 +1206,7 @@ impl Context {
 
     /// `ibv_post_recv`: RESET → EINVAL, too many SGEs → EINVAL, RQ full → ENOMEM.
     pub fn post_recv(&self, qpn: u32, wrs: &[RecvWr]) -> std::result::Result<(), PostError> {
-        self.with_qp(qpn, |q| self.post_recv_to(q, wrs))
-            .map_err(|error| PostError { bad_wr: 0, error })?
+        self.post_on(qpn, |q| self.post_recv_to(q, wrs))
     }
 
     fn post_recv_to(
