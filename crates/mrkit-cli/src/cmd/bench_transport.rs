@@ -133,18 +133,30 @@ fn raw_stream(seg: usize, gro: bool, work: StreamWork, dur: Duration) -> std::io
     Ok(bytes as f64 / secs / 1e6)
 }
 
-/// Spinning raw UDP ping-pong of `size` bytes; returns the median RTT in µs.
-fn raw_pingpong(size: usize, iters: usize) -> std::io::Result<f64> {
+/// Spinning raw UDP ping-pong of `size` bytes; returns the median RTT in µs. `connected`:
+/// both sockets `connect`ed, `send`/`recv` without addresses (the kernel skips the route
+/// lookup and the source address; a faster floor, but one a RoCE device cannot use: its
+/// receive socket serves every peer, and a connected send socket gets per-socket IP IDs,
+/// which the ICRC covers and the sender cannot know).
+fn raw_pingpong(size: usize, iters: usize, connected: bool) -> std::io::Result<f64> {
     let (a, b) = udp_pair("127.77.0.3:0", "127.77.0.4:0")?;
     let (aa, ba) = (a.local_addr()?, b.local_addr()?);
     a.set_nonblocking(true)?;
     b.set_nonblocking(true)?;
+    if connected {
+        a.connect(ba)?;
+        b.connect(aa)?;
+    }
     let stop = Arc::new(AtomicBool::new(false));
     let stop2 = stop.clone();
     let echo = std::thread::spawn(move || {
         let mut buf = [0u8; 2048];
         while !stop2.load(Ordering::Relaxed) {
-            if let Ok((n, _)) = b.recv_from(&mut buf) {
+            if connected {
+                if let Ok(n) = b.recv(&mut buf) {
+                    let _ = b.send(&buf[..n]);
+                }
+            } else if let Ok((n, _)) = b.recv_from(&mut buf) {
                 let _ = b.send_to(&buf[..n], aa);
             }
         }
@@ -154,9 +166,18 @@ fn raw_pingpong(size: usize, iters: usize) -> std::io::Result<f64> {
     let mut rtts = Vec::with_capacity(iters);
     for _ in 0..iters {
         let t = Instant::now();
-        a.send_to(&msg, ba)?;
+        if connected {
+            a.send(&msg)?;
+        } else {
+            a.send_to(&msg, ba)?;
+        }
         loop {
-            if a.recv_from(&mut buf).is_ok() {
+            let got = if connected {
+                a.recv(&mut buf).is_ok()
+            } else {
+                a.recv_from(&mut buf).is_ok()
+            };
+            if got {
                 break;
             }
             if t.elapsed() > Duration::from_secs(1) {
@@ -335,10 +356,12 @@ fn run_inner(quick: bool) -> anyhow::Result<serde_json::Value> {
     // iters / 4 = 5000 round trips per run (see `mrkit perf`).
     let mut rounds = Vec::new();
     for _ in 0..lat_rounds {
-        let floor = raw_pingpong(8, 5_000)?;
+        let floor = raw_pingpong(8, 5_000, false)?;
+        let connected = raw_pingpong(8, 5_000, true)?;
         let write = one(Op::Write, 8, 20_000)?;
         let send = one(Op::Send, 8, 20_000)?;
-        rounds.push(json!({"floor_us": floor, "write": write, "send": send}));
+        rounds.push(json!({"floor_us": floor, "floor_connected_us": connected,
+                           "write": write, "send": send}));
     }
     let pp = median(
         rounds
@@ -346,12 +369,21 @@ fn run_inner(quick: bool) -> anyhow::Result<serde_json::Value> {
             .filter_map(|r| r["floor_us"].as_f64())
             .collect(),
     );
+    let pp_connected = median(
+        rounds
+            .iter()
+            .filter_map(|r| r["floor_connected_us"].as_f64())
+            .collect(),
+    );
     let lat = |k: &str| -> serde_json::Value {
         let p50 = |r: &serde_json::Value| r[k]["lat_us_p50"].as_f64().unwrap_or(0.0);
-        let ratios: Vec<f64> = rounds
-            .iter()
-            .map(|r| p50(r) / r["floor_us"].as_f64().unwrap_or(1.0).max(1e-9))
-            .collect();
+        let ratios_to = |floor: &str| -> Vec<f64> {
+            rounds
+                .iter()
+                .map(|r| p50(r) / r[floor].as_f64().unwrap_or(1.0).max(1e-9))
+                .collect()
+        };
+        let ratios = ratios_to("floor_us");
         // The run whose p50 is the median one, with the ratios of all rounds.
         let mut by_p50: Vec<&serde_json::Value> = rounds.iter().collect();
         by_p50.sort_by(|a, b| p50(a).total_cmp(&p50(b)));
@@ -359,6 +391,7 @@ fn run_inner(quick: bool) -> anyhow::Result<serde_json::Value> {
         row["ratio_to_floor_median"] = json!(median(ratios.clone()));
         row["ratio_to_floor_min"] = json!(ratios.iter().copied().fold(f64::MAX, f64::min));
         row["ratio_to_floor_max"] = json!(ratios.iter().copied().fold(0.0, f64::max));
+        row["ratio_to_connected_floor_median"] = json!(median(ratios_to("floor_connected_us")));
         row
     };
     let (wlat, slat) = (lat("write"), lat("send"));
@@ -370,6 +403,7 @@ fn run_inner(quick: bool) -> anyhow::Result<serde_json::Value> {
         "raw_udp_gso_gro_mbps": gso_gro,
         "raw_udp_gso_gro_copy_icrc_mbps": gso_gro_work,
         "raw_udp_pingpong_rtt_us": pp,
+        "raw_udp_pingpong_connected_rtt_us": pp_connected,
         "mrkit": rows,
         "write_lat": wlat,
         "send_lat": slat,
@@ -384,11 +418,14 @@ fn print_table(v: &serde_json::Value) {
     let gro = v["raw_udp_gso_gro_mbps"].as_f64().unwrap_or(0.0);
     let work = v["raw_udp_gso_gro_copy_icrc_mbps"].as_f64().unwrap_or(0.0);
     let pp = v["raw_udp_pingpong_rtt_us"].as_f64().unwrap_or(0.0);
+    let ppc = v["raw_udp_pingpong_connected_rtt_us"]
+        .as_f64()
+        .unwrap_or(0.0);
     println!(
         "floors: raw UDP stream, 4 KiB datagrams in 60 KiB GSO sends: {gso:.0} MB/s received one \
          datagram per slot (perf.md §2), {gro:.0} MB/s with UDP_GRO, {work:.0} MB/s with UDP_GRO \
          plus the payload copies and ICRC of RoCE (a ceiling); raw UDP ping-pong 8 B RTT \
-         {pp:.1} µs"
+         {pp:.1} µs ({ppc:.1} µs over connected sockets, a path RoCE's ICRC rules out)"
     );
     println!(
         "{:>6} {:>8} | {:>10} {:>6} {:>8} {:>8} | {:>10} {:>10}",
@@ -413,10 +450,11 @@ fn print_table(v: &serde_json::Value) {
         let r = |q: &str| v[k][q].as_f64().unwrap_or(l / pp.max(1e-9));
         println!(
             "{k:>10} 8 B RTT p50 {l:.1} µs = {:.2}x raw UDP ping-pong (median of per-round \
-             ratios; rounds {:.2}-{:.2}x)",
+             ratios; rounds {:.2}-{:.2}x; {:.2}x the connected-socket ping-pong)",
             r("ratio_to_floor_median"),
             r("ratio_to_floor_min"),
             r("ratio_to_floor_max"),
+            r("ratio_to_connected_floor_median"),
         );
     }
     match (
