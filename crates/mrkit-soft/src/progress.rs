@@ -656,14 +656,14 @@ impl Context {
                 let one_ok = app || !dp.sched.app_polled_recently(now);
                 crate::net::udp::poll_rx(self, port, &mut bufs, one_ok, |q, pkts| {
                     q.inbox.append(pkts);
-                    if holds(&batch[..received], q) {
+                    if holds(&batch[..received], &q) {
                         return;
                     }
                     if received < PASS_QPS {
-                        batch[received] = Some(q.clone());
+                        batch[received] = Some(q);
                         received += 1;
                     } else {
-                        dp.schedule_obj(q);
+                        dp.schedule_obj(&q);
                     }
                 });
             }

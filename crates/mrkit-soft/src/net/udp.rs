@@ -832,7 +832,7 @@ pub(crate) fn poll_rx(
     port: &UdpPort,
     bufs: &mut RecvBufs,
     one_ok: bool,
-    mut deliver: impl FnMut(&std::sync::Arc<crate::qp::QpObject>, &mut Vec<super::Pkt>),
+    mut deliver: impl FnMut(std::sync::Arc<crate::qp::QpObject>, &mut Vec<super::Pkt>),
 ) -> usize {
     use std::sync::atomic::Ordering::Relaxed;
     let local = port.local_addr();
@@ -868,7 +868,7 @@ pub(crate) fn poll_rx(
             Ok(p) => {
                 let qpn = p.bth.dest_qpn;
                 if cur.as_ref().map_or(true, |(n, _)| *n != qpn) {
-                    if let Some((_, q)) = &cur {
+                    if let Some((_, q)) = cur.take() {
                         deliver(q, &mut run);
                     }
                     cur = ctx.qp_cached(qpn).map(|q| (qpn, q));
@@ -890,7 +890,7 @@ pub(crate) fn poll_rx(
             }
         }
     });
-    if let Some((_, q)) = &cur {
+    if let Some((_, q)) = cur {
         deliver(q, &mut run);
     }
     run.clear();
@@ -899,7 +899,10 @@ pub(crate) fn poll_rx(
         st.rx_unknown_qp.fetch_add(dropped, Relaxed);
     }
     if received > 0 {
-        st.rx_datagrams.fetch_add(received, Relaxed);
+        // One writer at a time: this runs under the device's receive lock (`bufs` lives in
+        // it), so a load and a store count without a locked read-modify-write.
+        let n = st.rx_datagrams.load(Relaxed);
+        st.rx_datagrams.store(n + received, Relaxed);
     }
     match r {
         Ok(n) => {
@@ -945,7 +948,8 @@ pub struct NetStats {
     pub tx_datagrams: std::sync::atomic::AtomicU64,
     /// Send errors.
     pub send_errors: std::sync::atomic::AtomicU64,
-    /// Datagrams received.
+    /// Datagrams received. Written only under the device's receive lock (one writer: a
+    /// load and a store, no locked read-modify-write).
     pub rx_datagrams: std::sync::atomic::AtomicU64,
     /// Dropped: malformed (truncated, bad version, unknown opcode, bad pad ...).
     pub rx_malformed: std::sync::atomic::AtomicU64,
