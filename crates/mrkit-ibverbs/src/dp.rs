@@ -1263,18 +1263,27 @@ pub(crate) unsafe extern "C" fn ibv_destroy_qp(qp: *mut ibv_qp) -> c_int {
 /// # Safety
 /// `sg` valid for `n` entries when `n > 0`.
 unsafe fn sges(sg: *const ibv_sge, n: c_int) -> Vec<Sge> {
+    let mut v = Vec::new();
+    // SAFETY: forwarded contract.
+    unsafe { extend_sges(&mut v, sg, n) };
+    v
+}
+
+/// Append the `n` entries of the C gather/scatter list `sg` to `out`.
+///
+/// # Safety
+/// `sg` valid for `n` entries when `n > 0`.
+unsafe fn extend_sges(out: &mut Vec<Sge>, sg: *const ibv_sge, n: c_int) {
     if n <= 0 || sg.is_null() {
-        return Vec::new();
+        return;
     }
     // SAFETY: caller contract.
-    unsafe { std::slice::from_raw_parts(sg, n as usize) }
-        .iter()
-        .map(|s| Sge {
-            addr: s.addr,
-            length: s.length,
-            lkey: s.lkey,
-        })
-        .collect()
+    let c = unsafe { std::slice::from_raw_parts(sg, n as usize) };
+    out.extend(c.iter().map(|s| Sge {
+        addr: s.addr,
+        length: s.length,
+        lkey: s.lkey,
+    }));
 }
 
 fn opcode_of(op: u32) -> Option<WrOpcode> {
@@ -1307,15 +1316,8 @@ unsafe fn send_wr_from_c(w: &ibv_send_wr, s: &mut SendWr) -> Result<(), c_int> {
     let mut data = std::mem::take(&mut s.inline_data);
     sg.clear();
     data.clear();
-    if w.num_sge > 0 && !w.sg_list.is_null() {
-        // SAFETY: forwarded contract (`num_sge` readable entries).
-        let c = unsafe { std::slice::from_raw_parts(w.sg_list, w.num_sge as usize) };
-        sg.extend(c.iter().map(|g| Sge {
-            addr: g.addr,
-            length: g.length,
-            lkey: g.lkey,
-        }));
-    }
+    // SAFETY: forwarded contract (`num_sge` readable entries).
+    unsafe { extend_sges(&mut sg, w.sg_list, w.num_sge) };
     *s = SendWr::new(w.wr_id, opcode).flags(w.send_flags);
     match opcode {
         WrOpcode::RdmaWrite | WrOpcode::RdmaWriteWithImm | WrOpcode::RdmaRead => {

@@ -363,18 +363,8 @@ fn run_inner(quick: bool) -> anyhow::Result<serde_json::Value> {
         rounds.push(json!({"floor_us": floor, "floor_connected_us": connected,
                            "write": write, "send": send}));
     }
-    let pp = median(
-        rounds
-            .iter()
-            .filter_map(|r| r["floor_us"].as_f64())
-            .collect(),
-    );
-    let pp_connected = median(
-        rounds
-            .iter()
-            .filter_map(|r| r["floor_connected_us"].as_f64())
-            .collect(),
-    );
+    let floor_median = |k: &str| median(rounds.iter().filter_map(|r| r[k].as_f64()).collect());
+    let (pp, pp_connected) = (floor_median("floor_us"), floor_median("floor_connected_us"));
     let lat = |k: &str| -> serde_json::Value {
         let p50 = |r: &serde_json::Value| r[k]["lat_us_p50"].as_f64().unwrap_or(0.0);
         let ratios_to = |floor: &str| -> Vec<f64> {
