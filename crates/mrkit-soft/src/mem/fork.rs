@@ -53,6 +53,20 @@ impl DontFork {
     }
 }
 
+/// Whether the running kernel copies pinned pages into a forked child instead of sharing them
+/// copy-on-write (Linux 5.13 and later, the kernels whose RDMA netlink reports "copy-on-fork";
+/// rdma-core's `ibv_is_fork_initialized` then answers `IBV_FORK_UNNEEDED`). Read from `uname`.
+pub fn kernel_copies_pinned_pages_on_fork() -> bool {
+    let uts = rustix::system::uname();
+    let release = uts.release().to_string_lossy();
+    let mut parts = release
+        .split(|c: char| !c.is_ascii_digit())
+        .map(|p| p.parse::<u32>().unwrap_or(0));
+    let major = parts.next().unwrap_or(0);
+    let minor = parts.next().unwrap_or(0);
+    (major, minor) >= (5, 13)
+}
+
 fn advise(start: u64, end: u64, dontfork: bool) -> rustix::io::Result<()> {
     let advice = if dontfork {
         rustix::mm::Advice::LinuxDontFork

@@ -57,6 +57,8 @@ pub fn fork_generation() -> u64 {
 /// (and untouched) in the child: nothing of it is dropped there.
 pub struct PerProcess<T> {
     ptr: std::sync::atomic::AtomicPtr<Generation<T>>,
+    /// Shared like a `&T` (the cell is `Sync` only when `T` is).
+    _value: std::marker::PhantomData<T>,
 }
 
 /// A [`PerProcess`] value and the fork generation of the process that made it.
@@ -85,6 +87,7 @@ impl<T> PerProcess<T> {
     pub const fn new() -> Self {
         PerProcess {
             ptr: std::sync::atomic::AtomicPtr::new(std::ptr::null_mut()),
+            _value: std::marker::PhantomData,
         }
     }
 
