@@ -215,11 +215,7 @@ const CTX_OFFSET: usize = offset_of!(MrkitContext, vctx) + offset_of!(verbs_cont
 static QUARANTINE: PerProcess<Mutex<Vec<usize>>> = PerProcess::new();
 
 fn quarantine() -> std::sync::MutexGuard<'static, Vec<usize>> {
-    let cell =
-        match QUARANTINE.get_or_try_init(|_| Ok::<_, std::convert::Infallible>(Mutex::default())) {
-            Ok(c) => c,
-            Err(never) => match never {},
-        };
+    let cell = QUARANTINE.get_or_init(Mutex::default);
     cell.lock().unwrap_or_else(|e| e.into_inner())
 }
 
@@ -297,11 +293,7 @@ type Shared = (mrkit_soft::Context, Arc<Router>);
 static SHARED: PerProcess<Mutex<(Option<Shared>, usize)>> = PerProcess::new();
 
 fn shared() -> std::sync::MutexGuard<'static, (Option<Shared>, usize)> {
-    let cell = match SHARED.get_or_try_init(|_| Ok::<_, std::convert::Infallible>(Mutex::default()))
-    {
-        Ok(c) => c,
-        Err(never) => match never {},
-    };
+    let cell = SHARED.get_or_init(Mutex::default);
     cell.lock().unwrap_or_else(|e| e.into_inner())
 }
 

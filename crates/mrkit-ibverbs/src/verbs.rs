@@ -33,11 +33,7 @@ static LIVE: mrkit_soft::mem::PerProcess<std::sync::Mutex<std::collections::Hash
     mrkit_soft::mem::PerProcess::new();
 
 fn live() -> std::sync::MutexGuard<'static, std::collections::HashSet<usize>> {
-    let cell = match LIVE.get_or_try_init(|_| Ok::<_, std::convert::Infallible>(Default::default()))
-    {
-        Ok(c) => c,
-        Err(never) => match never {},
-    };
+    let cell = LIVE.get_or_init(Default::default);
     cell.lock().unwrap_or_else(|e| e.into_inner())
 }
 

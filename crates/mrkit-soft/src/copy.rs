@@ -101,8 +101,9 @@ pub(crate) fn mem_to_mem_batch(items: &[(&MrGuard, u64, &MrGuard, u64, usize)]) 
 
 /// One lock for every atomic the device executes (IBV_ATOMIC_HCA: atomic with respect to
 /// other device atomics, as rxe's global spinlock). Process-wide so that two device
-/// instances in one process (loopback "hosts") targeting the same memory stay atomic.
-static ATOMIC_LOCK: Mutex<()> = Mutex::new(());
+/// instances in one process (loopback "hosts") targeting the same memory stay atomic; one per
+/// process so that a forked child never waits for a lock a parent thread held at `fork`.
+static ATOMIC_LOCK: crate::mem::PerProcess<Mutex<()>> = crate::mem::PerProcess::new();
 
 /// Atomic operation on a native-endian u64.
 #[derive(Debug, Clone, Copy)]
@@ -116,7 +117,7 @@ pub(crate) enum AtomicOp {
 pub(crate) fn atomic(g: &MrGuard, op: AtomicOp) -> u64 {
     let p = span(g, 0, 8) as *mut u64;
     assert!(p as usize % 8 == 0, "atomic target must be 8-byte aligned");
-    let _l = ATOMIC_LOCK.lock();
+    let _l = ATOMIC_LOCK.get_or_init(|| Mutex::new(())).lock();
     // SAFETY: 8 aligned bytes inside the checked range; the guard keeps them registered.
     // Volatile so that the read-modify-write really happens in memory under the lock.
     unsafe {

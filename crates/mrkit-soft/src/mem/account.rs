@@ -29,10 +29,7 @@ static PINNED_PAGES: super::PerProcess<AtomicU64> = super::PerProcess::new();
 
 /// This process's counter and its fork generation.
 fn counter() -> &'static super::Generation<AtomicU64> {
-    match PINNED_PAGES.get_or_try_init(|_| Ok::<_, std::convert::Infallible>(AtomicU64::new(0))) {
-        Ok(c) => c,
-        Err(never) => match never {},
-    }
+    PINNED_PAGES.get_or_init(|| AtomicU64::new(0))
 }
 
 fn page_shift() -> u32 {

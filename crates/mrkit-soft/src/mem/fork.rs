@@ -21,12 +21,7 @@ static MARKS: super::PerProcess<Mutex<RangeCounter>> = super::PerProcess::new();
 
 /// This process's mark counts and its fork generation.
 fn marks() -> &'static super::Generation<Mutex<RangeCounter>> {
-    match MARKS
-        .get_or_try_init(|_| Ok::<_, std::convert::Infallible>(Mutex::new(RangeCounter::new())))
-    {
-        Ok(m) => m,
-        Err(never) => match never {},
-    }
+    MARKS.get_or_init(|| Mutex::new(RangeCounter::new()))
 }
 
 /// A DONTFORK mark on `[start, start + len)`; dropping it releases the mark.

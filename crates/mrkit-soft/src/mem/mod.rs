@@ -91,6 +91,15 @@ impl<T> PerProcess<T> {
         }
     }
 
+    /// This process's value, made with `make` if there is none yet (see
+    /// [`get_or_try_init`](Self::get_or_try_init)).
+    pub fn get_or_init(&'static self, mut make: impl FnMut() -> T) -> &'static Generation<T> {
+        match self.get_or_try_init(|_| Ok::<T, std::convert::Infallible>(make())) {
+            Ok(v) => v,
+            Err(never) => match never {},
+        }
+    }
+
     /// This process's value, made with `make` (given the generation) if there is none yet.
     /// Threads racing to make it use the first one published (`make` may run in several).
     pub fn get_or_try_init<E>(

@@ -175,8 +175,8 @@ pub struct Pin {
 /// What must be undone when a [`Pin`] drops.
 #[derive(Debug)]
 enum Holder {
-    /// Pin counts in [`MLOCKS`].
-    Mlock,
+    /// Pin counts in [`MLOCKS`] of the process (fork generation) that pinned.
+    Mlock { gen: u64 },
     /// One io_uring slot.
     Slot(SlotId),
     /// Several io_uring slots (ranges above the per-buffer cap).
@@ -203,7 +203,7 @@ impl Pin {
     /// io_uring fixed-buffer slots this pin occupies (0 on the mlock path).
     pub fn slots(&self) -> usize {
         match &self.holder {
-            Holder::Mlock => 0,
+            Holder::Mlock { .. } => 0,
             Holder::Slot(_) => 1,
             Holder::Slots(v) => v.len(),
         }
@@ -284,10 +284,10 @@ pub fn pin_via(path: PinPath, start: u64, len: u64, writable: bool) -> Result<Pi
 
 impl Drop for Pin {
     fn drop(&mut self) {
-        match std::mem::replace(&mut self.holder, Holder::Mlock) {
-            Holder::Mlock => {
+        match std::mem::replace(&mut self.holder, Holder::Mlock { gen: u64::MAX }) {
+            Holder::Mlock { gen } => {
                 if self.len != 0 {
-                    unpin_mlock(self.start, self.len)
+                    unpin_mlock(self.start, self.len, gen)
                 }
             }
             Holder::Slot(s) => release_slot(s),
@@ -551,8 +551,14 @@ fn uring_error(e: UringErr, start: u64, len: u64) -> Error {
 // mlock path
 
 /// Per-page mlock pin counts of the whole process. Held across the mlock/munlock syscalls so
-/// that the kernel's lock state always matches the counts.
-static MLOCKS: Mutex<RangeCounter> = Mutex::new(RangeCounter::new());
+/// that the kernel's lock state always matches the counts. Per process: memory locks are not
+/// inherited by a forked child, so it starts with no counts, and unpinning a pin it inherited
+/// leaves its own locks alone.
+static MLOCKS: super::PerProcess<Mutex<RangeCounter>> = super::PerProcess::new();
+
+fn mlocks() -> &'static super::Generation<Mutex<RangeCounter>> {
+    MLOCKS.get_or_init(|| Mutex::new(RangeCounter::new()))
+}
 
 fn os_err(e: rustix::io::Errno) -> i32 {
     e.raw_os_error()
@@ -614,7 +620,8 @@ pub(crate) fn populate(start: u64, len: u64, write: bool) -> Result<()> {
 fn pin_mlock(start: u64, len: u64, writable: bool) -> Result<Pin> {
     populate(start, len, writable)?;
     let end = start + len;
-    let mut counts = MLOCKS.lock();
+    let cell = mlocks();
+    let mut counts = cell.lock();
     let fresh = counts.inc(start, end);
     for &(s, e) in &fresh {
         // SAFETY: mlock only changes residency of pages the process already maps.
@@ -653,12 +660,16 @@ fn pin_mlock(start: u64, len: u64, writable: bool) -> Result<Pin> {
         start,
         len,
         path: PinPath::Mlock,
-        holder: Holder::Mlock,
+        holder: Holder::Mlock { gen: cell.gen },
     })
 }
 
-fn unpin_mlock(start: u64, len: u64) {
-    let mut counts = MLOCKS.lock();
+fn unpin_mlock(start: u64, len: u64, gen: u64) {
+    let cell = mlocks();
+    if cell.gen != gen {
+        return; // the parent's pin, inherited by this forked child
+    }
+    let mut counts = cell.lock();
     for (s, e) in counts.dec(start, start + len) {
         // SAFETY: munlock only changes residency; failure (range unmapped by the caller since)
         // is harmless.
@@ -765,7 +776,7 @@ mod tests {
             seen.push(got);
         }
         assert!(ok, "VmLck deltas (A, A+B, B, none) = {seen:?}");
-        assert!(MLOCKS.lock().count_at(m.addr) == 0);
+        assert!(mlocks().lock().count_at(m.addr) == 0);
     }
 
     #[test]
