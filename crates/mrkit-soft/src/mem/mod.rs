@@ -7,6 +7,8 @@
 //! * [`fork`]: refcounted `MADV_DONTFORK` ranges.
 //! * [`fault`]: on-demand paging primitives (fault-in, present-page snapshot).
 //! * [`range_count`]: the interval refcount map shared by the mlock pins and the DONTFORK marks.
+//! * `uaccess`: fault-recovering copies (the data path's copies never die from a fault on
+//!   registered memory the application protected or unmapped) and their slow paths.
 //!
 //! This is the only place (with the byte-copy module of the data path) where `unsafe` lives:
 //! syscalls that take raw addresses.
@@ -17,6 +19,7 @@ pub mod fork;
 pub mod pin;
 pub mod range_count;
 pub mod translate;
+pub(crate) mod uaccess;
 
 #[cfg(test)]
 pub(crate) mod test_util;
