@@ -193,7 +193,10 @@ pub(crate) struct MrkitContext {
     /// gated by `sz`, so never read, but the memory exists).
     _front: [u64; 16],
     pub(crate) vctx: verbs_context,
-    /// [`CTX_MAGIC`] while open; 0 once closed (written before the state is dropped).
+    /// [`CTX_MAGIC`] while open; 0 once closed. Close clears it with a compare-exchange
+    /// (AcqRel: exactly one close wins) before the state is dropped; verbs load it with Acquire
+    /// before touching the state. (A verb racing with the close of its own context is the
+    /// caller's bug, as with libibverbs; the check makes a verb *after* the close fail.)
     magic: AtomicU64,
     /// The fork generation of the process that opened it: a forked child refuses it.
     gen: u64,

@@ -46,7 +46,8 @@ fn span(g: &MrGuard, off: u64, len: usize) -> *mut u8 {
     (g.va + off) as *mut u8
 }
 
-/// Set when the slow path could not reach an MR's frames (logged once).
+/// Set when the slow path could not reach an MR's frames (logged once). Relaxed: it orders
+/// nothing, it only keeps the warning to one line per process.
 static UNREACHABLE_WARNED: std::sync::atomic::AtomicBool =
     std::sync::atomic::AtomicBool::new(false);
 

@@ -26,6 +26,7 @@
 
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU8, Ordering};
+#[cfg(target_arch = "x86_64")]
 use std::sync::OnceLock;
 
 #[cfg(target_arch = "x86_64")]
@@ -282,16 +283,20 @@ pub(crate) fn proc_mem(addr: u64, dma: super::pin::Dma<'_>) -> std::io::Result<(
 // The signal handler.
 
 /// The SIGSEGV and SIGBUS dispositions found when the handler was installed.
+#[cfg(target_arch = "x86_64")]
 struct Previous {
     segv: libc::sigaction,
     bus: libc::sigaction,
 }
 // SAFETY: plain data (handler addresses, flags, a signal set), written once before publication
 // and only read afterwards.
+#[cfg(target_arch = "x86_64")]
 unsafe impl Sync for Previous {}
 // SAFETY: as above.
+#[cfg(target_arch = "x86_64")]
 unsafe impl Send for Previous {}
 
+#[cfg(target_arch = "x86_64")]
 static PREVIOUS: OnceLock<Previous> = OnceLock::new();
 
 /// 0: not installed, 1: being installed, 2: installed. Orders nothing else: the handler reads
