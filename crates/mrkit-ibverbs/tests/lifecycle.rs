@@ -42,3 +42,16 @@ fn forked_child_with_fork_protection() {
     // child never touches them, so everything else holds as without it.
     lifecycle("fork", &[("RDMAV_FORK_SAFE", "1")]);
 }
+
+#[test]
+fn forked_child_never_takes_the_parents_mrkit_addr() {
+    // Addresses of this test process only (other test runs may use 127.x addresses too).
+    let pid = std::process::id();
+    let (x, y) = (((pid >> 8) & 0xff) as u8 | 1, (pid & 0xff) as u8 | 1);
+    let parent = format!("127.{x}.{y}.41");
+    let child = format!("127.{x}.{y}.42");
+    lifecycle(
+        "forkaddr",
+        &[("MRKIT_ADDR", &parent), ("MRKIT_CHILD_ADDR", &child)],
+    );
+}

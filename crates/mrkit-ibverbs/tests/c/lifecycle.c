@@ -7,6 +7,9 @@
  *   lifecycle fork     a forked child opens a working device of its own (its own address);
  *                      the parent's objects fail with EINVAL in the child; the parent keeps
  *                      working during and after the child's traffic
+ *   lifecycle forkaddr run with MRKIT_ADDR (the parent's address) and MRKIT_CHILD_ADDR: the
+ *                      child's device cannot take the parent's address (no GID, the parent
+ *                      unaffected) until the child sets MRKIT_ADDR to its own
  *
  * Prints one "ok ..." line per check; the first failed check prints "FAIL ..." and exits 1.
  */
@@ -235,6 +238,37 @@ static void do_fork(void)
 	CHECK(ibv_close_device(p.ctx) == 0, "ibv_close_device");
 }
 
+static void fork_addr(void)
+{
+	struct rig p;
+	rig_up(&p);
+	rig_write(&p, 0x11, "parent before fork");
+	pid_t pid = fork();
+	CHECK(pid >= 0, "fork");
+	if (pid == 0) {
+		struct ibv_context *c = open_mrkit();
+		union ibv_gid g;
+		CHECK(ibv_query_gid(c, 1, 0, &g) != 0,
+		      "child: the inherited MRKIT_ADDR is the parent's: no GID for the child");
+		CHECK(ibv_close_device(c) == 0, "child: ibv_close_device");
+		const char *mine = getenv("MRKIT_CHILD_ADDR");
+		CHECK(mine && setenv("MRKIT_ADDR", mine, 1) == 0, "child: MRKIT_ADDR=%s", mine);
+		struct rig k;
+		rig_up(&k);
+		CHECK(memcmp(&k.gid, &p.gid, sizeof(k.gid)) != 0, "child: its own GID");
+		for (int i = 0; i < 10; i++)
+			rig_write(&k, (char)(0x40 + i), "child");
+		CHECK(ibv_close_device(k.ctx) == 0, "child: ibv_close_device");
+		exit(0);
+	}
+	for (int i = 0; i < 10; i++)
+		rig_write(&p, (char)(0x20 + i), "parent during child");
+	int status = 0;
+	CHECK(waitpid(pid, &status, 0) == pid, "waitpid");
+	CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "child exited 0 (status %#x)", status);
+	rig_write(&p, 0x33, "parent after child");
+}
+
 int main(int argc, char **argv)
 {
 	setvbuf(stdout, NULL, _IOLBF, 0);
@@ -243,8 +277,10 @@ int main(int argc, char **argv)
 		closed();
 	else if (strcmp(mode, "fork") == 0)
 		do_fork();
+	else if (strcmp(mode, "forkaddr") == 0)
+		fork_addr();
 	else {
-		fprintf(stderr, "usage: lifecycle closed|fork\n");
+		fprintf(stderr, "usage: lifecycle closed|fork|forkaddr\n");
 		return 2;
 	}
 	printf("all checks passed\n");
