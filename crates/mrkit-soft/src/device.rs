@@ -671,6 +671,22 @@ mod tests {
         assert!(DeviceConfig::from_lookup(env).is_err());
     }
 
+    /// DONTFORK marking is opt-in, as rdma-core's (ibv_fork_init / RDMAV_FORK_SAFE there,
+    /// MRKIT_DONTFORK=1 here).
+    #[test]
+    fn dontfork_is_opt_in() {
+        assert!(!DeviceConfig::rxe().uses_dontfork());
+        let c = DeviceConfig::from_lookup(|_| None).unwrap();
+        assert!(!c.uses_dontfork());
+        assert_eq!(c.source("dontfork"), Source::Default);
+        let on = |k: &str| (k == "MRKIT_DONTFORK").then(|| "1".to_string());
+        let c = DeviceConfig::from_lookup(on).unwrap();
+        assert!(c.uses_dontfork());
+        assert_eq!(c.source("dontfork"), Source::Env("MRKIT_DONTFORK"));
+        let off = |k: &str| (k == "MRKIT_DONTFORK").then(|| "0".to_string());
+        assert!(!DeviceConfig::from_lookup(off).unwrap().uses_dontfork());
+    }
+
     #[test]
     fn seed_profile() {
         let c = DeviceConfig::profile("connectx5-seed").unwrap();
