@@ -13,12 +13,23 @@
 //! * Port 1: ACTIVE, Ethernet, max MTU 4096, active MTU 1024, 4X EDR, LID 0.
 //! * GID table: one RoCE v2 entry, `::ffff:127.0.0.1`. **Placeholder** until the UDP transport
 //!   lands and the table lists the host's IPv4 addresses.
+//! * Use after close: a closed context's memory is never returned to the allocator; its magic
+//!   word is cleared and the memory waits in a quarantine for the next `ibv_open_device`, so
+//!   every verb on a closed context reads live memory, finds no magic and fails with EINVAL.
+//! * fork: a context remembers the process ([`mrkit_soft::mem::fork_generation`]) that opened
+//!   it. In a forked child the parent's contexts (and every object on them) are refused with
+//!   EINVAL, and the child's first `ibv_open_device` opens a device instance of its own (new
+//!   address, socket and threads); the parent's instance, copied into the child, is never
+//!   touched or dropped there.
 
 use std::cell::UnsafeCell;
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_uint, c_void};
 use std::mem::offset_of;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+
+use mrkit_soft::mem::{fork_generation, PerProcess};
 
 use crate::abi::*;
 use crate::events::{add_completed, event_type as et, EventQueue, Router};
@@ -182,7 +193,13 @@ pub(crate) struct MrkitContext {
     /// gated by `sz`, so never read, but the memory exists).
     _front: [u64; 16],
     pub(crate) vctx: verbs_context,
-    magic: u64,
+    /// [`CTX_MAGIC`] while open; 0 once closed. Close clears it with a compare-exchange
+    /// (AcqRel: exactly one close wins) before the state is dropped; verbs load it with Acquire
+    /// before touching the state. (A verb racing with the close of its own context is the
+    /// caller's bug, as with libibverbs; the check makes a verb *after* the close fail.)
+    magic: AtomicU64,
+    /// The fork generation of the process that opened it: a forked child refuses it.
+    gen: u64,
     pub(crate) soft: mrkit_soft::Context,
     /// This context's async events; its eventfd is `async_fd`.
     pub(crate) events: Arc<EventQueue>,
@@ -194,18 +211,53 @@ pub(crate) struct MrkitContext {
 
 const CTX_OFFSET: usize = offset_of!(MrkitContext, vctx) + offset_of!(verbs_context, context);
 
-/// The `MrkitContext` of an `ibv_context` handed out by [`ibv_open_device`].
+/// Allocations of closed contexts (their state dropped, magic 0), reused by the next open.
+/// They are never freed, so reading the magic word of a closed context is reading live memory.
+/// Per process: a forked child starts with an empty list (a lock held at `fork` by another
+/// thread of the parent would otherwise stay held in the child).
+static QUARANTINE: PerProcess<Mutex<Vec<usize>>> = PerProcess::new();
+
+fn quarantine() -> std::sync::MutexGuard<'static, Vec<usize>> {
+    let cell = QUARANTINE.get_or_init(Mutex::default);
+    cell.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The `MrkitContext` allocation an `ibv_context` of [`ibv_open_device`] lives in, its magic
+/// word and its process generation (without requiring it to be open).
 ///
 /// # Safety
-/// `ctx` must be NULL or a context returned by `ibv_open_device` and not yet closed.
+/// `ctx` must be non-NULL and a context returned by `ibv_open_device` (open or closed).
+unsafe fn shell(ctx: *mut ibv_context) -> (*mut MrkitContext, u64, u64) {
+    // SAFETY: per the contract ctx is the `context` member inside a MrkitContext allocation
+    // (never freed, see QUARANTINE), so stepping back by its offset gives its start, and its
+    // `magic` and `gen` words are always initialised (a closed context keeps them).
+    unsafe {
+        let p = ctx.cast::<u8>().sub(CTX_OFFSET).cast::<MrkitContext>();
+        let magic = (*std::ptr::addr_of!((*p).magic)).load(Ordering::Acquire);
+        (p, magic, std::ptr::addr_of!((*p).gen).read())
+    }
+}
+
+/// The `MrkitContext` of an `ibv_context` handed out by [`ibv_open_device`]: None for NULL, a
+/// closed context, or (in a forked child) a context the parent opened.
+///
+/// The checks are one atomic load and two compares (the fork generation is an atomic load
+/// too), so every verb, including `ibv_post_send` / `ibv_poll_cq`, makes them.
+///
+/// # Safety
+/// `ctx` must be NULL or a context returned by `ibv_open_device` (open or closed).
 pub(crate) unsafe fn mctx<'a>(ctx: *mut ibv_context) -> Option<&'a MrkitContext> {
     if ctx.is_null() {
         return None;
     }
-    // SAFETY: per the contract ctx is the `context` member inside a live MrkitContext, so
-    // stepping back by its offset gives the start of that allocation.
-    let m = unsafe { &*(ctx.cast::<u8>().sub(CTX_OFFSET).cast::<MrkitContext>()) };
-    (m.magic == CTX_MAGIC).then_some(m)
+    // SAFETY: forwarded contract.
+    let (p, magic, gen) = unsafe { shell(ctx) };
+    if magic != CTX_MAGIC || gen != fork_generation() {
+        return None;
+    }
+    // SAFETY: the magic word says the context is open (its state initialised and not
+    // dropped: close clears the magic before dropping), in this process.
+    Some(unsafe { &*p })
 }
 
 /// Post an asynchronous event on a context: it is queued and the context's `async_fd` becomes
@@ -232,11 +284,24 @@ pub unsafe fn post_async_event(ctx: *mut ibv_context, element: u64, event_type: 
 /// contexts of one process (pyverbs' client and server) reach each other through the GID.
 /// Counted by open contexts; the last `ibv_close_device` drops it (releasing everything still
 /// registered). Its async events go through its [`Router`] (installed as mrkit-soft's hook).
+///
+/// Per process ([`PerProcess`]): a forked child finds no instance and opens its own on its first
+/// `ibv_open_device`, with its own threads and a UDP address of its own (the default 127.x.y.z
+/// is derived from the pid; an inherited `MRKIT_ADDR` names the parent's bound address, so the
+/// child's bind fails with a message until it sets another one: it never shares the parent's
+/// socket). The parent's instance stays in the child's memory, never used nor dropped there
+/// (dropping it would wait for threads that do not exist in the child and act on sockets the
+/// parent still uses).
 type Shared = (mrkit_soft::Context, Arc<Router>);
-static SHARED: Mutex<(Option<Shared>, usize)> = Mutex::new((None, 0));
+static SHARED: PerProcess<Mutex<(Option<Shared>, usize)>> = PerProcess::new();
+
+fn shared() -> std::sync::MutexGuard<'static, (Option<Shared>, usize)> {
+    let cell = SHARED.get_or_init(Mutex::default);
+    cell.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 fn open_soft_context() -> Result<Shared, String> {
-    let mut g = SHARED.lock().unwrap_or_else(|e| e.into_inner());
+    let mut g = shared();
     if let Some(c) = &g.0 {
         let c = c.clone();
         g.1 += 1;
@@ -251,11 +316,17 @@ fn open_soft_context() -> Result<Shared, String> {
 }
 
 fn release_soft_context() {
-    let mut g = SHARED.lock().unwrap_or_else(|e| e.into_inner());
-    g.1 = g.1.saturating_sub(1);
-    if g.1 == 0 {
-        g.0 = None;
-    }
+    let last = {
+        let mut g = shared();
+        g.1 = g.1.saturating_sub(1);
+        if g.1 == 0 {
+            g.0.take()
+        } else {
+            None
+        }
+    };
+    // Dropped outside the lock (it joins the device's threads).
+    drop(last);
 }
 
 fn new_soft_context() -> Result<mrkit_soft::Context, String> {
@@ -453,18 +524,28 @@ pub(crate) unsafe extern "C" fn ibv_open_device(device: *mut ibv_device) -> *mut
             return std::ptr::null_mut(); // errno set by eventfd
         };
         let fd = events.raw_fd();
-        let mut b = Box::new(MrkitContext {
+        let mut vctx = new_vctx();
+        vctx.context.async_fd = fd;
+        let value = MrkitContext {
             _front: [0; 16],
-            vctx: new_vctx(),
-            magic: CTX_MAGIC,
+            vctx,
+            magic: AtomicU64::new(CTX_MAGIC),
+            gen: fork_generation(),
             soft,
             events: Arc::new(events),
             router,
             cqs: Mutex::new(HashMap::new()),
-        });
-        b.vctx.context.async_fd = fd;
-        let m = Box::into_raw(b);
-        // SAFETY: m is a valid, leaked box; the context stays at this address until close.
+        };
+        let reused = quarantine().pop();
+        let m = match reused {
+            Some(p) => p as *mut MrkitContext,
+            None => Box::into_raw(Box::new(std::mem::MaybeUninit::<MrkitContext>::uninit()))
+                .cast::<MrkitContext>(),
+        };
+        // SAFETY: m is a MrkitContext allocation that is never freed: fresh, or a closed
+        // context whose state was dropped (so overwriting it drops nothing twice).
+        unsafe { m.write(value) };
+        // SAFETY: m was initialised above; the context stays at this address for good.
         unsafe { std::ptr::addr_of_mut!((*m).vctx.context) }
     })
 }
@@ -474,17 +555,37 @@ pub(crate) unsafe extern "C" fn ibv_open_device(device: *mut ibv_device) -> *mut
 /// # Safety
 /// `ctx` must be NULL or an open context; it must not be used afterwards.
 pub(crate) unsafe extern "C" fn ibv_close_device(ctx: *mut ibv_context) -> c_int {
-    // SAFETY: caller contract.
-    let Some(m) = (unsafe { mctx(ctx) }) else {
+    if ctx.is_null() {
         set_errno(libc::EINVAL);
         return libc::EINVAL;
-    };
+    }
+    // SAFETY: caller contract (a context of ibv_open_device, open or closed).
+    let (p, magic, gen) = unsafe { shell(ctx) };
+    // SAFETY: p is a context allocation (never freed); `magic` is atomic.
+    let magic_word = unsafe { &*std::ptr::addr_of!((*p).magic) };
+    if magic != CTX_MAGIC
+        || magic_word
+            .compare_exchange(CTX_MAGIC, 0, Ordering::AcqRel, Ordering::Acquire)
+            .is_err()
+    {
+        // Closed already (or being closed by another thread).
+        set_errno(libc::EINVAL);
+        return libc::EINVAL;
+    }
+    if gen != fork_generation() {
+        // A parent's context in a forked child: now refused (magic cleared), its state left
+        // as it is (the parent's threads, sockets and device instance are not the child's).
+        return 0;
+    }
+    // SAFETY: the magic was ours to clear, so the context is open and this is its only close.
+    let m = unsafe { &*p };
     m.router.forget_queue(&m.events);
     guard(libc::EIO, || {
-        // SAFETY: ctx belongs to a MrkitContext leaked by ibv_open_device (checked above); this
-        // reclaims it exactly once per the caller contract. Dropping it closes the async fd and
-        // the soft context (its MRs are unpinned).
-        drop(unsafe { Box::from_raw(ctx.cast::<u8>().sub(CTX_OFFSET).cast::<MrkitContext>()) });
+        // SAFETY: the state is initialised and dropped exactly once (the magic is 0 now, so no
+        // verb and no second close reaches it). Dropping it closes the async fd and releases the
+        // soft context (its MRs are unpinned). The allocation itself goes to the quarantine.
+        unsafe { std::ptr::drop_in_place(p) };
+        quarantine().push(p as usize);
         release_soft_context();
         0
     })

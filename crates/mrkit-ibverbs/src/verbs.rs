@@ -23,6 +23,32 @@ fn soft_errno(e: &mrkit_soft::Error) -> c_int {
     e.errno().raw()
 }
 
+/// Addresses of the PDs, MRs and MWs this library handed out and has not freed (this process's:
+/// a forked child starts empty, so the parent's objects are refused there without being read).
+/// The release verbs look the pointer up before reading the struct, so a second
+/// `ibv_dereg_mr` / `ibv_dealloc_pd` / `dealloc_mw` of a freed object is EINVAL instead of a
+/// read of freed memory. Control path only (one hash insert per create, one remove per
+/// release); the data path never consults it.
+static LIVE: mrkit_soft::mem::PerProcess<std::sync::Mutex<std::collections::HashSet<usize>>> =
+    mrkit_soft::mem::PerProcess::new();
+
+fn live() -> std::sync::MutexGuard<'static, std::collections::HashSet<usize>> {
+    let cell = LIVE.get_or_init(Default::default);
+    cell.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// `Box::into_raw(Box::new(v))`, recorded as live for [`release_boxed`].
+fn into_live<T>(v: T) -> *mut T {
+    let p = Box::into_raw(Box::new(v));
+    live().insert(p as usize);
+    p
+}
+
+/// Whether `p` is a live object of this library (see [`LIVE`]).
+pub(crate) fn is_live<T>(p: *const T) -> bool {
+    live().contains(&(p as usize))
+}
+
 /// A PD's context, device handle and open context: None for a NULL PD or a closed context.
 ///
 /// # Safety
@@ -41,32 +67,38 @@ pub(crate) unsafe fn pd_parts<'a>(
 }
 
 /// The body of the release verbs whose struct this library allocated with `Box`
-/// (`ibv_dealloc_pd`, `ibv_dereg_mr`, `ops.dealloc_mw`): EINVAL (errno too) for NULL or a
-/// closed context; else `release(device, handle)`: on success the struct is freed and 0
+/// (`ibv_dealloc_pd`, `ibv_dereg_mr`, `ops.dealloc_mw`): EINVAL (errno too) for NULL, an
+/// object already released (not in [`LIVE`]: never read) or a closed context; else `release(device, handle)`: on success the struct is freed and 0
 /// returned, on failure the struct stays valid and the errno value is returned (and set).
 ///
 /// # Safety
-/// `obj` NULL or a live struct allocated as `Box<T>` by this library, not used after success;
-/// `parts` returns its `(context, device handle)`.
+/// `obj` NULL, or a struct of type `T` this library allocated with [`into_live`] (live or
+/// already released); `parts` returns its `(context, device handle)`.
 unsafe fn release_boxed<T>(
     obj: *mut T,
     parts: impl FnOnce(&T) -> (*mut ibv_context, u32),
     release: impl FnOnce(&mrkit_soft::Context, u32) -> mrkit_soft::Result<()>,
 ) -> c_int {
-    if obj.is_null() {
+    // Claim it: of two racing or repeated releases only one finds it live.
+    if obj.is_null() || !live().remove(&(obj as usize)) {
         set_errno(libc::EINVAL);
         return libc::EINVAL;
     }
-    // SAFETY: obj is live (caller contract).
+    let restore = || {
+        live().insert(obj as usize);
+    };
+    // SAFETY: obj was live (found in LIVE, which only holds unfreed objects of this library).
     let (ctx, handle) = parts(unsafe { &*obj });
-    // SAFETY: the object's context is open (caller contract).
+    // SAFETY: the object's context is a context of this library (open or closed).
     let Some(m) = (unsafe { mctx(ctx) }) else {
+        restore();
         set_errno(libc::EINVAL);
         return libc::EINVAL;
     };
-    guard(libc::EIO, || match release(&m.soft, handle) {
+    let rc = guard(libc::EIO, || match release(&m.soft, handle) {
         Ok(()) => {
-            // SAFETY: allocated by Box in this library; freed once (caller contract).
+            // SAFETY: allocated by Box in this library (into_live) and claimed above, so freed
+            // exactly once.
             drop(unsafe { Box::from_raw(obj) });
             0
         }
@@ -74,7 +106,11 @@ unsafe fn release_boxed<T>(
             set_errno(soft_errno(&e));
             soft_errno(&e)
         }
-    })
+    });
+    if rc != 0 {
+        restore();
+    }
+    rc
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -90,10 +126,10 @@ pub(crate) unsafe extern "C" fn ibv_alloc_pd(ctx: *mut ibv_context) -> *mut ibv_
         return fail_null(libc::EINVAL);
     };
     guard(std::ptr::null_mut(), || match m.soft.alloc_pd() {
-        Ok(handle) => Box::into_raw(Box::new(ibv_pd {
+        Ok(handle) => into_live(ibv_pd {
             context: ctx,
             handle,
-        })),
+        }),
         Err(e) => fail_null(soft_errno(&e)),
     })
 }
@@ -135,7 +171,7 @@ unsafe fn reg_common(
         match m.soft.reg_mr(handle, addr as u64, len as u64, iova, access) {
             Ok(info) => {
                 REGISTERED_ONCE.store(true, Ordering::Relaxed);
-                Box::into_raw(Box::new(ibv_mr {
+                into_live(ibv_mr {
                     context: ctx,
                     pd,
                     addr,
@@ -143,7 +179,7 @@ unsafe fn reg_common(
                     handle: info.lkey,
                     lkey: info.lkey,
                     rkey: info.rkey,
-                }))
+                })
             }
             Err(e) => fail_null(soft_errno(&e)),
         }
@@ -240,7 +276,13 @@ pub(crate) unsafe extern "C" fn ibv_rereg_mr(
     if access != 0 && flags & ReregFlags::CHANGE_ACCESS == 0 {
         return input_err();
     }
-    // SAFETY: mr is a live MR (caller contract).
+    if !is_live(mr) {
+        // Not an MR this library holds registered (deregistered, or a copy): the device knows
+        // no such MR, as the kernel knows no such handle. Its memory is not read.
+        set_errno(libc::EINVAL);
+        return IBV_REREG_MR_ERR_CMD;
+    }
+    // SAFETY: mr is a live MR of this library (checked above).
     let (ctx, lkey) = unsafe { ((*mr).context, (*mr).lkey) };
     // SAFETY: the MR's context is open.
     let Some(m) = (unsafe { mctx(ctx) }) else {
@@ -354,13 +396,13 @@ pub(crate) unsafe extern "C" fn op_alloc_mw(pd: *mut ibv_pd, ty: c_int) -> *mut 
     };
     guard(std::ptr::null_mut(), || {
         match m.soft.alloc_mw(handle, mw_type) {
-            Ok(rkey) => Box::into_raw(Box::new(ibv_mw {
+            Ok(rkey) => into_live(ibv_mw {
                 context: ctx,
                 pd,
                 rkey,
                 handle: rkey,
                 type_: ty,
-            })),
+            }),
             Err(e) => fail_null(soft_errno(&e)),
         }
     })
@@ -393,35 +435,43 @@ pub(crate) fn fork_protection_requested() -> bool {
 fn device_dontfork_default() -> bool {
     mrkit_soft::DeviceConfig::from_env()
         .map(|c| c.uses_dontfork())
-        .unwrap_or(true)
+        .unwrap_or(false)
 }
 
-/// `int ibv_fork_init(void)`. mrkit0 marks registered pages MADV_DONTFORK by itself
-/// (default; `MRKIT_DONTFORK=0` turns that off), so this returns 0. With the device's marking
-/// off it turns it on for contexts opened afterwards; after a registration it is too late:
-/// EINVAL (libibverbs' rule).
+/// `int ibv_fork_init(void)`: turns MADV_DONTFORK marking on for the device opened from now on
+/// (registrations made after that are marked; earlier ones stay unmarked, as in libibverbs).
+/// Returns 0. The one EINVAL case is libibverbs' "too late" rule of kernels that share pinned
+/// pages with a forked child (before 5.13): a registration was made unmarked already. On
+/// kernels that copy pinned pages at fork libibverbs makes this call a no-op; mrkit still
+/// honours it (marking only costs the caller who asks), while [`ibv_is_fork_initialized`]
+/// answers UNNEEDED as libibverbs does.
 ///
 /// # Safety
 /// No pointers involved.
 pub(crate) unsafe extern "C" fn ibv_fork_init() -> c_int {
-    if device_dontfork_default() || FORK_INIT.load(Ordering::Relaxed) {
+    if device_dontfork_default()
+        || FORK_INIT.load(Ordering::Relaxed)
+        || mrkit_soft::mem::fork::kernel_copies_pinned_pages_on_fork()
+        || !REGISTERED_ONCE.load(Ordering::Relaxed)
+    {
         FORK_INIT.store(true, Ordering::Relaxed);
         return 0;
     }
-    if REGISTERED_ONCE.load(Ordering::Relaxed) {
-        return libc::EINVAL;
-    }
-    FORK_INIT.store(true, Ordering::Relaxed);
-    0
+    libc::EINVAL
 }
 
-/// `enum ibv_fork_status ibv_is_fork_initialized(void)`: ENABLED when registrations are marked
-/// DONTFORK (device default, ibv_fork_init, RDMAV_FORK_SAFE), DISABLED otherwise.
+/// `enum ibv_fork_status ibv_is_fork_initialized(void)`, libibverbs' answer: UNNEEDED on
+/// kernels that copy pinned pages into a forked child (5.13 and later), whether or not
+/// `ibv_fork_init` was called (it takes precedence); otherwise ENABLED when registrations are
+/// marked DONTFORK (ibv_fork_init, RDMAV_FORK_SAFE / IBV_FORK_SAFE, MRKIT_DONTFORK=1),
+/// DISABLED when not.
 ///
 /// # Safety
 /// No pointers involved.
 pub(crate) unsafe extern "C" fn ibv_is_fork_initialized() -> c_int {
-    if device_dontfork_default() || fork_protection_requested() {
+    if mrkit_soft::mem::fork::kernel_copies_pinned_pages_on_fork() {
+        IBV_FORK_UNNEEDED
+    } else if device_dontfork_default() || fork_protection_requested() {
         IBV_FORK_ENABLED
     } else {
         IBV_FORK_DISABLED

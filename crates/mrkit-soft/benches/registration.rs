@@ -98,7 +98,7 @@ fn main() {
     };
     let dontfork = std::env::var("MRKIT_DONTFORK")
         .map(|v| v != "0")
-        .unwrap_or(true);
+        .unwrap_or(false);
     let ctx = Context::open(DeviceConfig::rxe().dontfork(dontfork));
     let pd = ctx.alloc_pd().unwrap();
     let access = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE;

@@ -6,14 +6,33 @@
 //! the guard's checked range, and asserts `offset + len <= guard.len` before touching memory.
 //! While the guard lives the MR cannot finish deregistration (dereg drains guards), so the
 //! pages stay pinned; after dereg returns no guard exists and no function here can reach that
-//! memory. Copies use `ptr::copy` (memmove), so overlapping source and destination (a QP
-//! writing into the MR it reads from) are fine.
+//! memory. Copies behave as `memmove`, so overlapping source and destination (a QP writing
+//! into the MR it reads from) are fine.
 //!
-//! Limitation shared by every user-space device that copies through the process's virtual
-//! addresses: if the application `munmap`s registered memory while it is still registered,
-//! a copy faults (SIGSEGV) instead of reaching the pinned pages. Applications must deregister
-//! first (the safe `mrkit` API guarantees this: an MR owns its buffer).
+//! # Protected or unmapped registered memory
+//!
+//! The application may `mprotect` or `munmap` registered memory while it is registered; a NIC
+//! keeps reading and writing the pinned frames regardless. The copies here never fault the
+//! process: they are fault-recovering (`mem::uaccess`: a fault inside the copy resumes at a
+//! fixup instead of raising SIGSEGV/SIGBUS), and the part a fault stopped is finished the way
+//! a NIC's DMA would, through the frames:
+//!
+//! 1. io_uring-pinned MRs (the default for writable memory): through the kernel's references
+//!    to the pinned pages (`IORING_OP_READ_FIXED` / `WRITE_FIXED` via a pipe). Works after
+//!    `mprotect(PROT_READ)`, `PROT_NONE` and `munmap`: the bytes land in (or come from) the
+//!    pinned frames, as on hardware.
+//! 2. Otherwise (mlock-pinned MRs, or if step 1 fails): `/proc/self/mem`, which reaches the
+//!    frames still mapped at the address whatever their protection.
+//! 3. If neither reaches the frames (an mlock-pinned range that was unmapped: mlock holds no
+//!    page reference, so its frames went back to the kernel with the mapping), the bytes of a
+//!    write are dropped and a read yields zeros; a warning is logged (once per process). This
+//!    is the one case that differs from hardware.
+//!
+//! The fault-free path costs what the copy costs (a `rep movsb`); only a copy that faulted
+//! pays the syscalls of the slow path.
 
+use crate::mem::pin::{Dma, PinPath};
+use crate::mem::uaccess::{self, Left};
 use crate::mr::MrGuard;
 use parking_lot::Mutex;
 
@@ -27,15 +46,108 @@ fn span(g: &MrGuard, off: u64, len: usize) -> *mut u8 {
     (g.va + off) as *mut u8
 }
 
+/// Set when the slow path could not reach an MR's frames (logged once). Relaxed: it orders
+/// nothing, it only keeps the warning to one line per process.
+static UNREACHABLE_WARNED: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+
+/// The slow path of a faulted copy: move `dma` to/from the frames of `g`'s MR at `va` (inside
+/// the guard's checked range), pin by pin, as a NIC's DMA would (module docs). Returns whether
+/// every byte was moved; the bytes it could not move are dropped (write) or zeros (read).
+fn through_frames(g: &MrGuard, va: u64, mut dma: Dma<'_>) -> bool {
+    let len = match &dma {
+        Dma::ToFrames(b) => b.len(),
+        Dma::FromFrames(b) => b.len(),
+    } as u64;
+    let ok = g.mr().with_pins(|pins| {
+        let mut done = 0u64;
+        let mut all = true;
+        while done < len {
+            let at = va + done;
+            // The pin holding `at` (pins of one MR are consecutive pieces of its range), and the
+            // bytes of this transfer inside it.
+            let pin = pins
+                .iter()
+                .find(|p| p.start() <= at && at - p.start() < p.len());
+            let n = pin.map_or(len - done, |p| (p.start() + p.len() - at).min(len - done));
+            let (lo, hi) = (done as usize, (done + n) as usize);
+            let piece = match &mut dma {
+                Dma::ToFrames(b) => Dma::ToFrames(&b[lo..hi]),
+                Dma::FromFrames(b) => Dma::FromFrames(&mut b[lo..hi]),
+            };
+            let moved = match pin {
+                Some(p) if p.path() == PinPath::IoUring => match p.dma(at, piece) {
+                    Ok(()) => true,
+                    Err(_) => {
+                        let piece = match &mut dma {
+                            Dma::ToFrames(b) => Dma::ToFrames(&b[lo..hi]),
+                            Dma::FromFrames(b) => Dma::FromFrames(&mut b[lo..hi]),
+                        };
+                        uaccess::proc_mem(at, piece).is_ok()
+                    }
+                },
+                _ => uaccess::proc_mem(at, piece).is_ok(),
+            };
+            if !moved {
+                all = false;
+                if let Dma::FromFrames(b) = &mut dma {
+                    b[lo..hi].fill(0);
+                }
+            }
+            done += n;
+        }
+        all
+    });
+    if !ok && !UNREACHABLE_WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        tracing::warn!(
+            "registered memory at {va:#x} (+{len}) is unmapped and its pin holds no page \
+             reference (mlock path): the device drops writes to it and reads zeros from it; \
+             deregister memory before unmapping it"
+        );
+    }
+    ok
+}
+
+/// Copy `data` into registered memory at `p` (inside `g`'s checked range), finishing through
+/// the frames if the copy faults.
+fn write_guarded(g: &MrGuard, p: *mut u8, data: &[u8]) {
+    // SAFETY: [p, p + len) lies inside the range check_access validated against the MR and the
+    // guard keeps the MR registered (pinned) for the duration of the copy; `data` is a slice.
+    let left = unsafe { uaccess::copy(p, data.as_ptr(), data.len()) };
+    match left {
+        Left::Nothing => {}
+        Left::Tail { at } => {
+            through_frames(g, p as u64 + at as u64, Dma::ToFrames(&data[at..]));
+        }
+        Left::Head { n } => {
+            through_frames(g, p as u64, Dma::ToFrames(&data[..n]));
+        }
+    }
+}
+
+/// Copy registered memory at `p` (inside `g`'s checked range) into `out`, finishing through
+/// the frames if the copy faults.
+fn read_guarded(g: &MrGuard, p: *const u8, out: &mut [u8]) {
+    // SAFETY: as in `write_guarded`, with the registered range as the source.
+    let left = unsafe { uaccess::copy(out.as_mut_ptr(), p, out.len()) };
+    match left {
+        Left::Nothing => {}
+        Left::Tail { at } => {
+            through_frames(g, p as u64 + at as u64, Dma::FromFrames(&mut out[at..]));
+        }
+        Left::Head { n } => {
+            through_frames(g, p as u64, Dma::FromFrames(&mut out[..n]));
+        }
+    }
+}
+
 /// Copy `src.len()` bytes from a slice into registered memory at `dst.va + off`.
 pub(crate) fn write_from(dst: &MrGuard, off: u64, src: &[u8]) {
     if src.is_empty() {
         return;
     }
     let p = span(dst, off, src.len());
-    // SAFETY: [p, p+len) lies inside the range check_access validated against the MR and
-    // the guard keeps the MR registered (pinned) for the duration of the copy.
-    unsafe { std::ptr::copy(src.as_ptr(), p, src.len()) }
+    write_guarded(dst, p, src);
 }
 
 /// Copy registered memory at `src.va + off` into a slice.
@@ -44,8 +156,7 @@ pub(crate) fn read_into(src: &MrGuard, off: u64, dst: &mut [u8]) {
         return;
     }
     let p = span(src, off, dst.len());
-    // SAFETY: as in `write_from`.
-    unsafe { std::ptr::copy(p as *const u8, dst.as_mut_ptr(), dst.len()) }
+    read_guarded(src, p, dst);
 }
 
 /// Copy `len` bytes between two registered ranges.
@@ -56,16 +167,30 @@ pub(crate) fn mem_to_mem(dst: &MrGuard, doff: u64, src: &MrGuard, soff: u64, len
     let d = span(dst, doff, len);
     let s = span(src, soff, len);
     // SAFETY: both ranges were validated by check_access and are kept registered by their
-    // guards; `copy` tolerates overlap.
-    unsafe { std::ptr::copy(s as *const u8, d, len) }
+    // guards; the copy tolerates overlap and faults.
+    let left = unsafe { uaccess::copy(d, s, len) };
+    let (lo, hi) = match left {
+        Left::Nothing => return,
+        Left::Tail { at } => (at, len),
+        Left::Head { n } => (0, n),
+    };
+    // The rest through a bounce buffer: the source bytes not copied yet are intact (a memmove
+    // only overwrites source bytes it has read already).
+    let mut tmp = vec![0u8; hi - lo];
+    // SAFETY: offsets inside the validated ranges.
+    read_guarded(src, unsafe { s.add(lo) }, &mut tmp);
+    // SAFETY: as above.
+    write_guarded(dst, unsafe { d.add(lo) }, &tmp);
 }
 
 /// Copy a batch of `(dst guard, dst offset, src guard, src offset, len)` pieces, in order,
-/// with **one memmove per run of pieces that are contiguous on both sides** (the loopback
+/// with **one copy per run of pieces that are contiguous on both sides** (the loopback
 /// responder's coalesced WRITE placement: 4 KiB packets of one message become one large copy).
 /// Every piece is bounds-checked against its own guard exactly as [`mem_to_mem`]; a run is the
 /// union of adjacent ranges each covered by a live guard, so it is covered too. Runs whose
-/// source and destination overlap are not merged (piecewise order would matter).
+/// source and destination overlap are not merged (piecewise order would matter). A run that
+/// faults is redone piece by piece through [`mem_to_mem`] (its ranges do not overlap, so
+/// copying a piece again is harmless).
 pub(crate) fn mem_to_mem_batch(items: &[(&MrGuard, u64, &MrGuard, u64, usize)]) {
     let mut i = 0;
     while i < items.len() {
@@ -93,7 +218,12 @@ pub(crate) fn mem_to_mem_batch(items: &[(&MrGuard, u64, &MrGuard, u64, usize)]) 
             // [s0, s0+run) of the adjacent source pieces, each validated by `span` against a
             // guard that is alive for this call (the guards keep their MRs registered and
             // pinned); the two unions do not overlap (checked above).
-            unsafe { std::ptr::copy_nonoverlapping(s0 as *const u8, d0 as *mut u8, run) }
+            let left = unsafe { uaccess::copy(d0 as *mut u8, s0 as *const u8, run) };
+            if left != Left::Nothing {
+                for &(dg, doff, sg, soff, len) in &items[i..j] {
+                    mem_to_mem(dg, doff, sg, soff, len);
+                }
+            }
         }
         i = j;
     }
@@ -101,8 +231,9 @@ pub(crate) fn mem_to_mem_batch(items: &[(&MrGuard, u64, &MrGuard, u64, usize)]) 
 
 /// One lock for every atomic the device executes (IBV_ATOMIC_HCA: atomic with respect to
 /// other device atomics, as rxe's global spinlock). Process-wide so that two device
-/// instances in one process (loopback "hosts") targeting the same memory stay atomic.
-static ATOMIC_LOCK: Mutex<()> = Mutex::new(());
+/// instances in one process (loopback "hosts") targeting the same memory stay atomic; one per
+/// process so that a forked child never waits for a lock a parent thread held at `fork`.
+static ATOMIC_LOCK: crate::mem::PerProcess<Mutex<()>> = crate::mem::PerProcess::new();
 
 /// Atomic operation on a native-endian u64.
 #[derive(Debug, Clone, Copy)]
@@ -116,18 +247,27 @@ pub(crate) enum AtomicOp {
 pub(crate) fn atomic(g: &MrGuard, op: AtomicOp) -> u64 {
     let p = span(g, 0, 8) as *mut u64;
     assert!(p as usize % 8 == 0, "atomic target must be 8-byte aligned");
-    let _l = ATOMIC_LOCK.lock();
+    let _l = ATOMIC_LOCK.get_or_init(|| Mutex::new(())).lock();
+    // One 8-byte load and one 8-byte store under the lock, as before with volatile accesses,
+    // but fault-recovering: a protected or unmapped target goes through the frames.
     // SAFETY: 8 aligned bytes inside the checked range; the guard keeps them registered.
-    // Volatile so that the read-modify-write really happens in memory under the lock.
-    unsafe {
-        let orig = std::ptr::read_volatile(p);
-        let new = match op {
-            AtomicOp::CmpSwap { compare, swap } => (orig == compare).then_some(swap),
-            AtomicOp::FetchAdd { add } => Some(orig.wrapping_add(add)),
-        };
-        if let Some(v) = new {
-            std::ptr::write_volatile(p, v);
+    let orig = match unsafe { uaccess::get8(p) } {
+        Some(v) => v,
+        None => {
+            let mut b = [0u8; 8];
+            through_frames(g, p as u64, Dma::FromFrames(&mut b));
+            u64::from_ne_bytes(b)
         }
-        orig
+    };
+    let new = match op {
+        AtomicOp::CmpSwap { compare, swap } => (orig == compare).then_some(swap),
+        AtomicOp::FetchAdd { add } => Some(orig.wrapping_add(add)),
+    };
+    if let Some(v) = new {
+        // SAFETY: as above.
+        if !unsafe { uaccess::put8(p, v) } {
+            through_frames(g, p as u64, Dma::ToFrames(&v.to_ne_bytes()));
+        }
     }
+    orig
 }

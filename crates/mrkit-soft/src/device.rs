@@ -215,7 +215,7 @@ pub const ENV_VARS: &[(&str, &str)] = &[
     ("MRKIT_STATUS_MODEL", "hardware (default) or rxe"),
     (
         "MRKIT_DONTFORK",
-        "1 (default): MADV_DONTFORK registered pages; 0: leave them",
+        "0 (default, as rdma-core on kernels that copy pinned pages at fork): leave registered pages to fork; 1: mark them MADV_DONTFORK",
     ),
     (
         "MRKIT_PIN",
@@ -331,7 +331,10 @@ impl DeviceConfig {
             attr,
             profile: "rxe",
             status_model: StatusModel::Hardware,
-            dontfork: true,
+            // rdma-core (v44) marks nothing unless ibv_fork_init / RDMAV_FORK_SAFE asks; the
+            // device copies through the process's virtual addresses, so a fork never leaves a
+            // registration pointing at pages the parent no longer maps.
+            dontfork: false,
             udp_addr: None,
             gso: true,
             delayed_acks: true,
@@ -531,7 +534,8 @@ impl DeviceConfig {
         self.sources.insert("status_model", Source::Builder);
         self
     }
-    /// Enable or disable MADV_DONTFORK on registered ranges.
+    /// Enable or disable MADV_DONTFORK on registered ranges (default: off, as rdma-core without
+    /// `ibv_fork_init`; `MRKIT_DONTFORK=1` turns it on).
     pub fn dontfork(mut self, on: bool) -> Self {
         self.dontfork = on;
         self.sources.insert("dontfork", Source::Builder);
@@ -665,6 +669,22 @@ mod tests {
         assert!(DeviceConfig::from_lookup(env).is_err());
         let env = |k: &str| (k == "MRKIT_PROFILE").then(|| "nope".to_string());
         assert!(DeviceConfig::from_lookup(env).is_err());
+    }
+
+    /// DONTFORK marking is opt-in, as rdma-core's (ibv_fork_init / RDMAV_FORK_SAFE there,
+    /// MRKIT_DONTFORK=1 here).
+    #[test]
+    fn dontfork_is_opt_in() {
+        assert!(!DeviceConfig::rxe().uses_dontfork());
+        let c = DeviceConfig::from_lookup(|_| None).unwrap();
+        assert!(!c.uses_dontfork());
+        assert_eq!(c.source("dontfork"), Source::Default);
+        let on = |k: &str| (k == "MRKIT_DONTFORK").then(|| "1".to_string());
+        let c = DeviceConfig::from_lookup(on).unwrap();
+        assert!(c.uses_dontfork());
+        assert_eq!(c.source("dontfork"), Source::Env("MRKIT_DONTFORK"));
+        let off = |k: &str| (k == "MRKIT_DONTFORK").then(|| "0".to_string());
+        assert!(!DeviceConfig::from_lookup(off).unwrap().uses_dontfork());
     }
 
     #[test]

@@ -138,6 +138,13 @@ pub struct MrObject {
 }
 
 impl MrObject {
+    /// Run `f` on the pins holding this MR's pages (none for ODP or released memory): the
+    /// data path's slow path for a copy that faulted (`copy.rs`) reaches the pinned frames
+    /// through them.
+    pub(crate) fn with_pins<R>(&self, f: impl FnOnce(&[Pin]) -> R) -> R {
+        let mem = self.shared.memory.lock();
+        f(mem.as_ref().map_or(&[][..], |m| &m._pins[..]))
+    }
     /// Protection domain handle.
     pub fn pd(&self) -> u32 {
         self.pd.handle

@@ -309,7 +309,7 @@ pub fn checks(i: &Inputs) -> Vec<Check> {
         .map(|c| c.attr().max_mr as u64)
         .unwrap_or(524_287);
     out.push(match (s.max_map_count, dontfork) {
-        (_, false) => check("max_map_count", Status::Ok, "MADV_DONTFORK is off (MRKIT_DONTFORK=0): registrations do not split mappings", ""),
+        (_, false) => check("max_map_count", Status::Ok, "MADV_DONTFORK is off (the default; MRKIT_DONTFORK=1 turns it on): registrations do not split mappings", ""),
         (None, true) => check("max_map_count", Status::Warn, "vm.max_map_count is unreadable", "check /proc/sys/vm/max_map_count"),
         (Some(max), true) => {
             let used = s.map_count.unwrap_or(0);
@@ -1077,6 +1077,8 @@ mod tests {
         let mut i = healthy();
         i.sys.max_map_count = Some(65530);
         i.sys.map_count = Some(40000);
+        // DONTFORK marking is opt-in (MRKIT_DONTFORK=1, as rdma-core's ibv_fork_init).
+        i.config = Ok(DeviceConfig::rxe().dontfork(true));
         assert_eq!(status_of(&i, "max_map_count"), Status::Warn);
         i.config = Ok(DeviceConfig::rxe().dontfork(false));
         assert_eq!(status_of(&i, "max_map_count"), Status::Ok);

@@ -5,6 +5,10 @@
 //! unless CAP_IPC_LOCK). Overlapping registrations are counted twice. The counter is process-wide
 //! (one `mm`), shared by every device instance of the process.
 //!
+//! A forked child has a new `mm` whose `pinned_vm` starts at 0: the child counts in a counter of
+//! its own (keyed by [`super::fork_generation`]), and a [`Charge`] it inherited from its parent
+//! uncharges nothing when the child drops it (the pages are the parent's).
+//!
 //! The limit is read with `getrlimit` on every call (the process may change it at any time);
 //! `capget` is only issued when the limit check fails, so the common path of [`charge`] is one
 //! `getrlimit` plus one compare-exchange.
@@ -15,12 +19,18 @@ use crate::error::{err, Result};
 use rustix::process::{getrlimit, Resource};
 use rustix::thread::{capabilities, CapabilitySet};
 
-/// Pages charged by every live [`Charge`] of this process (the model of `mm->pinned_vm`).
+/// Pages charged by every live [`Charge`] of this process (the model of `mm->pinned_vm`), one
+/// counter per process: a forked child starts from 0 as the kernel's does.
 ///
 /// Guards the RLIMIT_MEMLOCK check: it is only ever raised by a successful compare-exchange
 /// from the value the limit was checked against, so two concurrent charges can never both pass
-/// the limit; it is lowered by exactly `npages` when a [`Charge`] drops.
-static PINNED_PAGES: AtomicU64 = AtomicU64::new(0);
+/// the limit; it is lowered by exactly `npages` when a [`Charge`] of the same process drops.
+static PINNED_PAGES: super::PerProcess<AtomicU64> = super::PerProcess::new();
+
+/// This process's counter and its fork generation.
+fn counter() -> &'static super::Generation<AtomicU64> {
+    PINNED_PAGES.get_or_init(|| AtomicU64::new(0))
+}
 
 fn page_shift() -> u32 {
     super::page_size().trailing_zeros()
@@ -46,13 +56,16 @@ pub fn memlock_limit() -> u64 {
 
 /// Pages currently charged by this process (all devices).
 pub fn pinned_pages() -> u64 {
-    PINNED_PAGES.load(Ordering::Relaxed)
+    counter().load(Ordering::Relaxed)
 }
 
-/// A charge of `npages` against the process's pinned_vm. Dropping it uncharges.
+/// A charge of `npages` against the process's pinned_vm. Dropping it uncharges (in the process
+/// that made it; in a forked child it is a no-op).
 #[derive(Debug)]
 pub struct Charge {
     npages: u64,
+    /// Fork generation of the process whose counter was charged.
+    gen: u64,
 }
 
 impl Charge {
@@ -87,7 +100,8 @@ pub fn charge(npages: u64) -> Result<Charge> {
     };
     // `None` until capget was needed (only when the limit check fails).
     let mut cap: Option<bool> = None;
-    let mut cur = PINNED_PAGES.load(Ordering::Relaxed);
+    let pinned = counter();
+    let mut cur = pinned.load(Ordering::Relaxed);
     loop {
         let new = cur.checked_add(npages).ok_or_else(|| {
             err!(
@@ -104,8 +118,13 @@ pub fn charge(npages: u64) -> Result<Charge> {
                 human(limit)
             ));
         }
-        match PINNED_PAGES.compare_exchange_weak(cur, new, Ordering::AcqRel, Ordering::Relaxed) {
-            Ok(_) => return Ok(Charge { npages }),
+        match pinned.compare_exchange_weak(cur, new, Ordering::AcqRel, Ordering::Relaxed) {
+            Ok(_) => {
+                return Ok(Charge {
+                    npages,
+                    gen: pinned.gen,
+                })
+            }
             Err(actual) => cur = actual,
         }
     }
@@ -113,7 +132,11 @@ pub fn charge(npages: u64) -> Result<Charge> {
 
 impl Drop for Charge {
     fn drop(&mut self) {
-        PINNED_PAGES.fetch_sub(self.npages, Ordering::AcqRel);
+        let pinned = counter();
+        // A charge inherited from the parent was never counted in this (child) process.
+        if pinned.gen == self.gen {
+            pinned.fetch_sub(self.npages, Ordering::AcqRel);
+        }
     }
 }
 
@@ -124,6 +147,24 @@ mod tests {
     use rustix::process::{setrlimit, Rlimit};
 
     const CHILD_ENV: &str = "MRKIT_MEM_ACCOUNT_CHILD";
+
+    /// Run `f` in a forked child and return its result as the child's exit code.
+    fn in_forked_child(f: impl FnOnce() -> i32) -> i32 {
+        // SAFETY: the child runs `f` (atomics and, at most, the syscalls of a charge) and
+        // leaves with `_exit`, running no destructor or exit handler of the parent's state.
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            let code = f();
+            // SAFETY: terminating the forked child.
+            unsafe { libc::_exit(code) };
+        }
+        assert!(pid > 0, "fork failed");
+        let mut status = 0;
+        // SAFETY: reaping our own child.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        assert!(libc::WIFEXITED(status), "child died: {status:#x}");
+        libc::WEXITSTATUS(status)
+    }
 
     #[test]
     fn charge_and_uncharge_with_cap() {
@@ -209,6 +250,32 @@ mod tests {
         assert!(e.cause().contains("CAP_IPC_LOCK"), "{e}");
         // The limit is 16 pages: 16 + 1 fails, and after dropping the first charge 16 fits.
         assert_eq!(charge(1).unwrap_err().errno(), Errno::ENOMEM);
+        // A forked child has a pinned_vm of its own, starting at 0: it may pin its own 16 pages
+        // under the same limit while the parent holds 16, and dropping the parent's charge in
+        // the child uncharges nothing.
+        assert_eq!(
+            in_forked_child(|| {
+                if pinned_pages() != 0 {
+                    return 1;
+                }
+                let Ok(mine) = charge(16) else { return 2 };
+                // The inherited charge: a no-op in the child (a bitwise copy of `small`).
+                // SAFETY: `small` is not used again in the child except through this copy,
+                // which is dropped once here.
+                drop(unsafe { std::ptr::read(&small) });
+                if pinned_pages() != 16 {
+                    return 3;
+                }
+                drop(mine);
+                if pinned_pages() != 0 {
+                    return 4;
+                }
+                0
+            }),
+            0,
+            "forked child inherited the parent's pinned-page count"
+        );
+        assert_eq!(pinned_pages(), 16, "the child's drops touched the parent");
         drop(small);
         assert_eq!(pinned_pages(), 0);
 

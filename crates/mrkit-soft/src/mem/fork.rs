@@ -5,21 +5,32 @@
 //! issued for the pages whose count goes 0 → 1 and `MADV_DOFORK` for those going 1 → 0, so
 //! overlapping registrations never clear each other's mark (libibverbs' `ibv_fork_init` range
 //! tree does the same).
+//!
+//! The counts are per process: a forked child does not have the parent's DONTFORK ranges at all
+//! (they were not copied), so it starts with no marks, and dropping a mark it inherited changes
+//! neither its counts nor its mappings (memory it mapped there since is its own).
 
 use parking_lot::Mutex;
 
 use super::range_count::RangeCounter;
 use crate::error::{err, Result};
 
-/// Per-page DONTFORK mark counts; held across the madvise calls so the kernel's VMA flags
-/// always match the counts.
-static MARKS: Mutex<RangeCounter> = Mutex::new(RangeCounter::new());
+/// Per-page DONTFORK mark counts of this process; held across the madvise calls so the
+/// kernel's VMA flags always match the counts.
+static MARKS: super::PerProcess<Mutex<RangeCounter>> = super::PerProcess::new();
+
+/// This process's mark counts and its fork generation.
+fn marks() -> &'static super::Generation<Mutex<RangeCounter>> {
+    MARKS.get_or_init(|| Mutex::new(RangeCounter::new()))
+}
 
 /// A DONTFORK mark on `[start, start + len)`; dropping it releases the mark.
 #[derive(Debug)]
 pub struct DontFork {
     start: u64,
     len: u64,
+    /// Fork generation of the process that marked the range.
+    gen: u64,
 }
 
 impl DontFork {
@@ -35,6 +46,20 @@ impl DontFork {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
+}
+
+/// Whether the running kernel copies pinned pages into a forked child instead of sharing them
+/// copy-on-write (Linux 5.13 and later, the kernels whose RDMA netlink reports "copy-on-fork";
+/// rdma-core's `ibv_is_fork_initialized` then answers `IBV_FORK_UNNEEDED`). Read from `uname`.
+pub fn kernel_copies_pinned_pages_on_fork() -> bool {
+    let uts = rustix::system::uname();
+    let release = uts.release().to_string_lossy();
+    let mut parts = release
+        .split(|c: char| !c.is_ascii_digit())
+        .map(|p| p.parse::<u32>().unwrap_or(0));
+    let major = parts.next().unwrap_or(0);
+    let minor = parts.next().unwrap_or(0);
+    (major, minor) >= (5, 13)
 }
 
 fn advise(start: u64, end: u64, dontfork: bool) -> rustix::io::Result<()> {
@@ -64,7 +89,8 @@ pub fn dontfork(start: u64, len: u64) -> Result<DontFork> {
             "DONTFORK range [{start:#x}, +{len:#x}) wraps the address space; pass a valid range"
         )
     })?;
-    let mut marks = MARKS.lock();
+    let cell = marks();
+    let mut marks = cell.lock();
     for (s, e) in marks.inc(start, end) {
         if let Err(errno) = advise(s, e, true) {
             for (gs, ge) in marks.dec(start, end) {
@@ -84,15 +110,20 @@ pub fn dontfork(start: u64, len: u64) -> Result<DontFork> {
             });
         }
     }
-    Ok(DontFork { start, len })
+    Ok(DontFork {
+        start,
+        len,
+        gen: cell.gen,
+    })
 }
 
 impl Drop for DontFork {
     fn drop(&mut self) {
-        if self.len == 0 {
+        let cell = marks();
+        if self.len == 0 || cell.gen != self.gen {
             return;
         }
-        let mut marks = MARKS.lock();
+        let mut marks = cell.lock();
         for (s, e) in marks.dec(self.start, self.start + self.len) {
             // Failure means the caller unmapped the range already: nothing left to restore.
             let _ = advise(s, e, false);
@@ -155,6 +186,70 @@ mod tests {
         assert_eq!(mapped_in_child(&probe), vec![true; 8]);
     }
 
+    /// A forked child does not have its parent's DONTFORK ranges; memory it maps there and
+    /// registers is marked for its own forks (the parent's counts would have said "already
+    /// marked"), and dropping the inherited mark leaves the child's mark alone.
+    #[test]
+    fn forked_child_marks_its_own_memory() {
+        let _g = serial();
+        let ps = 4096;
+        let m = Map::new(2 * ps);
+        let parent_mark = dontfork(m.addr, 2 * ps).unwrap();
+        // SAFETY: the child maps memory where the parent's DONTFORK range was (absent in the
+        // child), forks once more to probe it and leaves with `_exit`; a panic is caught and
+        // turned into an exit code, so the child never returns into the test harness.
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            let code = std::panic::catch_unwind(|| {
+                // SAFETY: MAP_FIXED_NOREPLACE over a range that is unmapped in this child.
+                let p = unsafe {
+                    libc::mmap(
+                        m.addr as *mut _,
+                        2 * ps as usize,
+                        libc::PROT_READ | libc::PROT_WRITE,
+                        libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED_NOREPLACE,
+                        -1,
+                        0,
+                    )
+                };
+                if p as u64 != m.addr {
+                    return 10;
+                }
+                let Ok(mine) = dontfork(m.addr, 2 * ps) else {
+                    return 11;
+                };
+                // The inherited mark: dropping it in the child must not clear the child's.
+                // SAFETY: a bitwise copy of the parent's mark, dropped once in this child only.
+                drop(unsafe { std::ptr::read(&parent_mark) });
+                let code = match mapped_in_child(&[m.addr, m.addr + ps]).as_slice() {
+                    [false, false] => 0,
+                    _ => 12,
+                };
+                drop(mine);
+                code
+            })
+            .unwrap_or(99);
+            // SAFETY: terminating the forked child.
+            unsafe { libc::_exit(code) };
+        }
+        assert!(pid > 0, "fork failed");
+        let mut status = 0;
+        // SAFETY: reaping our own child.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        assert!(libc::WIFEXITED(status), "child died: {status:#x}");
+        assert_eq!(
+            libc::WEXITSTATUS(status),
+            0,
+            "child's own range was not marked"
+        );
+        assert_eq!(
+            mapped_in_child(&[m.addr]),
+            vec![false],
+            "parent's mark lost"
+        );
+        drop(parent_mark);
+    }
+
     #[test]
     fn unmapped_is_efault_and_rolls_back() {
         let _g = serial();
@@ -165,7 +260,7 @@ mod tests {
         unsafe { rustix::mm::munmap((m.addr + 2 * ps) as *mut _, ps as usize) }.unwrap();
         let e = dontfork(m.addr, 4 * ps).unwrap_err();
         assert_eq!(e.errno(), Errno::EFAULT, "{e}");
-        assert_eq!(MARKS.lock().count_at(m.addr), 0);
+        assert_eq!(marks().lock().count_at(m.addr), 0);
         assert_eq!(
             mapped_in_child(&[m.addr, m.addr + 3 * ps]),
             vec![true, true],

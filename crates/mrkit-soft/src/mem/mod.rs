@@ -7,6 +7,8 @@
 //! * [`fork`]: refcounted `MADV_DONTFORK` ranges.
 //! * [`fault`]: on-demand paging primitives (fault-in, present-page snapshot).
 //! * [`range_count`]: the interval refcount map shared by the mlock pins and the DONTFORK marks.
+//! * `uaccess`: fault-recovering copies (the data path's copies never die from a fault on
+//!   registered memory the application protected or unmapped) and their slow paths.
 //!
 //! This is the only place (with the byte-copy module of the data path) where `unsafe` lives:
 //! syscalls that take raw addresses.
@@ -17,6 +19,7 @@ pub mod fork;
 pub mod pin;
 pub mod range_count;
 pub mod translate;
+pub(crate) mod uaccess;
 
 #[cfg(test)]
 pub(crate) mod test_util;
@@ -33,10 +36,11 @@ extern "C" fn atfork_child() {
 }
 
 /// This process's fork generation (0 unless it is a forked child of a process that used this
-/// module). Registers the `pthread_atfork` child handler on first use, so every fork after the
+/// module): cheap (one atomic load after the first call), so callers may compare it on every
+/// verb to refuse objects a parent process made. Registers the `pthread_atfork` child handler on first use, so every fork after the
 /// first pin or page walk bumps the child's generation. (A child made by a raw `clone` that
 /// bypasses libc's fork handlers keeps its parent's generation.)
-pub(crate) fn fork_generation() -> u64 {
+pub fn fork_generation() -> u64 {
     use std::sync::atomic::Ordering;
     if !ATFORK.load(Ordering::Acquire) && !ATFORK.swap(true, Ordering::AcqRel) {
         // SAFETY: registers a handler that only bumps an atomic (async-signal-safe), valid for
@@ -52,14 +56,18 @@ pub(crate) fn fork_generation() -> u64 {
 /// A value made at most once per process and never freed: a forked child (a newer
 /// [`fork_generation`]) that finds its parent's value makes and publishes its own. Published
 /// through an atomic pointer, not behind a lock or a `Once`: either, held or running in another
-/// thread at `fork`, would stay so forever in the child.
-pub(crate) struct PerProcess<T> {
+/// thread at `fork`, would stay so forever in the child. The parent's value stays allocated
+/// (and untouched) in the child: nothing of it is dropped there.
+pub struct PerProcess<T> {
     ptr: std::sync::atomic::AtomicPtr<Generation<T>>,
+    /// Shared like a `&T` (the cell is `Sync` only when `T` is).
+    _value: std::marker::PhantomData<T>,
 }
 
 /// A [`PerProcess`] value and the fork generation of the process that made it.
-pub(crate) struct Generation<T> {
-    pub(crate) gen: u64,
+pub struct Generation<T> {
+    /// The [`fork_generation`] of the process that made the value.
+    pub gen: u64,
     value: T,
 }
 
@@ -70,16 +78,34 @@ impl<T> std::ops::Deref for Generation<T> {
     }
 }
 
+impl<T> Default for PerProcess<T> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl<T> PerProcess<T> {
-    pub(crate) const fn new() -> Self {
+    /// An empty cell (the first [`get_or_try_init`](Self::get_or_try_init) of each process
+    /// makes the value).
+    pub const fn new() -> Self {
         PerProcess {
             ptr: std::sync::atomic::AtomicPtr::new(std::ptr::null_mut()),
+            _value: std::marker::PhantomData,
+        }
+    }
+
+    /// This process's value, made with `make` if there is none yet (see
+    /// [`get_or_try_init`](Self::get_or_try_init)).
+    pub fn get_or_init(&'static self, mut make: impl FnMut() -> T) -> &'static Generation<T> {
+        match self.get_or_try_init(|_| Ok::<T, std::convert::Infallible>(make())) {
+            Ok(v) => v,
+            Err(never) => match never {},
         }
     }
 
     /// This process's value, made with `make` (given the generation) if there is none yet.
     /// Threads racing to make it use the first one published (`make` may run in several).
-    pub(crate) fn get_or_try_init<E>(
+    pub fn get_or_try_init<E>(
         &'static self,
         mut make: impl FnMut(u64) -> std::result::Result<T, E>,
     ) -> std::result::Result<&'static Generation<T>, E> {

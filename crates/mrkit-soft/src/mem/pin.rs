@@ -175,8 +175,8 @@ pub struct Pin {
 /// What must be undone when a [`Pin`] drops.
 #[derive(Debug)]
 enum Holder {
-    /// Pin counts in [`MLOCKS`].
-    Mlock,
+    /// Pin counts in [`MLOCKS`] of the process (fork generation) that pinned.
+    Mlock { gen: u64 },
     /// One io_uring slot.
     Slot(SlotId),
     /// Several io_uring slots (ranges above the per-buffer cap).
@@ -203,7 +203,7 @@ impl Pin {
     /// io_uring fixed-buffer slots this pin occupies (0 on the mlock path).
     pub fn slots(&self) -> usize {
         match &self.holder {
-            Holder::Mlock => 0,
+            Holder::Mlock { .. } => 0,
             Holder::Slot(_) => 1,
             Holder::Slots(v) => v.len(),
         }
@@ -284,10 +284,10 @@ pub fn pin_via(path: PinPath, start: u64, len: u64, writable: bool) -> Result<Pi
 
 impl Drop for Pin {
     fn drop(&mut self) {
-        match std::mem::replace(&mut self.holder, Holder::Mlock) {
-            Holder::Mlock => {
+        match std::mem::replace(&mut self.holder, Holder::Mlock { gen: u64::MAX }) {
+            Holder::Mlock { gen } => {
                 if self.len != 0 {
-                    unpin_mlock(self.start, self.len)
+                    unpin_mlock(self.start, self.len, gen)
                 }
             }
             Holder::Slot(s) => release_slot(s),
@@ -317,6 +317,9 @@ struct Ring {
     uring: IoUring,
     /// Free slot indices of `uring`'s buffer table (popped from the end).
     free: Mutex<Vec<u32>>,
+    /// Serialises use of the submission and completion queues ([`Pin::dma`]); registration
+    /// updates do not use the queues.
+    queues: Mutex<()>,
 }
 
 impl Ring {
@@ -329,6 +332,7 @@ impl Ring {
         Ok(Ring {
             uring,
             free: Mutex::new((0..SLOTS_PER_RING).rev().collect()),
+            queues: Mutex::new(()),
         })
     }
 
@@ -388,12 +392,16 @@ fn ring(i: usize) -> Option<&'static Ring> {
     ring_set().ring(i)
 }
 
-/// A fixed-buffer slot: (pool generation, ring index, slot index).
+/// A fixed-buffer slot: (pool generation, ring index, slot index) and the range it pins.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct SlotId {
     gen: u64,
     ring: u32,
     slot: u32,
+    /// First address of the buffer installed in the slot.
+    base: u64,
+    /// Its length.
+    len: u64,
 }
 
 enum UringErr {
@@ -423,6 +431,8 @@ fn acquire_slot(set: &super::Generation<RingSet>) -> std::result::Result<SlotId,
                 gen: set.gen,
                 ring: i as u32,
                 slot,
+                base: 0,
+                len: 0,
             });
         }
     }
@@ -464,7 +474,7 @@ fn uring_pin_slots(start: u64, len: u64, cap: u64) -> std::result::Result<Holder
     let mut off = 0u64;
     while off < len {
         let chunk = cap.min(len - off);
-        let s = match acquire_slot(set) {
+        let mut s = match acquire_slot(set) {
             Ok(s) => s,
             Err(e) => {
                 held.into_iter().for_each(release_slot);
@@ -482,6 +492,7 @@ fn uring_pin_slots(start: u64, len: u64, cap: u64) -> std::result::Result<Holder
             held.into_iter().for_each(release_slot);
             return Err(UringErr::Os(e.raw_os_error().unwrap_or(libc::EFAULT)));
         }
+        (s.base, s.len) = (start + off, chunk);
         held.push(s);
         off += chunk;
     }
@@ -548,11 +559,165 @@ fn uring_error(e: UringErr, start: u64, len: u64) -> Error {
 }
 
 // ---------------------------------------------------------------------------------------------
+// DMA through the pinned frames
+
+/// A [`Pin::dma`] transfer.
+pub(crate) enum Dma<'a> {
+    /// Write these bytes into the pinned frames.
+    ToFrames(&'a [u8]),
+    /// Read the pinned frames into this buffer.
+    FromFrames(&'a mut [u8]),
+}
+
+impl Dma<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Dma::ToFrames(b) => b.len(),
+            Dma::FromFrames(b) => b.len(),
+        }
+    }
+}
+
+impl Pin {
+    /// Move bytes between `dma`'s buffer and the pinned frames of `[va, va + len)` (inside this
+    /// pin) the way a NIC's DMA does: through the kernel's own references to the pinned pages
+    /// (`IORING_OP_READ_FIXED` from a pipe into the fixed buffer, `IORING_OP_WRITE_FIXED` from
+    /// it into a pipe), whatever the process maps at `va` now: read-only, `PROT_NONE` or
+    /// nothing. A few syscalls per 64 KiB: for the rare copy that faulted, never the normal
+    /// path. io_uring pins only; `ENOTSUP` on the mlock path (it holds no page reference, so
+    /// after `munmap` nothing is left to reach) and for a pin inherited from a parent process.
+    pub(crate) fn dma(&self, va: u64, mut dma: Dma<'_>) -> std::io::Result<()> {
+        let unsupported = || std::io::Error::from_raw_os_error(libc::ENOTSUP);
+        let slots: &[SlotId] = match &self.holder {
+            Holder::Mlock { .. } => return Err(unsupported()),
+            Holder::Slot(s) => std::slice::from_ref(s),
+            Holder::Slots(v) => v,
+        };
+        let set = ring_set();
+        let len = dma.len() as u64;
+        let end = va
+            .checked_add(len)
+            .ok_or_else(|| std::io::Error::from_raw_os_error(libc::EFAULT))?;
+        if va < self.start || end > self.start + self.len {
+            return Err(std::io::Error::from_raw_os_error(libc::EFAULT));
+        }
+        let mut fds = [0; 2];
+        // SAFETY: pipe2 writes two descriptors into `fds`.
+        if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: two fresh descriptors owned by nobody else; closed when these drop.
+        let (pr, pw) = unsafe {
+            use std::os::fd::FromRawFd;
+            (
+                std::os::fd::OwnedFd::from_raw_fd(fds[0]),
+                std::os::fd::OwnedFd::from_raw_fd(fds[1]),
+            )
+        };
+        // The pipe's capacity bounds one step: a write of at most that much into the empty
+        // pipe, and the read of it, never block.
+        // SAFETY: F_GETPIPE_SZ only reads the pipe's size.
+        let cap = usize::try_from(unsafe { libc::fcntl(fds[1], libc::F_GETPIPE_SZ) })
+            .unwrap_or(4096)
+            .max(1);
+        let mut done = 0u64;
+        for s in slots {
+            if s.gen != set.gen {
+                return Err(unsupported());
+            }
+            let ring = set.ring(s.ring as usize).ok_or_else(unsupported)?;
+            // The part of [va + done, end) inside this slot.
+            let lo = (va + done).max(s.base);
+            let hi = end.min(s.base + s.len);
+            if lo >= hi || lo != va + done {
+                continue;
+            }
+            while va + done < hi {
+                let at = va + done;
+                let n = ((hi - at) as usize).min(cap);
+                let o = done as usize;
+                match &mut dma {
+                    Dma::ToFrames(b) => {
+                        rustix::io::write(&pw, &b[o..o + n])
+                            .and_then(|w| (w == n).then_some(()).ok_or(rustix::io::Errno::AGAIN))?;
+                        let mut got = 0;
+                        while got < n {
+                            let op = io_uring::opcode::ReadFixed::new(
+                                io_uring::types::Fd(std::os::fd::AsRawFd::as_raw_fd(&pr)),
+                                (at as usize + got) as *mut u8,
+                                (n - got) as u32,
+                                s.slot as u16,
+                            );
+                            got += ring.run(op.build())?;
+                        }
+                    }
+                    Dma::FromFrames(b) => {
+                        let mut put = 0;
+                        while put < n {
+                            let op = io_uring::opcode::WriteFixed::new(
+                                io_uring::types::Fd(std::os::fd::AsRawFd::as_raw_fd(&pw)),
+                                (at as usize + put) as *const u8,
+                                (n - put) as u32,
+                                s.slot as u16,
+                            );
+                            put += ring.run(op.build())?;
+                        }
+                        let mut got = 0;
+                        while got < n {
+                            got += rustix::io::read(&pr, &mut b[o + got..o + n])?;
+                        }
+                    }
+                }
+                done += n as u64;
+            }
+        }
+        if done == len {
+            Ok(())
+        } else {
+            Err(std::io::Error::from_raw_os_error(libc::EFAULT))
+        }
+    }
+}
+
+impl Ring {
+    /// Submit one entry and wait for its completion: the byte count, or the error. A result of
+    /// 0 bytes is EIO (the pipe would not move data: no progress is possible).
+    fn run(&self, entry: io_uring::squeue::Entry) -> std::io::Result<usize> {
+        let _q = self.queues.lock();
+        // SAFETY: `queues` gives this thread exclusive use of the submission queue; the entry's
+        // buffer is a range of a registered fixed buffer (validated by the kernel against the
+        // slot) and its file a pipe that outlives the wait below.
+        unsafe {
+            let mut sq = self.uring.submission_shared();
+            sq.push(&entry)
+                .map_err(|_| std::io::Error::from_raw_os_error(libc::EBUSY))?;
+            sq.sync();
+        }
+        self.uring.submit_and_wait(1)?;
+        // SAFETY: exclusive use of the completion queue under `queues`.
+        let cqe = unsafe { self.uring.completion_shared() }
+            .next()
+            .ok_or_else(|| std::io::Error::from_raw_os_error(libc::EIO))?;
+        match cqe.result() {
+            n if n > 0 => Ok(n as usize),
+            0 => Err(std::io::Error::from_raw_os_error(libc::EIO)),
+            e => Err(std::io::Error::from_raw_os_error(-e)),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // mlock path
 
 /// Per-page mlock pin counts of the whole process. Held across the mlock/munlock syscalls so
-/// that the kernel's lock state always matches the counts.
-static MLOCKS: Mutex<RangeCounter> = Mutex::new(RangeCounter::new());
+/// that the kernel's lock state always matches the counts. Per process: memory locks are not
+/// inherited by a forked child, so it starts with no counts, and unpinning a pin it inherited
+/// leaves its own locks alone.
+static MLOCKS: super::PerProcess<Mutex<RangeCounter>> = super::PerProcess::new();
+
+fn mlocks() -> &'static super::Generation<Mutex<RangeCounter>> {
+    MLOCKS.get_or_init(|| Mutex::new(RangeCounter::new()))
+}
 
 fn os_err(e: rustix::io::Errno) -> i32 {
     e.raw_os_error()
@@ -614,7 +779,8 @@ pub(crate) fn populate(start: u64, len: u64, write: bool) -> Result<()> {
 fn pin_mlock(start: u64, len: u64, writable: bool) -> Result<Pin> {
     populate(start, len, writable)?;
     let end = start + len;
-    let mut counts = MLOCKS.lock();
+    let cell = mlocks();
+    let mut counts = cell.lock();
     let fresh = counts.inc(start, end);
     for &(s, e) in &fresh {
         // SAFETY: mlock only changes residency of pages the process already maps.
@@ -653,12 +819,16 @@ fn pin_mlock(start: u64, len: u64, writable: bool) -> Result<Pin> {
         start,
         len,
         path: PinPath::Mlock,
-        holder: Holder::Mlock,
+        holder: Holder::Mlock { gen: cell.gen },
     })
 }
 
-fn unpin_mlock(start: u64, len: u64) {
-    let mut counts = MLOCKS.lock();
+fn unpin_mlock(start: u64, len: u64, gen: u64) {
+    let cell = mlocks();
+    if cell.gen != gen {
+        return; // the parent's pin, inherited by this forked child
+    }
+    let mut counts = cell.lock();
     for (s, e) in counts.dec(start, start + len) {
         // SAFETY: munlock only changes residency; failure (range unmapped by the caller since)
         // is harmless.
@@ -765,7 +935,7 @@ mod tests {
             seen.push(got);
         }
         assert!(ok, "VmLck deltas (A, A+B, B, none) = {seen:?}");
-        assert!(MLOCKS.lock().count_at(m.addr) == 0);
+        assert!(mlocks().lock().count_at(m.addr) == 0);
     }
 
     #[test]

@@ -18,28 +18,36 @@ use super::Pkt;
 use crate::{Context, DeviceInner};
 
 static NEXT_NODE: AtomicU64 = AtomicU64::new(1);
-static NODES: RwLock<Option<HashMap<u64, Weak<DeviceInner>>>> = RwLock::new(None);
+type Nodes = RwLock<Option<HashMap<u64, Weak<DeviceInner>>>>;
+/// The open devices of this process. Per process: a forked child starts with none (the parent's
+/// devices, copied into the child, have no threads there and must not be reached or flushed at
+/// exit), and a lock a parent thread held at `fork` cannot block the child's devices.
+static NODES: crate::mem::PerProcess<Nodes> = crate::mem::PerProcess::new();
+
+fn nodes() -> &'static Nodes {
+    NODES.get_or_init(|| RwLock::new(None))
+}
 
 pub(crate) fn new_node_id() -> u64 {
     NEXT_NODE.fetch_add(1, Ordering::Relaxed)
 }
 
 pub(crate) fn attach(node: u64, dev: &Arc<DeviceInner>) {
-    NODES
+    nodes()
         .write()
         .get_or_insert_with(HashMap::new)
         .insert(node, Arc::downgrade(dev));
 }
 
 pub(crate) fn detach(node: u64) {
-    if let Some(m) = NODES.write().as_mut() {
+    if let Some(m) = nodes().write().as_mut() {
         m.remove(&node);
     }
 }
 
 /// Send the ACKs every open device of this process holds back (`crate::at_exit`).
 pub(crate) fn flush_held_acks_of_every_device() {
-    let devices: Vec<Arc<DeviceInner>> = match NODES.read().as_ref() {
+    let devices: Vec<Arc<DeviceInner>> = match nodes().read().as_ref() {
         Some(m) => m.values().filter_map(|w| w.upgrade()).collect(),
         None => return,
     };
@@ -49,7 +57,7 @@ pub(crate) fn flush_held_acks_of_every_device() {
 }
 
 fn lookup(node: u64) -> Option<Arc<DeviceInner>> {
-    NODES.read().as_ref()?.get(&node)?.upgrade()
+    nodes().read().as_ref()?.get(&node)?.upgrade()
 }
 
 /// Deliver packets (grouped by destination QP to schedule each QP once).

@@ -51,7 +51,8 @@
 //!
 //! ## fork
 //!
-//! The device marks every registered page `MADV_DONTFORK` with a per-page count and restores
+//! With DONTFORK marking on (`MRKIT_DONTFORK=1`, `ibv_fork_init`; off by default, as in
+//! rdma-core) the device marks every registered page `MADV_DONTFORK` with a per-page count and restores
 //! `MADV_DOFORK` when the last MR over a page is deregistered (`mrkit_soft::mem::fork`), so
 //! the VMA split lasts exactly as long as a registration and the kernel merges the VMAs
 //! back. The cache keeps registrations page-rounded by default (DONTFORK on a partially

@@ -1,0 +1,363 @@
+//! Registered memory the application `mprotect`s or `munmap`s while it is registered: no packet
+//! may kill the process, and the bytes go where a NIC's DMA would put them (the pinned frames),
+//! or, where no frame is left (mlock pins after munmap), the documented fallback happens.
+//!
+//! Each case damages a registered range on both hosts (the target of a remote WRITE, READ and
+//! atomic, and the source of a local SEND gather), runs the operations, and checks the bytes
+//! through the frames: the same address after restoring the protection, a second mapping of the
+//! same memfd pages, or an RDMA READ back.
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{all, connect, ctx, host_with, Host};
+use mrkit_soft::cq::{Wc, WcStatus};
+use mrkit_soft::mem::pin::{set_pin_mode, PinMode, PinPath};
+use mrkit_soft::net::loopback::drive_until_idle;
+use mrkit_soft::qp::connect::{connect_qp, ConnectOpts, RemoteQp};
+use mrkit_soft::qp::{RecvWr, SendWr, Sge, WrOpcode};
+
+/// The pin mode is process-wide: the cases run one at a time.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+const PS: usize = 4096;
+const LEN: usize = 3 * PS;
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Damage {
+    ReadOnly,
+    NoAccess,
+    Unmap,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Backing {
+    /// Private anonymous memory.
+    Anon,
+    /// A memfd mapped twice (shared): the second mapping shows the frames.
+    Memfd,
+}
+
+/// `LEN` bytes of memory and, for a memfd, a second mapping of the same pages.
+struct Region {
+    addr: u64,
+    alias: Option<u64>,
+    unmapped: bool,
+}
+
+/// Where the next region goes: far below the addresses the kernel hands out top-down, so that
+/// no later mapping (a receive buffer of the UDP path, say) fills the hole `munmap` leaves.
+/// The device copies through virtual addresses: memory mapped into the hole afterwards would
+/// be what it reaches (documented in `copy.rs`), not the pinned frames this test checks.
+static NEXT_AT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0x1000_0000_0000);
+
+fn map(backing: Backing) -> Region {
+    let rw = libc::PROT_READ | libc::PROT_WRITE;
+    let at = NEXT_AT.fetch_add(1 << 20, std::sync::atomic::Ordering::Relaxed) as *mut libc::c_void;
+    let fixed = libc::MAP_FIXED_NOREPLACE;
+    // SAFETY: fresh mappings of our own (anonymous, or of a memfd created here).
+    unsafe {
+        match backing {
+            Backing::Anon => {
+                let p = libc::mmap(
+                    at,
+                    LEN,
+                    rw,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | fixed,
+                    -1,
+                    0,
+                );
+                assert_eq!(p, at);
+                Region {
+                    addr: p as u64,
+                    alias: None,
+                    unmapped: false,
+                }
+            }
+            Backing::Memfd => {
+                let fd = libc::memfd_create(c"mrkit-protected".as_ptr(), libc::MFD_CLOEXEC);
+                assert!(fd >= 0);
+                assert_eq!(libc::ftruncate(fd, LEN as i64), 0);
+                let p = libc::mmap(at, LEN, rw, libc::MAP_SHARED | fixed, fd, 0);
+                let q = libc::mmap(std::ptr::null_mut(), LEN, rw, libc::MAP_SHARED, fd, 0);
+                libc::close(fd);
+                assert!(p == at && q != libc::MAP_FAILED);
+                Region {
+                    addr: p as u64,
+                    alias: Some(q as u64),
+                    unmapped: false,
+                }
+            }
+        }
+    }
+}
+
+impl Region {
+    fn fill(&self, f: impl Fn(usize) -> u8) {
+        for i in 0..LEN {
+            // SAFETY: inside our read-write mapping.
+            unsafe { *((self.addr as usize + i) as *mut u8) = f(i) };
+        }
+    }
+
+    fn damage(&mut self, d: Damage) {
+        // SAFETY: our own mapping; the device copes with it (what this test checks).
+        let rc = unsafe {
+            match d {
+                Damage::ReadOnly => libc::mprotect(self.addr as *mut _, LEN, libc::PROT_READ),
+                Damage::NoAccess => libc::mprotect(self.addr as *mut _, LEN, libc::PROT_NONE),
+                Damage::Unmap => libc::munmap(self.addr as *mut _, LEN),
+            }
+        };
+        assert_eq!(rc, 0);
+        self.unmapped = d == Damage::Unmap;
+    }
+
+    /// The bytes in the frames, if the test can see them: the alias mapping, or the original
+    /// one made readable again.
+    fn frames(&self) -> Option<Vec<u8>> {
+        let at = match (self.alias, self.unmapped) {
+            (Some(a), _) => a,
+            (None, false) => {
+                // SAFETY: restoring access to our own mapping.
+                let rc = unsafe {
+                    libc::mprotect(self.addr as *mut _, LEN, libc::PROT_READ | libc::PROT_WRITE)
+                };
+                assert_eq!(rc, 0);
+                self.addr
+            }
+            (None, true) => return None,
+        };
+        // SAFETY: a readable mapping of LEN bytes.
+        Some(unsafe { std::slice::from_raw_parts(at as *const u8, LEN) }.to_vec())
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        // SAFETY: unmapping our own mappings (munmap of an unmapped range is harmless).
+        unsafe {
+            libc::munmap(self.addr as *mut _, LEN);
+            if let Some(a) = self.alias {
+                libc::munmap(a as *mut _, LEN);
+            }
+        }
+    }
+}
+
+/// Two connected hosts: on the loopback link (manual progress) or over UDP (threads).
+fn hosts(udp: bool) -> (Host, Host) {
+    let a = host_with(ctx(!udp), 64, false);
+    let b = host_with(ctx(!udp), 64, false);
+    if udp {
+        let opts = ConnectOpts::default();
+        for (x, y) in [(&a, &b), (&b, &a)] {
+            let remote = RemoteQp {
+                qpn: y.qp,
+                psn: opts.sq_psn,
+                ip: Some(y.ctx.udp_port().unwrap().local_addr().ip()),
+                node: 0,
+            };
+            connect_qp(&x.ctx, x.qp, remote, opts).unwrap();
+        }
+    } else {
+        connect(&a, &b, all(), 3);
+    }
+    (a, b)
+}
+
+fn completion(h: &Host, other: &Host, udp: bool) -> Wc {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut v = Vec::new();
+    loop {
+        if !udp {
+            drive_until_idle(&[&h.ctx, &other.ctx]);
+        }
+        if h.ctx.poll_cq(h.cq, &mut v, 1).unwrap() == 1 {
+            return v[0];
+        }
+        assert!(Instant::now() < deadline, "no completion");
+        if udp {
+            std::thread::sleep(Duration::from_micros(100));
+        }
+    }
+}
+
+fn pat(seed: u8) -> impl Fn(usize) -> u8 {
+    move |i| (i as u8).wrapping_mul(31).wrapping_add(seed)
+}
+
+fn run(damage: Damage, backing: Backing, mode: PinMode, udp: bool) {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    set_pin_mode(mode);
+    let (a, b) = hosts(udp);
+    // Target on b (WRITE / READ / atomic), SEND source on a.
+    let mut tb = map(backing);
+    let mut ta = map(backing);
+    tb.fill(pat(1));
+    ta.fill(pat(2));
+    let mb = b.ctx.reg_mr_va(b.pd, tb.addr, LEN as u64, all()).unwrap();
+    let ma = a.ctx.reg_mr_va(a.pd, ta.addr, LEN as u64, all()).unwrap();
+    let path = mb.pin_path.expect("pinned");
+    let lost = damage == Damage::Unmap && path == PinPath::Mlock;
+    println!("{damage:?} {backing:?} {mode:?} udp={udp}: pinned via {path:?}");
+    // Plain buffers on a: the WRITE source and the READ destination.
+    let src: Vec<u8> = (0..LEN).map(pat(3)).collect();
+    let mut back = vec![0u8; LEN];
+    let msrc = a
+        .ctx
+        .reg_mr_va(a.pd, src.as_ptr() as u64, LEN as u64, all())
+        .unwrap();
+    let mback = a
+        .ctx
+        .reg_mr_va(a.pd, back.as_mut_ptr() as u64, LEN as u64, all())
+        .unwrap();
+    let mut rbuf = vec![0u8; LEN];
+    let mrbuf = b
+        .ctx
+        .reg_mr_va(b.pd, rbuf.as_mut_ptr() as u64, LEN as u64, all())
+        .unwrap();
+
+    tb.damage(damage);
+    ta.damage(damage);
+
+    // Remote WRITE of 5000 bytes at offset 100 (across pages) into the damaged target.
+    let wr = SendWr::new(1, WrOpcode::RdmaWrite)
+        .sge(msrc.iova, 5000, msrc.lkey)
+        .remote(mb.iova + 100, mb.rkey);
+    a.ctx.post_send(a.qp, &[wr]).unwrap();
+    assert_eq!(completion(&a, &b, udp).status, WcStatus::Success);
+    let mut want: Vec<u8> = (0..LEN).map(pat(1)).collect();
+    want[100..5100].copy_from_slice(&src[..5000]);
+
+    // Remote atomic on the damaged target: fetch-and-add 5 at offset 8192.
+    let mut wr = SendWr::new(2, WrOpcode::AtomicFetchAndAdd)
+        .sge(mback.iova, 8, mback.lkey)
+        .remote(mb.iova + 8192, mb.rkey);
+    wr.compare_add = 5;
+    a.ctx.post_send(a.qp, &[wr]).unwrap();
+    let wc = completion(&a, &b, udp);
+    assert_eq!((wc.wr_id, wc.status), (2, WcStatus::Success));
+    let orig = u64::from_ne_bytes(want[8192..8200].try_into().unwrap());
+    let fetched = u64::from_ne_bytes(back[..8].try_into().unwrap());
+    if !lost {
+        assert_eq!(fetched, orig, "atomic read the frames");
+        want[8192..8200].copy_from_slice(&(orig + 5).to_ne_bytes());
+    }
+
+    // Remote READ of the whole damaged target.
+    let wr = SendWr::new(3, WrOpcode::RdmaRead)
+        .sge(mback.iova, LEN as u32, mback.lkey)
+        .remote(mb.iova, mb.rkey);
+    a.ctx.post_send(a.qp, &[wr]).unwrap();
+    assert_eq!(completion(&a, &b, udp).status, WcStatus::Success);
+    if lost {
+        // No frame is left behind an unmapped mlock pin: writes were dropped, reads are zeros.
+        assert!(back.iter().all(|&x| x == 0), "documented: zeros");
+    } else {
+        assert!(back == want, "READ returned the frames' bytes");
+    }
+
+    // SEND gathered from the damaged range on a.
+    b.ctx
+        .post_recv(
+            b.qp,
+            &[RecvWr {
+                wr_id: 9,
+                sg_list: vec![Sge {
+                    addr: mrbuf.iova,
+                    length: LEN as u32,
+                    lkey: mrbuf.lkey,
+                }],
+            }],
+        )
+        .unwrap();
+    let wr = SendWr::new(4, WrOpcode::Send).sge(ma.iova + 10, 6000, ma.lkey);
+    a.ctx.post_send(a.qp, &[wr]).unwrap();
+    assert_eq!(completion(&a, &b, udp).status, WcStatus::Success);
+    let wc = completion(&b, &a, udp);
+    assert_eq!((wc.status, wc.byte_len), (WcStatus::Success, 6000));
+    let sent: Vec<u8> = (0..LEN).map(pat(2)).collect();
+    if lost {
+        assert!(rbuf[..6000].iter().all(|&x| x == 0), "documented: zeros");
+    } else {
+        assert!(
+            rbuf[..6000] == sent[10..6010],
+            "SEND gathered the frames' bytes"
+        );
+    }
+
+    // The frames themselves, where the test can look at them.
+    if let Some(frames) = tb.frames() {
+        if lost {
+            let orig: Vec<u8> = (0..LEN).map(pat(1)).collect();
+            assert!(frames == orig, "documented: writes dropped");
+        } else {
+            assert!(frames == want, "the bytes landed in the registered frames");
+        }
+    }
+
+    for k in [mb.lkey, mrbuf.lkey] {
+        b.ctx.dereg_mr(k).unwrap();
+    }
+    for k in [ma.lkey, msrc.lkey, mback.lkey] {
+        a.ctx.dereg_mr(k).unwrap();
+    }
+    set_pin_mode(PinMode::Auto);
+}
+
+#[test]
+fn read_only_anon() {
+    run(Damage::ReadOnly, Backing::Anon, PinMode::Auto, false);
+}
+
+#[test]
+fn no_access_anon() {
+    run(Damage::NoAccess, Backing::Anon, PinMode::Auto, false);
+}
+
+#[test]
+fn unmapped_anon_io_uring() {
+    run(Damage::Unmap, Backing::Anon, PinMode::Auto, false);
+}
+
+#[test]
+fn unmapped_memfd_seen_through_a_second_mapping() {
+    run(Damage::Unmap, Backing::Memfd, PinMode::Auto, false);
+}
+
+#[test]
+fn read_only_memfd() {
+    run(Damage::ReadOnly, Backing::Memfd, PinMode::Auto, false);
+}
+
+#[test]
+fn no_access_memfd() {
+    run(Damage::NoAccess, Backing::Memfd, PinMode::Auto, false);
+}
+
+#[test]
+fn read_only_mlock() {
+    run(Damage::ReadOnly, Backing::Anon, PinMode::Mlock, false);
+}
+
+#[test]
+fn no_access_mlock() {
+    run(Damage::NoAccess, Backing::Anon, PinMode::Mlock, false);
+}
+
+#[test]
+fn unmapped_mlock_memfd() {
+    run(Damage::Unmap, Backing::Memfd, PinMode::Mlock, false);
+}
+
+#[test]
+fn unmapped_mlock_anon_documented_loss() {
+    run(Damage::Unmap, Backing::Anon, PinMode::Mlock, false);
+}
+
+#[test]
+fn over_udp_no_access_and_unmapped() {
+    run(Damage::NoAccess, Backing::Anon, PinMode::Auto, true);
+    run(Damage::Unmap, Backing::Memfd, PinMode::Auto, true);
+}
