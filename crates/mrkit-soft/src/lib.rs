@@ -133,6 +133,21 @@ impl DeviceInner {
     }
 }
 
+/// Objects alive on one device instance ([`Context::resource_counts`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ResourceCounts {
+    /// Protection domains.
+    pub pds: u32,
+    /// Memory regions.
+    pub mrs: u32,
+    /// Memory windows.
+    pub mws: u32,
+    /// Completion queues.
+    pub cqs: usize,
+    /// Queue pairs.
+    pub qps: usize,
+}
+
 /// An opened `mrkit0` device instance (`ibv_context`). Cheap to clone; all clones share the
 /// device's tables and limits.
 #[derive(Debug, Clone)]
@@ -236,6 +251,18 @@ impl Context {
     /// Device counters.
     pub fn stats(&self) -> stats::StatsSnapshot {
         self.dev.stats.snapshot()
+    }
+
+    /// Objects alive on this device instance right now (as `rdma resource show` counts them):
+    /// lets a long-running program check that it tears every connection down.
+    pub fn resource_counts(&self) -> ResourceCounts {
+        ResourceCounts {
+            pds: self.dev.pds.len(),
+            mrs: self.dev.mrs.len(),
+            mws: self.dev.mws.len(),
+            cqs: self.dev.dp.cqs.read().len(),
+            qps: self.dev.dp.qps.read().len(),
+        }
     }
 
     /// `ibv_alloc_pd`: ENOMEM when max_pd PDs exist.
