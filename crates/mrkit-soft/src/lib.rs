@@ -14,13 +14,15 @@
 //! * [`stats`]: counters and latency histograms.
 //!
 //! ```
-//! use mrkit_soft::{AccessFlags, Context, DeviceConfig};
+//! use std::sync::Arc;
+//! use mrkit_soft::{AccessFlags, Context, DeviceConfig, UserMemory};
 //! let ctx = Context::open(DeviceConfig::rxe());
 //! let pd = ctx.alloc_pd().unwrap();
-//! let buf = vec![0u8; 8192];
+//! // The MR keeps the buffer alive until it is deregistered (or use `unsafe UserMemory::new`).
+//! let buf = Arc::new(vec![0u8; 8192]);
 //! let mr = ctx
-//!     .reg_mr(pd, buf.as_ptr() as u64, buf.len() as u64, buf.as_ptr() as u64,
-//!             AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ)
+//!     .reg_mr_va(pd, UserMemory::owned(buf.clone()),
+//!                AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ)
 //!     .unwrap();
 //! assert_eq!(mr.lkey, mr.rkey);
 //! ctx.dereg_mr(mr.lkey).unwrap();
@@ -48,6 +50,7 @@ pub mod sockio;
 pub mod srq;
 pub mod stats;
 pub mod table;
+pub mod user_mem;
 pub mod wire;
 
 use std::sync::atomic::AtomicU64;
@@ -58,6 +61,7 @@ pub use device::{DeviceAttr, DeviceConfig, StatusModel};
 pub use error::{Errno, Error, Result};
 pub use mr::{MrInfo, ReregFlags};
 pub use mw::MwType;
+pub use user_mem::{OwnedMemory, UserMemory};
 
 use crate::error::err;
 use crate::pd::PdObject;
