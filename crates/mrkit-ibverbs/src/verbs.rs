@@ -8,7 +8,7 @@
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use mrkit_soft::{AccessFlags, MwType, ReregFlags};
+use mrkit_soft::{AccessFlags, MwType, ReregFlags, UserMemory};
 
 use crate::abi::*;
 use crate::device::mctx;
@@ -154,7 +154,8 @@ static REGISTERED_ONCE: AtomicBool = AtomicBool::new(false);
 static FORK_INIT: AtomicBool = AtomicBool::new(false);
 
 /// # Safety
-/// `pd` must be NULL or a live PD.
+/// `pd` must be NULL or a live PD, and `[addr, addr+len)` must stay mapped and allocated until
+/// the MR is deregistered (the application's side of `ibv_reg_mr`'s contract).
 unsafe fn reg_common(
     pd: *mut ibv_pd,
     addr: *mut c_void,
@@ -166,9 +167,11 @@ unsafe fn reg_common(
     let Some((ctx, handle, m)) = (unsafe { pd_parts(pd) }) else {
         return fail_null(libc::EINVAL);
     };
+    // SAFETY: the caller keeps the range valid until `ibv_dereg_mr` (contract above).
+    let mem = unsafe { UserMemory::new(addr as u64, len as u64) };
     guard(std::ptr::null_mut(), || {
         let access = AccessFlags::from_bits_retain(access);
-        match m.soft.reg_mr(handle, addr as u64, len as u64, iova, access) {
+        match m.soft.reg_mr(handle, mem, iova, access) {
             Ok(info) => {
                 REGISTERED_ONCE.store(true, Ordering::Relaxed);
                 into_live(ibv_mr {
@@ -189,8 +192,9 @@ unsafe fn reg_common(
 /// `struct ibv_mr *ibv_reg_mr(pd, void *addr, size_t length, int access)` (iova = addr).
 ///
 /// # Safety
-/// `pd` must be NULL or a live PD; `[addr, addr+length)` is only pinned, never dereferenced
-/// through a Rust reference.
+/// `pd` must be NULL or a live PD; `[addr, addr+length)` must stay allocated until the MR is
+/// deregistered (the device and peers access it until then; it is never dereferenced through
+/// a Rust reference).
 pub(crate) unsafe extern "C" fn ibv_reg_mr(
     pd: *mut ibv_pd,
     addr: *mut c_void,
@@ -253,7 +257,8 @@ pub(crate) unsafe extern "C" fn ibv_dereg_mr(mr: *mut ibv_mr) -> c_int {
 /// struct is updated (CHANGE_TRANSLATION gives new keys; iova = the new address).
 ///
 /// # Safety
-/// `mr` NULL or a live MR; `pd` NULL or a live PD of the same context.
+/// `mr` NULL or a live MR; `pd` NULL or a live PD of the same context; with
+/// CHANGE_TRANSLATION, `[addr, addr+length)` valid until the MR is deregistered.
 pub(crate) unsafe extern "C" fn ibv_rereg_mr(
     mr: *mut ibv_mr,
     flags: c_int,
@@ -298,13 +303,19 @@ pub(crate) unsafe extern "C" fn ibv_rereg_mr(
     } else {
         0
     };
+    let mem = if flags & ReregFlags::CHANGE_TRANSLATION != 0 {
+        // SAFETY: with CHANGE_TRANSLATION the application hands over `[addr, addr+length)`
+        // under `ibv_reg_mr`'s contract: valid until the MR is deregistered.
+        unsafe { UserMemory::new(addr as u64, length as u64) }
+    } else {
+        UserMemory::empty_at(addr as u64)
+    };
     guard(IBV_REREG_MR_ERR_CMD, || {
         let r = m.soft.rereg_mr(
             lkey,
             flags,
             new_pd,
-            addr as u64,
-            length as u64,
+            mem,
             addr as u64,
             AccessFlags::from_bits_retain(access as u32),
         );

@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use mrkit_soft::qp::{rc_connect, QpCap, QpInitAttr, SendWr, WrOpcode};
-use mrkit_soft::{AccessFlags as A, Context, DeviceConfig};
+use mrkit_soft::{AccessFlags as A, Context, DeviceConfig, UserMemory};
 
 const ARENA: usize = 64 << 20;
 
@@ -40,12 +40,25 @@ fn main() {
     rc_connect(&ctx, qa, &ctx, qb, full, 5).unwrap();
     let mut src = vec![0x5Au8; ARENA];
     let mut dst = vec![0u8; ARENA];
-    let ms = ctx
-        .reg_mr_va(pd, src.as_mut_ptr() as u64, ARENA as u64, full)
-        .unwrap();
-    let md = ctx
-        .reg_mr_va(pd, dst.as_mut_ptr() as u64, ARENA as u64, full)
-        .unwrap();
+    // SAFETY: `src` and `dst` are neither freed nor resized before both MRs are deregistered
+    // at the end of `main`. (The memcpy baseline below touches them while no work request is
+    // outstanding.)
+    let (ms, md) = unsafe {
+        (
+            ctx.reg_mr_va(
+                pd,
+                UserMemory::new(src.as_mut_ptr() as u64, ARENA as u64),
+                full,
+            )
+            .unwrap(),
+            ctx.reg_mr_va(
+                pd,
+                UserMemory::new(dst.as_mut_ptr() as u64, ARENA as u64),
+                full,
+            )
+            .unwrap(),
+        )
+    };
     println!(
         "{:<10} {:>8} {:>12} {:>12} {:>7}",
         "op", "size", "rdma GB/s", "memcpy GB/s", "ratio"
@@ -92,6 +105,9 @@ fn main() {
         "8-byte WRITE latency: {:?} (memcpy of 8 bytes: {:?})",
         lat, mlat
     );
+    ctx.dereg_mr(ms.lkey).unwrap();
+    ctx.dereg_mr(md.lkey).unwrap();
+    drop((src, dst));
 }
 
 fn memcpy_bw(src: &mut [u8], dst: &mut [u8], size: usize) -> f64 {

@@ -122,7 +122,14 @@ fn main() {
                 let iters = if fresh { iters.min(200) } else { iters };
                 let r = Region::new(size, thp);
                 // Warm up every path once.
-                let m = ctx.reg_mr_va(pd, r.addr(), size as u64, access).unwrap();
+                // SAFETY: test memory: it stays allocated while any work request can reach this MR.
+                let m = ctx
+                    .reg_mr_va(
+                        pd,
+                        unsafe { mrkit_soft::UserMemory::new(r.addr(), size as u64) },
+                        access,
+                    )
+                    .unwrap();
                 let path = m.pin_path.unwrap();
                 let page = m.page_size;
                 ctx.dereg_mr(m.lkey).unwrap();
@@ -141,7 +148,16 @@ fn main() {
                         let t = Instant::now();
                         match which {
                             0 => {
-                                let m = ctx.reg_mr_va(pd, r.addr(), size as u64, access).unwrap();
+                                // SAFETY: test memory: it stays allocated while any work request can reach this MR.
+                                let m = ctx
+                                    .reg_mr_va(
+                                        pd,
+                                        unsafe {
+                                            mrkit_soft::UserMemory::new(r.addr(), size as u64)
+                                        },
+                                        access,
+                                    )
+                                    .unwrap();
                                 ctx.dereg_mr(m.lkey).unwrap();
                             }
                             1 => {

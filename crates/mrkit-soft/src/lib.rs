@@ -14,13 +14,15 @@
 //! * [`stats`]: counters and latency histograms.
 //!
 //! ```
-//! use mrkit_soft::{AccessFlags, Context, DeviceConfig};
+//! use std::sync::Arc;
+//! use mrkit_soft::{AccessFlags, Context, DeviceConfig, UserMemory};
 //! let ctx = Context::open(DeviceConfig::rxe());
 //! let pd = ctx.alloc_pd().unwrap();
-//! let buf = vec![0u8; 8192];
+//! // The MR keeps the buffer alive until it is deregistered (or use `unsafe UserMemory::new`).
+//! let buf = Arc::new(vec![0u8; 8192]);
 //! let mr = ctx
-//!     .reg_mr(pd, buf.as_ptr() as u64, buf.len() as u64, buf.as_ptr() as u64,
-//!             AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ)
+//!     .reg_mr_va(pd, UserMemory::owned(buf.clone()),
+//!                AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ)
 //!     .unwrap();
 //! assert_eq!(mr.lkey, mr.rkey);
 //! ctx.dereg_mr(mr.lkey).unwrap();
@@ -48,6 +50,7 @@ pub mod sockio;
 pub mod srq;
 pub mod stats;
 pub mod table;
+pub mod user_mem;
 pub mod wire;
 
 use std::sync::atomic::AtomicU64;
@@ -58,6 +61,7 @@ pub use device::{DeviceAttr, DeviceConfig, StatusModel};
 pub use error::{Errno, Error, Result};
 pub use mr::{MrInfo, ReregFlags};
 pub use mw::MwType;
+pub use user_mem::{OwnedMemory, UserMemory};
 
 use crate::error::err;
 use crate::pd::PdObject;
@@ -131,6 +135,21 @@ impl DeviceInner {
             net::udp::send_pkts_on(self, port, &held.pkts);
         }
     }
+}
+
+/// Objects alive on one device instance ([`Context::resource_counts`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ResourceCounts {
+    /// Protection domains.
+    pub pds: u32,
+    /// Memory regions.
+    pub mrs: u32,
+    /// Memory windows.
+    pub mws: u32,
+    /// Completion queues.
+    pub cqs: usize,
+    /// Queue pairs.
+    pub qps: usize,
 }
 
 /// An opened `mrkit0` device instance (`ibv_context`). Cheap to clone; all clones share the
@@ -236,6 +255,18 @@ impl Context {
     /// Device counters.
     pub fn stats(&self) -> stats::StatsSnapshot {
         self.dev.stats.snapshot()
+    }
+
+    /// Objects alive on this device instance right now (as `rdma resource show` counts them):
+    /// lets a long-running program check that it tears every connection down.
+    pub fn resource_counts(&self) -> ResourceCounts {
+        ResourceCounts {
+            pds: self.dev.pds.len(),
+            mrs: self.dev.mrs.len(),
+            mws: self.dev.mws.len(),
+            cqs: self.dev.dp.cqs.read().len(),
+            qps: self.dev.dp.qps.read().len(),
+        }
     }
 
     /// `ibv_alloc_pd`: ENOMEM when max_pd PDs exist.

@@ -51,6 +51,7 @@ use crate::mem::{
 use crate::odp::OdpState;
 use crate::pd::PdObject;
 use crate::table::Guard;
+use crate::user_mem::{Owner, UserMemory};
 use crate::Context;
 
 /// How an MR holds its memory.
@@ -135,6 +136,9 @@ pub struct MrObject {
     pub(crate) kind: MrKind,
     pub(crate) writable: bool,
     pub(crate) shared: Arc<MrShared>,
+    /// What keeps the memory alive ([`UserMemory::owned`]): dropped with the last reference
+    /// to the object, i.e. after deregistration drained every access.
+    pub(crate) owner: Option<Owner>,
 }
 
 impl MrObject {
@@ -160,6 +164,10 @@ impl MrObject {
     /// Length.
     pub fn length(&self) -> u64 {
         self.length
+    }
+    /// Whether the MR keeps its memory's owner alive ([`UserMemory::owned`]).
+    pub fn owns_memory(&self) -> bool {
+        self.owner.is_some()
     }
     /// Pinned / ODP / implicit.
     pub fn kind(&self) -> MrKind {
@@ -340,29 +348,28 @@ fn human(bytes: u64) -> String {
 const PIN_PIECE: u64 = 1 << 30;
 
 impl Context {
-    /// `ibv_reg_mr`: register `[addr, addr+length)` with iova = addr.
-    pub fn reg_mr_va(
-        &self,
-        pd: u32,
-        addr: u64,
-        length: u64,
-        access: AccessFlags,
-    ) -> Result<MrInfo> {
-        self.reg_mr(pd, addr, length, addr, access)
+    /// `ibv_reg_mr`: register `mem` with iova = its address.
+    pub fn reg_mr_va(&self, pd: u32, mem: UserMemory, access: AccessFlags) -> Result<MrInfo> {
+        let iova = mem.addr();
+        self.reg_mr(pd, mem, iova, access)
     }
 
-    /// `ibv_reg_mr_iova2`: register `[addr, addr+length)` whose first byte has address `iova`
-    /// in the MR's address space. See the module docs for the validation order.
+    /// `ibv_reg_mr_iova2`: register `mem` (`[addr, addr+length)`) whose first byte has address
+    /// `iova` in the MR's address space. See the module docs for the validation order.
+    ///
+    /// `mem` either owns its memory (the MR keeps it alive until deregistration finished) or
+    /// was made with `unsafe` [`UserMemory::new`], whose caller promised the same: safe code
+    /// cannot register memory it may free while the MR lives.
     pub fn reg_mr(
         &self,
         pd: u32,
-        addr: u64,
-        length: u64,
+        mem: UserMemory,
         iova: u64,
         access: AccessFlags,
     ) -> Result<MrInfo> {
+        let (addr, length) = (mem.addr(), mem.len());
         let t0 = Instant::now();
-        let r = self.reg_mr_inner(pd, addr, length, iova, access);
+        let r = self.reg_mr_inner(pd, addr, length, iova, access, mem.into_owner());
         let s = &self.dev.stats;
         let p = crate::stats::process();
         match &r {
@@ -390,6 +397,7 @@ impl Context {
         length: u64,
         iova: u64,
         access: AccessFlags,
+        owner: Option<Owner>,
     ) -> Result<MrInfo> {
         let ps = mem::page_size() as u64;
         let implicit = access.contains(AccessFlags::ON_DEMAND) && addr == 0 && length == u64::MAX;
@@ -410,7 +418,7 @@ impl Context {
         check_driver_access(self, access)?;
         let attr = self.dev.config.attr();
         if implicit {
-            return self.reg_implicit(pdo, iova, access);
+            return self.reg_implicit(pdo, iova, access, owner);
         }
         // 8. size limit.
         if length > attr.max_mr_size {
@@ -522,13 +530,20 @@ impl Context {
                 pin_path,
                 pfns_known,
             }),
+            owner,
         };
         let info = info_of(key, &obj);
         res.publish(obj);
         Ok(info)
     }
 
-    fn reg_implicit(&self, pdo: Arc<PdObject>, iova: u64, access: AccessFlags) -> Result<MrInfo> {
+    fn reg_implicit(
+        &self,
+        pdo: Arc<PdObject>,
+        iova: u64,
+        access: AccessFlags,
+        owner: Option<Owner>,
+    ) -> Result<MrInfo> {
         let attr = self.dev.config.attr();
         if attr.odp_general_caps & crate::device::odp_caps::IMPLICIT == 0 {
             return Err(err!(
@@ -570,6 +585,7 @@ impl Context {
                 pin_path: None,
                 pfns_known: false,
             }),
+            owner,
         };
         let info = info_of(key, &obj);
         res.publish(obj);
@@ -686,12 +702,12 @@ impl Context {
         lkey: u32,
         flags: u32,
         pd: u32,
-        addr: u64,
-        length: u64,
+        mem: UserMemory,
         iova: u64,
         access: AccessFlags,
     ) -> Result<MrInfo> {
         use ReregFlags as F;
+        let (addr, length) = (mem.addr(), mem.len());
         if flags == 0 {
             return Err(err!(
                 EINVAL,
@@ -752,7 +768,7 @@ impl Context {
                 ));
             }
             drop(cur);
-            let info = self.reg_mr(new_pd.handle, addr, length, iova, new_access)?;
+            let info = self.reg_mr(new_pd.handle, mem, iova, new_access)?;
             self.dereg_mr(lkey)?;
             return Ok(info);
         }

@@ -224,7 +224,11 @@ impl<T> KeyTable<T> {
         let Some(Slot::Live(entry)) = g.slots.remove(&idx) else {
             unreachable!("checked above")
         };
-        Some(Unpublished { table: self, entry })
+        Some(Unpublished {
+            table: self,
+            entry,
+            drained: false,
+        })
     }
 
     /// Replace a published object in place (same key), e.g. for rereg PD/ACCESS changes.
@@ -335,6 +339,8 @@ impl<T> Drop for Reservation<'_, T> {
 pub struct Unpublished<'t, T> {
     table: &'t KeyTable<T>,
     entry: Arc<Entry<T>>,
+    /// `drain_entry` released the count already (its `Drop` then only drops the `Arc`).
+    drained: bool,
 }
 
 impl<T> Unpublished<'_, T> {
@@ -354,17 +360,21 @@ impl<T> Unpublished<'_, T> {
 
     /// Like [`drain`](Self::drain) but returns the shared entry (no clone needed). The entry may
     /// still be referenced by other `Arc`s (never by guards).
-    pub fn drain_entry(self) -> Arc<Entry<T>> {
+    pub fn drain_entry(mut self) -> Arc<Entry<T>> {
         wait_for_users(&self.entry.users);
         self.table.count.fetch_sub(1, Ordering::AcqRel);
-        let entry = self.entry.clone();
-        std::mem::forget(self);
-        entry
+        // Not `mem::forget(self)`: that leaked this `Arc`, and with it every destroyed object
+        // (and whatever it owns) for the life of the process.
+        self.drained = true;
+        self.entry.clone()
     }
 }
 
 impl<T> Drop for Unpublished<'_, T> {
     fn drop(&mut self) {
+        if self.drained {
+            return;
+        }
         // Dropped without draining: still release the count once users are gone.
         wait_for_users(&self.entry.users);
         self.table.count.fetch_sub(1, Ordering::AcqRel);
@@ -388,6 +398,23 @@ mod tests {
         assert_ne!(a, b);
         t.unpublish(a).unwrap().drain();
         assert_eq!(t.len(), 1);
+    }
+
+    /// A destroyed object is freed once the last reference to it goes: draining does not
+    /// leak the table's reference (it used to, and with it every destroyed object).
+    #[test]
+    fn drained_objects_are_freed() {
+        let t: KeyTable<Arc<()>> = KeyTable::new(1, 100, 10);
+        let obj = Arc::new(());
+        let k = t.reserve().unwrap().publish(obj.clone());
+        let e = t.unpublish(k).unwrap().drain_entry();
+        assert_eq!(Arc::strong_count(&e), 1, "only the returned reference");
+        drop(e);
+        assert_eq!(Arc::strong_count(&obj), 1, "the object went with its entry");
+        let k = t.reserve().unwrap().publish(obj.clone());
+        let _copy: Arc<()> = t.unpublish(k).unwrap().drain();
+        assert_eq!(Arc::strong_count(&obj), 2, "only the drained copy is left");
+        assert_eq!(t.len(), 0);
     }
 
     #[test]

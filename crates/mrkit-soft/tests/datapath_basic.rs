@@ -29,7 +29,8 @@ fn run(manual: bool) {
     let (a, b) = pair_with(manual, all());
     let mut src: Vec<u8> = (0..20_000u32).map(|i| (i % 251) as u8).collect();
     let mut dst = vec![0u8; 20_000];
-    let (ma, mb) = (reg(&a, &mut src), reg(&b, &mut dst));
+    // SAFETY: the buffer outlives every work request over it; no other peer knows the keys.
+    let (ma, mb) = (unsafe { reg(&a, &mut src) }, unsafe { reg(&b, &mut dst) });
     // WRITE 20000 bytes (20 packets at MTU 1024), two SGEs.
     let wr = SendWr::new(1, WrOpcode::RdmaWrite)
         .sge(ma.iova, 7000, ma.lkey)
@@ -44,7 +45,8 @@ fn run(manual: bool) {
     assert_eq!(src, dst);
     // READ back into a fresh buffer.
     let mut back = vec![0u8; 20_000];
-    let mc = reg(&a, &mut back);
+    // SAFETY: the buffer outlives every work request over it; no other peer knows the keys.
+    let mc = unsafe { reg(&a, &mut back) };
     let wr = SendWr::new(2, WrOpcode::RdmaRead)
         .sge(mc.iova, 20_000, mc.lkey)
         .remote(mb.iova, mb.rkey);
@@ -57,7 +59,8 @@ fn run(manual: bool) {
     assert_eq!(back, src);
     // Atomics on dst[0..8].
     let mut res = [0u8; 8];
-    let mr_res = reg(&a, &mut res);
+    // SAFETY: the buffer outlives every work request over it; no other peer knows the keys.
+    let mr_res = unsafe { reg(&a, &mut res) };
     let before = u64::from_ne_bytes(dst[..8].try_into().unwrap());
     let mut wr = SendWr::new(3, WrOpcode::AtomicFetchAndAdd)
         .sge(mr_res.iova, 8, mr_res.lkey)
@@ -77,7 +80,8 @@ fn run(manual: bool) {
     assert_eq!(u64::from_ne_bytes(dst[..8].try_into().unwrap()), 42);
     // SEND with immediate into a two-SGE receive; inline SEND.
     let mut rbuf = vec![0u8; 3000];
-    let mr = reg(&b, &mut rbuf);
+    // SAFETY: the buffer outlives every work request over it; no other peer knows the keys.
+    let mr = unsafe { reg(&b, &mut rbuf) };
     b.ctx
         .post_recv(
             b.qp,
@@ -184,7 +188,8 @@ fn rnr_then_success() {
     let (a, b) = pair_with(true, all());
     let mut src = vec![7u8; 100];
     let mut dst = vec![0u8; 100];
-    let (ma, mb) = (reg(&a, &mut src), reg(&b, &mut dst));
+    // SAFETY: the buffer outlives every work request over it; no other peer knows the keys.
+    let (ma, mb) = (unsafe { reg(&a, &mut src) }, unsafe { reg(&b, &mut dst) });
     a.ctx
         .post_send(
             a.qp,

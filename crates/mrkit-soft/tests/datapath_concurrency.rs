@@ -21,13 +21,18 @@ fn shared_cq_many_threads() {
     let src = vec![1u8; 1 << 16];
     let mut dst = vec![0u8; 1 << 16];
     let ms = a
-        .reg_mr_va(pa, src.as_ptr() as u64, 1 << 16, A::empty())
+        // SAFETY: test memory: it stays allocated while any work request can reach this MR.
+        .reg_mr_va(
+            pa,
+            unsafe { mrkit_soft::UserMemory::new(src.as_ptr() as u64, 1 << 16) },
+            A::empty(),
+        )
         .unwrap();
     let md = b
+        // SAFETY: test memory: it stays allocated while any work request can reach this MR.
         .reg_mr_va(
             pb,
-            dst.as_mut_ptr() as u64,
-            1 << 16,
+            unsafe { mrkit_soft::UserMemory::new(dst.as_mut_ptr() as u64, 1 << 16) },
             A::LOCAL_WRITE | A::REMOTE_WRITE,
         )
         .unwrap();

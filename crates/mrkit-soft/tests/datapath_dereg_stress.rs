@@ -60,13 +60,20 @@ fn run(round: u64) {
     rc_connect(&a, qa, &b, qb, A::REMOTE_WRITE, 5).unwrap();
     let src = vec![0xAAu8; 16 * 1024];
     let ms = a
-        .reg_mr_va(pa, src.as_ptr() as u64, src.len() as u64, A::empty())
+        // SAFETY: test memory: it stays allocated while any work request can reach this MR.
+        .reg_mr_va(
+            pa,
+            unsafe { mrkit_soft::UserMemory::new(src.as_ptr() as u64, src.len() as u64) },
+            A::empty(),
+        )
         .unwrap();
     let mt = b
+        // SAFETY: test memory: it stays allocated while any work request can reach this MR.
         .reg_mr_va(
             pb,
-            mem.as_ptr() as u64 + reg_off as u64,
-            reg_len as u64,
+            unsafe {
+                mrkit_soft::UserMemory::new(mem.as_ptr() as u64 + reg_off as u64, reg_len as u64)
+            },
             A::LOCAL_WRITE | A::REMOTE_WRITE,
         )
         .unwrap();

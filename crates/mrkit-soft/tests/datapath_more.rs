@@ -22,8 +22,10 @@ fn cq_overflow_moves_qp_to_err_and_raises_cq_err() {
     let a = host_with(ctx(true), 2, true);
     let b = host_with(ctx(true), 16, false);
     connect(&a, &b, all(), 3);
-    let (_sb, sm) = buf_mr(&a, 1, 64);
-    let (_rb, rm) = buf_mr(&b, 0, 64);
+    // SAFETY: the buffer outlives every work request over it; no other peer knows the keys.
+    let (_sb, sm) = unsafe { buf_mr(&a, 1, 64) };
+    // SAFETY: the buffer outlives every work request over it; no other peer knows the keys.
+    let (_rb, rm) = unsafe { buf_mr(&b, 0, 64) };
     let wrs: Vec<_> = (0..3).map(|i| write(i, &sm, &rm, 8)).collect();
     a.ctx.post_send(a.qp, &wrs).unwrap();
     drive(&a, &b);
@@ -48,8 +50,10 @@ fn cq_overflow_moves_qp_to_err_and_raises_cq_err() {
 #[test]
 fn resize_cq_grow_shrink_and_einval_below_entries() {
     let (a, b) = pair();
-    let (_sb, sm) = buf_mr(&a, 1, 64);
-    let (_rb, rm) = buf_mr(&b, 0, 64);
+    // SAFETY: the buffer outlives every work request over it; no other peer knows the keys.
+    let (_sb, sm) = unsafe { buf_mr(&a, 1, 64) };
+    // SAFETY: the buffer outlives every work request over it; no other peer knows the keys.
+    let (_rb, rm) = unsafe { buf_mr(&b, 0, 64) };
     let max = a.ctx.query_device().max_cqe;
     a.ctx.resize_cq(a.cq, 4).unwrap();
     assert_eq!(a.ctx.cq_len(a.cq).unwrap(), (0, 4));
@@ -98,8 +102,10 @@ fn chan_pair() -> (Host, Host, u32, MrInfo, [Vec<u8>; 2]) {
         qp,
     };
     connect(&a, &b, all(), 3);
-    let (sb, sm) = buf_mr(&a, 3, 64);
-    let (rb, rm) = buf_mr(&b, 0, 1024);
+    // SAFETY: the buffer outlives every work request over it; no other peer knows the keys.
+    let (sb, sm) = unsafe { buf_mr(&a, 3, 64) };
+    // SAFETY: the buffer outlives every work request over it; no other peer knows the keys.
+    let (rb, rm) = unsafe { buf_mr(&b, 0, 1024) };
     let recvs: Vec<_> = (0..4).map(|i| recv_wr(i, &rm, i * 64, 64)).collect();
     b.ctx.post_recv(b.qp, &recvs).unwrap();
     (a, b, ch, sm, [sb, rb])
@@ -183,8 +189,10 @@ fn solicited_only_arm_ignores_unsolicited_send() {
 #[test]
 fn sqd_drain_raises_sq_drained() {
     let (a, b) = pair();
-    let (_sb, sm) = buf_mr(&a, 1, 8192);
-    let (rb, rm) = buf_mr(&b, 0, 8192);
+    // SAFETY: the buffer outlives every work request over it; no other peer knows the keys.
+    let (_sb, sm) = unsafe { buf_mr(&a, 1, 8192) };
+    // SAFETY: the buffer outlives every work request over it; no other peer knows the keys.
+    let (rb, rm) = unsafe { buf_mr(&b, 0, 8192) };
     a.ctx.post_send(a.qp, &[write(1, &sm, &rm, 4096)]).unwrap();
     a.ctx.progress_once(std::time::Instant::now()); // WRITE 1 in flight
     let at = QpAttr {
@@ -255,7 +263,8 @@ fn rnr_retry_exhausted_gives_rnr_retry_exc_err() {
         let b = host_with(ctx(true), 64, true);
         connect_rnr(&a, &b, rnr_retry);
         let mut sb = vec![1u8; 64];
-        let sm = reg(&a, &mut sb);
+        // SAFETY: the buffer outlives every work request over it; no other peer knows the keys.
+        let sm = unsafe { reg(&a, &mut sb) };
         send(&a, &sm, 1, f::SIGNALED);
         send(&a, &sm, 2, f::SIGNALED);
         drive_until(&[&a.ctx, &b.ctx], || a.ctx.cq_len(a.cq).unwrap().0 == 2);
@@ -279,9 +288,15 @@ fn every_opcode_signaled_vs_unsignaled() {
     let mut rb = vec![0u8; 4096];
     let sm = a
         .ctx
-        .reg_mr_va(a.pd, sb.as_mut_ptr() as u64, 4096, all() | A::MW_BIND)
+        // SAFETY: test memory: it stays allocated while any work request can reach this MR.
+        .reg_mr_va(
+            a.pd,
+            unsafe { mrkit_soft::UserMemory::new(sb.as_mut_ptr() as u64, 4096) },
+            all() | A::MW_BIND,
+        )
         .unwrap();
-    let rm = reg(&b, &mut rb);
+    // SAFETY: the buffer outlives every work request over it; no other peer knows the keys.
+    let rm = unsafe { reg(&b, &mut rb) };
     let recvs: Vec<_> = (0..16).map(|i| recv_wr(1000 + i, &rm, 2048, 64)).collect();
     b.ctx.post_recv(b.qp, &recvs).unwrap();
     // A type-2 window on a's side for LOCAL_INV / BIND_MW / SEND_WITH_INV.
@@ -414,7 +429,12 @@ fn fence_waits_for_preceding_read_and_atomic() {
     let mut sb = vec![0xBBu8; 65536];
     let mut back = vec![0u8; 65536];
     let mut rb = vec![0xAAu8; 65536];
-    let (sm, bm, rm) = (reg(&a, &mut sb), reg(&a, &mut back), reg(&b, &mut rb));
+    // SAFETY: the buffer outlives every work request over it; no other peer knows the keys.
+    let (sm, bm, rm) = (
+        unsafe { reg(&a, &mut sb) },
+        unsafe { reg(&a, &mut back) },
+        unsafe { reg(&b, &mut rb) },
+    );
     let read = SendWr::new(1, WrOpcode::RdmaRead)
         .sge(bm.iova, 65536, bm.lkey)
         .remote(rm.iova, rm.rkey);
@@ -457,8 +477,10 @@ fn spinning_poll_completes_writes_with_the_fast_path() {
     let a = host_with(ctx(false), 64, true);
     let b = host_with(ctx(false), 64, false);
     connect(&a, &b, all(), 5);
-    let (_sb, sm) = buf_mr(&a, 0, 4096);
-    let (_rb, rm) = buf_mr(&b, 0, 4096);
+    // SAFETY: the buffer outlives every work request over it; no other peer knows the keys.
+    let (_sb, sm) = unsafe { buf_mr(&a, 0, 4096) };
+    // SAFETY: the buffer outlives every work request over it; no other peer knows the keys.
+    let (_rb, rm) = unsafe { buf_mr(&b, 0, 4096) };
     let mut v = Vec::new();
     for i in 0..2000u64 {
         let off = (i % 512) * 8;
@@ -492,7 +514,12 @@ fn overlapping_self_write_matches_packetwise_placement() {
     let mut buf: Vec<u8> = (0..16384u32).map(|i| (i * 7 % 251) as u8).collect();
     let mut model = buf.clone();
     let m = c
-        .reg_mr_va(pd, buf.as_mut_ptr() as u64, buf.len() as u64, all())
+        // SAFETY: test memory: it stays allocated while any work request can reach this MR.
+        .reg_mr_va(
+            pd,
+            unsafe { mrkit_soft::UserMemory::new(buf.as_mut_ptr() as u64, buf.len() as u64) },
+            all(),
+        )
         .unwrap();
     let len = 8192usize;
     let wr = SendWr::new(1, WrOpcode::RdmaWrite)

@@ -119,13 +119,25 @@ fn run(sizes: Vec<usize>, seed: u64, ops: Vec<Op>) {
     let mut mremote: Vec<Vec<u8>> = remote.iter().map(|r| bytes(r)).collect();
     let lm = a
         .ctx
-        .reg_mr_va(a.pd, local.as_mut_ptr() as u64, LOCAL as u64, all())
+        // SAFETY: test memory: it stays allocated while any work request can reach this MR.
+        .reg_mr_va(
+            a.pd,
+            unsafe { mrkit_soft::UserMemory::new(local.as_mut_ptr() as u64, LOCAL as u64) },
+            all(),
+        )
         .unwrap();
     let rms: Vec<_> = remote
         .iter_mut()
         .map(|r| {
             b.ctx
-                .reg_mr_va(b.pd, r.as_mut_ptr() as u64, (r.len() * 8) as u64, all())
+                // SAFETY: test memory: it stays allocated while any work request can reach this MR.
+                .reg_mr_va(
+                    b.pd,
+                    unsafe {
+                        mrkit_soft::UserMemory::new(r.as_mut_ptr() as u64, (r.len() * 8) as u64)
+                    },
+                    all(),
+                )
                 .unwrap()
         })
         .collect();

@@ -71,7 +71,12 @@ fn srq_create_modify_query_destroy_rules() {
     // post_srq_recv: too many SGEs → EINVAL, full → ENOMEM (bad_wr index).
     let mut buf = vec![0u8; 4096];
     let mr = c
-        .reg_mr_va(pd, buf.as_mut_ptr() as u64, 4096, all())
+        // SAFETY: test memory: it stays allocated while any work request can reach this MR.
+        .reg_mr_va(
+            pd,
+            unsafe { mrkit_soft::UserMemory::new(buf.as_mut_ptr() as u64, 4096) },
+            all(),
+        )
         .unwrap();
     let mut wr = recv_wr(1, &mr, 0, 8);
     wr.sg_list = vec![wr.sg_list[0]; 3];
@@ -162,7 +167,8 @@ fn srq_pair(nqps: usize) -> (Vec<Host>, SrqSide, Vec<u32>) {
 fn srq_feeds_several_qps_and_limit_event_fires_once() {
     let (senders, r, qps) = srq_pair(2);
     let mut rbuf = vec![0u8; 64 * 64];
-    let rmr = reg(&r.h, &mut rbuf);
+    // SAFETY: the buffer outlives every work request over it; no other peer knows the keys.
+    let rmr = unsafe { reg(&r.h, &mut rbuf) };
     let wrs: Vec<_> = (0..6).map(|i| recv_wr(100 + i, &rmr, i * 64, 64)).collect();
     r.h.ctx.post_srq_recv(r.srq, &wrs).unwrap();
     r.h.ctx
@@ -179,7 +185,8 @@ fn srq_feeds_several_qps_and_limit_event_fires_once() {
     let smrs: Vec<_> = senders
         .iter()
         .zip(sbufs.iter_mut())
-        .map(|(s, b)| reg(s, b))
+        // SAFETY: the buffer outlives every work request over it; no other peer knows the keys.
+        .map(|(s, b)| unsafe { reg(s, b) })
         .collect();
     let ctxs: Vec<&Context> = senders.iter().map(|s| &s.ctx).chain([&r.h.ctx]).collect();
     // Sender 0, then sender 1, then sender 0: three WQEs in SRQ order.
@@ -250,9 +257,11 @@ fn srq_empty_means_rnr_then_delivery_when_posted() {
     let (senders, r, _qps) = srq_pair(1);
     let s = &senders[0];
     let mut sb = vec![7u8; 32];
-    let smr = reg(s, &mut sb);
+    // SAFETY: the buffer outlives every work request over it; no other peer knows the keys.
+    let smr = unsafe { reg(s, &mut sb) };
     let mut rb = vec![0u8; 32];
-    let rmr = reg(&r.h, &mut rb);
+    // SAFETY: the buffer outlives every work request over it; no other peer knows the keys.
+    let rmr = unsafe { reg(&r.h, &mut rb) };
     s.ctx
         .post_send(
             s.qp,
@@ -281,7 +290,8 @@ fn srq_empty_means_rnr_then_delivery_when_posted() {
 fn srq_qp_to_err_raises_last_wqe_reached_and_keeps_srq_wqes() {
     let (senders, r, qps) = srq_pair(2);
     let mut rb = vec![0u8; 256];
-    let rmr = reg(&r.h, &mut rb);
+    // SAFETY: the buffer outlives every work request over it; no other peer knows the keys.
+    let rmr = unsafe { reg(&r.h, &mut rb) };
     let wrs: Vec<_> = (0..4).map(|i| recv_wr(i, &rmr, i * 64, 64)).collect();
     r.h.ctx.post_srq_recv(r.srq, &wrs).unwrap();
     // QP 0 → ERR by modify: LAST_WQE_REACHED, no flush completions, SRQ keeps all 4.
@@ -310,7 +320,8 @@ fn srq_qp_to_err_raises_last_wqe_reached_and_keeps_srq_wqes() {
     // with LAST_WQE_REACHED, the other WQEs stay for the next QP.
     let s = &senders[1];
     let mut sb = vec![1u8; 100];
-    let smr = reg(s, &mut sb);
+    // SAFETY: the buffer outlives every work request over it; no other peer knows the keys.
+    let smr = unsafe { reg(s, &mut sb) };
     s.ctx
         .post_send(
             s.qp,

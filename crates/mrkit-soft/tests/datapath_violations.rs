@@ -64,11 +64,21 @@ fn scenario(model: StatusModel, case: Case) -> Outcome {
     let mut small = vec![0u8; 64];
     let la = a
         .ctx
-        .reg_mr_va(a.pd, src.as_ptr() as u64, 8192, full)
+        // SAFETY: test memory: it stays allocated while any work request can reach this MR.
+        .reg_mr_va(
+            a.pd,
+            unsafe { mrkit_soft::UserMemory::new(src.as_ptr() as u64, 8192) },
+            full,
+        )
         .unwrap();
     let la_ro = a
         .ctx
-        .reg_mr_va(a.pd, small.as_mut_ptr() as u64, 64, A::empty())
+        // SAFETY: test memory: it stays allocated while any work request can reach this MR.
+        .reg_mr_va(
+            a.pd,
+            unsafe { mrkit_soft::UserMemory::new(small.as_mut_ptr() as u64, 64) },
+            A::empty(),
+        )
         .unwrap();
     let rb_access = match case {
         WriteNoRemoteWriteOnMr => A::LOCAL_WRITE | A::REMOTE_READ,
@@ -79,7 +89,12 @@ fn scenario(model: StatusModel, case: Case) -> Outcome {
     };
     let rb = b
         .ctx
-        .reg_mr_va(b.pd, dst.as_mut_ptr() as u64, 8192, rb_access)
+        // SAFETY: test memory: it stays allocated while any work request can reach this MR.
+        .reg_mr_va(
+            b.pd,
+            unsafe { mrkit_soft::UserMemory::new(dst.as_mut_ptr() as u64, 8192) },
+            rb_access,
+        )
         .unwrap();
     let mut rkey = rb.rkey;
     let mut raddr = rb.iova;
@@ -88,7 +103,12 @@ fn scenario(model: StatusModel, case: Case) -> Outcome {
         let mut other = vec![0u8; 4096];
         let m = b
             .ctx
-            .reg_mr_va(pd2, other.as_mut_ptr() as u64, 4096, full)
+            // SAFETY: test memory: it stays allocated while any work request can reach this MR.
+            .reg_mr_va(
+                pd2,
+                unsafe { mrkit_soft::UserMemory::new(other.as_mut_ptr() as u64, 4096) },
+                full,
+            )
             .unwrap();
         rkey = m.rkey;
         raddr = m.iova;
@@ -98,7 +118,12 @@ fn scenario(model: StatusModel, case: Case) -> Outcome {
         let mut tmp = vec![0u8; 4096];
         let m = b
             .ctx
-            .reg_mr_va(b.pd, tmp.as_mut_ptr() as u64, 4096, full)
+            // SAFETY: test memory: it stays allocated while any work request can reach this MR.
+            .reg_mr_va(
+                b.pd,
+                unsafe { mrkit_soft::UserMemory::new(tmp.as_mut_ptr() as u64, 4096) },
+                full,
+            )
             .unwrap();
         b.ctx.dereg_mr(m.lkey).unwrap();
         rkey = m.rkey;
@@ -268,7 +293,12 @@ fn misaligned_atomic_is_einval_at_post_and_flush_after_error() {
     let buf = vec![0u8; 4096];
     let m = a
         .ctx
-        .reg_mr_va(a.pd, buf.as_ptr() as u64, 4096, A::LOCAL_WRITE)
+        // SAFETY: test memory: it stays allocated while any work request can reach this MR.
+        .reg_mr_va(
+            a.pd,
+            unsafe { mrkit_soft::UserMemory::new(buf.as_ptr() as u64, 4096) },
+            A::LOCAL_WRITE,
+        )
         .unwrap();
     let ok = SendWr::new(1, O::RdmaWrite)
         .sge(m.iova, 8, m.lkey)

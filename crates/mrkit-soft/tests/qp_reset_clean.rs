@@ -48,9 +48,14 @@ fn srq_qp(c: &Context, pd: u32, cq: u32, srq: u32) -> u32 {
     .0
 }
 
-fn reg(c: &Context, pd: u32, buf: &mut [u8]) -> MrInfo {
-    c.reg_mr_va(pd, buf.as_mut_ptr() as u64, buf.len() as u64, all())
-        .unwrap()
+/// # Safety
+///
+/// Nothing may access the MR once `buf` is freed (the test posts no work request over it
+/// afterwards; no other peer knows its keys).
+unsafe fn reg(c: &Context, pd: u32, buf: &mut [u8]) -> MrInfo {
+    // SAFETY: passed on to the caller (above).
+    let mem = unsafe { mrkit_soft::UserMemory::new(buf.as_mut_ptr() as u64, buf.len() as u64) };
+    c.reg_mr_va(pd, mem, all()).unwrap()
 }
 
 fn recv(wr_id: u64, mr: &MrInfo) -> RecvWr {
@@ -100,7 +105,8 @@ fn reset_cleans_only_that_qps_completions_from_a_shared_cq() {
         let pd = c.alloc_pd().unwrap();
         let cq = c.create_cq(256, None).unwrap();
         let mut buf = vec![0u8; 4096];
-        let mr = reg(&c, pd, &mut buf);
+        // SAFETY: the buffer outlives every work request over it; no other peer knows the keys.
+        let mr = unsafe { reg(&c, pd, &mut buf) };
         let q1 = qp(&c, pd, cq, cq);
         let q2 = qp(&c, pd, cq, cq);
         rc_connect(&c, q1, &c, q2, all(), 3).unwrap();
@@ -170,7 +176,8 @@ fn reset_cleans_both_the_send_and_the_receive_cq() {
     let scq = c.create_cq(64, None).unwrap();
     let rcq = c.create_cq(64, None).unwrap();
     let mut buf = vec![0u8; 4096];
-    let mr = reg(&c, pd, &mut buf);
+    // SAFETY: the buffer outlives every work request over it; no other peer knows the keys.
+    let mr = unsafe { reg(&c, pd, &mut buf) };
     let q1 = qp(&c, pd, scq, rcq);
     let q2 = qp(&c, pd, scq, rcq);
     rc_connect(&c, q1, &c, q2, all(), 3).unwrap();
@@ -213,8 +220,10 @@ fn reset_cleans_srq_receive_completions_of_that_qp_only() {
     let cqb = b.create_cq(64, None).unwrap();
     let mut bufa = vec![0u8; 4096];
     let mut bufb = vec![0u8; 4096];
-    let mra = reg(&a, pda, &mut bufa);
-    let mrb = reg(&b, pdb, &mut bufb);
+    // SAFETY: the buffer outlives every work request over it; no other peer knows the keys.
+    let mra = unsafe { reg(&a, pda, &mut bufa) };
+    // SAFETY: the buffer outlives every work request over it; no other peer knows the keys.
+    let mrb = unsafe { reg(&b, pdb, &mut bufb) };
     let (srq, _) = a
         .create_srq(
             pda,

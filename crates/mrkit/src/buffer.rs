@@ -42,6 +42,17 @@ unsafe impl Send for Buffer {}
 // SAFETY: shared references only allow reads.
 unsafe impl Sync for Buffer {}
 
+// SAFETY: the mapping stays at the same address, `len` bytes long, until the buffer is
+// dropped (it is unmapped only in `Drop`); through `&Buffer` (all an `Arc` gives) nothing can
+// resize, remap or free it, and no `&mut` to the bytes is reachable (`as_mut_slice` and
+// `make_readonly` need `&mut Buffer`). A buffer made read-only can only be registered without
+// write access (the pin of a writable registration fails with EFAULT).
+unsafe impl mrkit_soft::OwnedMemory for Buffer {
+    fn range(&self) -> (u64, u64) {
+        (self.addr(), self.len as u64)
+    }
+}
+
 const HUGE: usize = 2 << 20;
 
 impl Buffer {

@@ -4,7 +4,7 @@
 #![forbid(unsafe_code)]
 
 use mrkit_soft::mw::{BindInfo, MwInfo};
-use mrkit_soft::{AccessFlags, DeviceAttr, Errno, Error, MrInfo, MwType, Result};
+use mrkit_soft::{AccessFlags, DeviceAttr, Errno, Error, MrInfo, MwType, Result, UserMemory};
 
 fn unsupported(op: &str) -> Error {
     Error::new(
@@ -24,26 +24,19 @@ pub trait Provider: Send + Sync + std::fmt::Debug + 'static {
     fn alloc_pd(&self) -> Result<u32>;
     /// `ibv_dealloc_pd`.
     fn dealloc_pd(&self, pd: u32) -> Result<()>;
-    /// `ibv_reg_mr_iova2`.
-    fn reg_mr(
-        &self,
-        pd: u32,
-        addr: u64,
-        len: u64,
-        iova: u64,
-        access: AccessFlags,
-    ) -> Result<MrInfo>;
+    /// `ibv_reg_mr_iova2`. `mem` carries the guarantee that the memory outlives the MR (see
+    /// [`UserMemory`]): a provider keeps `mem` (its owner, if any) until deregistration.
+    fn reg_mr(&self, pd: u32, mem: UserMemory, iova: u64, access: AccessFlags) -> Result<MrInfo>;
     /// `ibv_dereg_mr`.
     fn dereg_mr(&self, lkey: u32) -> Result<()>;
-    /// `ibv_rereg_mr`.
-    #[allow(clippy::too_many_arguments)]
+    /// `ibv_rereg_mr` (`mem` is used with CHANGE_TRANSLATION only; else pass
+    /// [`UserMemory::empty_at`]).
     fn rereg_mr(
         &self,
         _lkey: u32,
         _flags: u32,
         _pd: u32,
-        _addr: u64,
-        _len: u64,
+        _mem: UserMemory,
         _iova: u64,
         _access: AccessFlags,
     ) -> Result<MrInfo> {
@@ -105,15 +98,8 @@ impl Provider for mrkit_soft::Context {
     fn dealloc_pd(&self, pd: u32) -> Result<()> {
         mrkit_soft::Context::dealloc_pd(self, pd)
     }
-    fn reg_mr(
-        &self,
-        pd: u32,
-        addr: u64,
-        len: u64,
-        iova: u64,
-        access: AccessFlags,
-    ) -> Result<MrInfo> {
-        mrkit_soft::Context::reg_mr(self, pd, addr, len, iova, access)
+    fn reg_mr(&self, pd: u32, mem: UserMemory, iova: u64, access: AccessFlags) -> Result<MrInfo> {
+        mrkit_soft::Context::reg_mr(self, pd, mem, iova, access)
     }
     fn dereg_mr(&self, lkey: u32) -> Result<()> {
         mrkit_soft::Context::dereg_mr(self, lkey)
@@ -123,12 +109,11 @@ impl Provider for mrkit_soft::Context {
         lkey: u32,
         flags: u32,
         pd: u32,
-        addr: u64,
-        len: u64,
+        mem: UserMemory,
         iova: u64,
         access: AccessFlags,
     ) -> Result<MrInfo> {
-        mrkit_soft::Context::rereg_mr(self, lkey, flags, pd, addr, len, iova, access)
+        mrkit_soft::Context::rereg_mr(self, lkey, flags, pd, mem, iova, access)
     }
     fn query_mr(&self, lkey: u32) -> Result<MrInfo> {
         mrkit_soft::Context::query_mr(self, lkey)

@@ -1,10 +1,13 @@
 //! Safe handles: context, protection domain, memory regions and windows.
 
+use std::mem::ManuallyDrop;
 use std::ops::Range;
 use std::sync::Arc;
 
 use mrkit_soft::mr::ReregFlags;
-use mrkit_soft::{AccessFlags, DeviceAttr, DeviceConfig, Errno, Error, MrInfo, MwType, Result};
+use mrkit_soft::{
+    AccessFlags, DeviceAttr, DeviceConfig, Errno, Error, MrInfo, MwType, Result, UserMemory,
+};
 
 use crate::buffer::Buffer;
 use crate::provider::Provider;
@@ -139,19 +142,22 @@ impl ProtectionDomain {
         iova: u64,
         access: AccessFlags,
     ) -> Result<MemoryRegion> {
-        let info = self.inner.ctx.provider.reg_mr(
-            self.inner.handle,
-            buf.addr(),
-            buf.len() as u64,
-            iova,
-            access,
-        )?;
+        // SAFETY: the returned `MemoryRegion` owns `buf` and frees it only once the MR is
+        // deregistered (see its `Drop`: a registration that cannot be removed leaks the
+        // buffer instead).
+        let mem = unsafe { UserMemory::new(buf.addr(), buf.len() as u64) };
+        let info = self
+            .inner
+            .ctx
+            .provider
+            .reg_mr(self.inner.handle, mem, iova, access)?;
         Ok(MemoryRegion {
             raw: RawMemoryRegion {
                 pd: self.clone(),
                 info,
+                live: true,
             },
-            buf,
+            buf: ManuallyDrop::new(buf),
         })
     }
 
@@ -169,14 +175,17 @@ impl ProtectionDomain {
         iova: u64,
         access: AccessFlags,
     ) -> Result<RawMemoryRegion> {
+        // SAFETY: our caller's contract (above) is `UserMemory::new`'s.
+        let mem = unsafe { UserMemory::new(addr, len) };
         let info = self
             .inner
             .ctx
             .provider
-            .reg_mr(self.inner.handle, addr, len, iova, access)?;
+            .reg_mr(self.inner.handle, mem, iova, access)?;
         Ok(RawMemoryRegion {
             pd: self.clone(),
             info,
+            live: true,
         })
     }
 
@@ -204,6 +213,8 @@ impl ProtectionDomain {
 pub struct RawMemoryRegion {
     pd: ProtectionDomain,
     info: MrInfo,
+    /// Still registered by us (cleared once deregistration succeeded).
+    live: bool,
 }
 
 impl RawMemoryRegion {
@@ -234,8 +245,7 @@ impl RawMemoryRegion {
             self.info.lkey,
             ReregFlags::CHANGE_ACCESS,
             0,
-            0,
-            0,
+            UserMemory::empty_at(0),
             0,
             access,
         )?;
@@ -247,8 +257,7 @@ impl RawMemoryRegion {
             self.info.lkey,
             ReregFlags::CHANGE_PD,
             pd.handle(),
-            0,
-            0,
+            UserMemory::empty_at(0),
             0,
             AccessFlags::empty(),
         )?;
@@ -291,20 +300,58 @@ fn slice_check(info: &MrInfo, range: &Range<u64>) -> Result<()> {
     Ok(())
 }
 
+impl RawMemoryRegion {
+    /// Deregister; whether the MR is gone afterwards (also when something deregistered its
+    /// key already). False only while the device still holds it (e.g. memory windows bound).
+    fn release(&mut self) -> bool {
+        if !self.live {
+            return true;
+        }
+        let gone = match self.pd.inner.ctx.provider.dereg_mr(self.info.lkey) {
+            Ok(()) => true,
+            Err(e) => {
+                let gone = self.pd.inner.ctx.provider.query_mr(self.info.lkey).is_err();
+                if !gone {
+                    tracing::warn!(error = %e, lkey = self.info.lkey, "dereg_mr failed");
+                }
+                gone
+            }
+        };
+        self.live = !gone;
+        gone
+    }
+}
+
 impl Drop for RawMemoryRegion {
     fn drop(&mut self) {
-        if let Err(e) = self.pd.inner.ctx.provider.dereg_mr(self.info.lkey) {
-            tracing::warn!(error = %e, lkey = self.info.lkey, "dereg_mr failed in drop");
-        }
+        self.release();
     }
 }
 
 /// A registered [`Buffer`], owned by the MR. Dropping it deregisters, then frees the buffer.
 #[derive(Debug)]
 pub struct MemoryRegion {
-    // Field order matters: `raw` (dereg) drops before `buf` (munmap).
     raw: RawMemoryRegion,
-    buf: Buffer,
+    /// Freed by `Drop` only after deregistration succeeded.
+    buf: ManuallyDrop<Buffer>,
+}
+
+impl Drop for MemoryRegion {
+    fn drop(&mut self) {
+        if self.raw.release() {
+            // SAFETY: the MR is gone, so the device no longer reaches the buffer; `buf` is
+            // not used again (we are in `drop`).
+            unsafe { ManuallyDrop::drop(&mut self.buf) }
+        } else {
+            // Still registered (e.g. memory windows bound to it): freeing the buffer would let
+            // the device and peers write into freed memory. Leak it instead.
+            tracing::warn!(
+                lkey = self.raw.info.lkey,
+                bytes = self.buf.len(),
+                "MR could not be deregistered: its buffer is leaked, not freed"
+            );
+        }
+    }
 }
 
 impl MemoryRegion {
@@ -348,11 +395,19 @@ impl MemoryRegion {
     pub fn remote(&self, range: Range<u64>) -> Result<RemoteSlice> {
         self.raw.remote(range)
     }
-    /// Deregister and get the buffer back.
-    pub fn deregister(self) -> Buffer {
-        let MemoryRegion { raw, buf } = self;
+    /// Deregister and get the buffer back. An MR the device cannot deregister (memory
+    /// windows still bound) is returned as the error, still registered.
+    pub fn deregister(mut self) -> std::result::Result<Buffer, Box<MemoryRegion>> {
+        if !self.raw.release() {
+            return Err(Box::new(self));
+        }
+        let mut me = ManuallyDrop::new(self);
+        // SAFETY: `me` is never dropped (ManuallyDrop), so each field is moved out exactly
+        // once; the MR is deregistered, so the buffer is free to go.
+        let (raw, buf) = unsafe { (std::ptr::read(&me.raw), ManuallyDrop::take(&mut me.buf)) };
+        // Deregistered (`live` is false): dropping it only releases the PD reference.
         drop(raw);
-        buf
+        Ok(buf)
     }
 }
 

@@ -93,10 +93,10 @@ fn remapped_addresses_never_get_old_registrations() {
     const LEN: usize = 32 << 10;
     let land = vec![0u8; LEN];
     let land_mr = ictx
+        // SAFETY: test memory: it stays allocated while any work request can reach this MR.
         .reg_mr_va(
             ipd,
-            land.as_ptr() as u64,
-            LEN as u64,
+            unsafe { mrkit_soft::UserMemory::new(land.as_ptr() as u64, LEN as u64) },
             AccessFlags::LOCAL_WRITE,
         )
         .unwrap()

@@ -68,33 +68,58 @@ fn child_budget() {
     .unwrap();
     // 16 KiB fits in 64 KiB.
     let small = ctx
-        .reg_mr_va(pd, buf.addr(), 16 << 10, A::LOCAL_WRITE)
+        // SAFETY: test memory: it stays allocated while any work request can reach this MR.
+        .reg_mr_va(
+            pd,
+            unsafe { mrkit_soft::UserMemory::new(buf.addr(), 16 << 10) },
+            A::LOCAL_WRITE,
+        )
         .unwrap();
     // 1 MiB does not.
     let e = ctx
-        .reg_mr_va(pd, buf.addr(), 1 << 20, A::LOCAL_WRITE)
+        // SAFETY: test memory: it stays allocated while any work request can reach this MR.
+        .reg_mr_va(
+            pd,
+            unsafe { mrkit_soft::UserMemory::new(buf.addr(), 1 << 20) },
+            A::LOCAL_WRITE,
+        )
         .unwrap_err();
     assert_eq!(e.errno(), Errno::ENOMEM, "{e}");
     assert!(e.to_string().contains("RLIMIT_MEMLOCK"), "{e}");
     // Overlaps count twice: 3 more 16 KiB registrations of the same pages fill 64 KiB exactly...
     let more: Vec<u32> = (0..3)
         .map(|_| {
-            ctx.reg_mr_va(pd, buf.addr(), 16 << 10, A::LOCAL_WRITE)
-                .unwrap()
-                .lkey
+            // SAFETY: test memory: it stays allocated while any work request can reach this MR.
+            ctx.reg_mr_va(
+                pd,
+                unsafe { mrkit_soft::UserMemory::new(buf.addr(), 16 << 10) },
+                A::LOCAL_WRITE,
+            )
+            .unwrap()
+            .lkey
         })
         .collect();
     // ...and the next page is one too many.
     assert_eq!(
-        ctx.reg_mr_va(pd, buf.addr(), 4096, A::LOCAL_WRITE)
-            .unwrap_err()
-            .errno(),
+        // SAFETY: test memory: it stays allocated while any work request can reach this MR.
+        ctx.reg_mr_va(
+            pd,
+            unsafe { mrkit_soft::UserMemory::new(buf.addr(), 4096) },
+            A::LOCAL_WRITE
+        )
+        .unwrap_err()
+        .errno(),
         Errno::ENOMEM
     );
     // Dereg returns the budget.
     ctx.dereg_mr(small.lkey).unwrap();
     let again = ctx
-        .reg_mr_va(pd, buf.addr(), 16 << 10, A::LOCAL_WRITE)
+        // SAFETY: test memory: it stays allocated while any work request can reach this MR.
+        .reg_mr_va(
+            pd,
+            unsafe { mrkit_soft::UserMemory::new(buf.addr(), 16 << 10) },
+            A::LOCAL_WRITE,
+        )
         .unwrap();
     for k in more.into_iter().chain([again.lkey]) {
         ctx.dereg_mr(k).unwrap();
@@ -102,7 +127,12 @@ fn child_budget() {
     assert_eq!(mrkit_soft::mem::account::pinned_pages(), 0);
     // ODP registrations are not charged.
     let odp = ctx
-        .reg_mr_va(pd, buf.addr(), 1 << 20, A::ON_DEMAND | A::LOCAL_WRITE)
+        // SAFETY: test memory: it stays allocated while any work request can reach this MR.
+        .reg_mr_va(
+            pd,
+            unsafe { mrkit_soft::UserMemory::new(buf.addr(), 1 << 20) },
+            A::ON_DEMAND | A::LOCAL_WRITE,
+        )
         .unwrap();
     ctx.dereg_mr(odp.lkey).unwrap();
 }
@@ -129,17 +159,34 @@ fn child_zero() {
     )
     .unwrap();
     let e = ctx
-        .reg_mr_va(pd, buf.addr(), 4096, A::LOCAL_WRITE)
+        // SAFETY: test memory: it stays allocated while any work request can reach this MR.
+        .reg_mr_va(
+            pd,
+            unsafe { mrkit_soft::UserMemory::new(buf.addr(), 4096) },
+            A::LOCAL_WRITE,
+        )
         .unwrap_err();
     assert_eq!(e.errno(), Errno::EPERM, "{e}");
     // Rule order: length 0 comes after the EPERM check, so it is EPERM too.
     assert_eq!(
-        ctx.reg_mr_va(pd, buf.addr(), 0, A::LOCAL_WRITE)
-            .unwrap_err()
-            .errno(),
+        // SAFETY: test memory: it stays allocated while any work request can reach this MR.
+        ctx.reg_mr_va(
+            pd,
+            unsafe { mrkit_soft::UserMemory::new(buf.addr(), 0) },
+            A::LOCAL_WRITE
+        )
+        .unwrap_err()
+        .errno(),
         Errno::EPERM
     );
     // ODP does not pin and is allowed.
-    let odp = ctx.reg_mr_va(pd, buf.addr(), 4096, A::ON_DEMAND).unwrap();
+    // SAFETY: test memory: it stays allocated while any work request can reach this MR.
+    let odp = ctx
+        .reg_mr_va(
+            pd,
+            unsafe { mrkit_soft::UserMemory::new(buf.addr(), 4096) },
+            A::ON_DEMAND,
+        )
+        .unwrap();
     ctx.dereg_mr(odp.lkey).unwrap();
 }

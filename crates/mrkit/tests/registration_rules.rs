@@ -194,7 +194,13 @@ fn validation_order_table() {
         let pd = ctx.alloc_pd().unwrap();
         let (addr, len, iova, access) = (c.input)(buf.addr());
         let pd_arg = if c.bad_pd { pd ^ 0x5500 } else { pd };
-        let r = ctx.reg_mr(pd_arg, addr, len, iova, access);
+        // SAFETY: test memory: it stays allocated while any work request can reach this MR.
+        let r = ctx.reg_mr(
+            pd_arg,
+            unsafe { mrkit_soft::UserMemory::new(addr, len) },
+            iova,
+            access,
+        );
         match (&r, &c.expect) {
             (Ok(info), Ok(())) => {
                 assert_eq!(info.lkey, info.rkey, "{}", c.name);
@@ -220,7 +226,12 @@ fn zero_based_mr_starts_at_zero() {
     let pd = ctx.alloc_pd().unwrap();
     let buf = populated(8192);
     let mr = ctx
-        .reg_mr_va(pd, buf.addr(), 8192, A::ZERO_BASED | A::REMOTE_READ)
+        // SAFETY: test memory: it stays allocated while any work request can reach this MR.
+        .reg_mr_va(
+            pd,
+            unsafe { mrkit_soft::UserMemory::new(buf.addr(), 8192) },
+            A::ZERO_BASED | A::REMOTE_READ,
+        )
         .unwrap();
     assert_eq!(mr.iova, 0);
     let g = ctx
@@ -246,11 +257,25 @@ fn read_only_mappings() {
         A::MW_BIND,
         A::LOCAL_WRITE | A::REMOTE_ATOMIC,
     ] {
-        let e = ctx.reg_mr_va(pd, ro.addr(), 16 << 10, access).unwrap_err();
+        // SAFETY: test memory: it stays allocated while any work request can reach this MR.
+        let e = ctx
+            .reg_mr_va(
+                pd,
+                unsafe { mrkit_soft::UserMemory::new(ro.addr(), 16 << 10) },
+                access,
+            )
+            .unwrap_err();
         assert_eq!(e.errno(), Errno::EFAULT, "{access:?}: {e}");
     }
     for access in [A::empty(), A::REMOTE_READ] {
-        let mr = ctx.reg_mr_va(pd, ro.addr(), 16 << 10, access).unwrap();
+        // SAFETY: test memory: it stays allocated while any work request can reach this MR.
+        let mr = ctx
+            .reg_mr_va(
+                pd,
+                unsafe { mrkit_soft::UserMemory::new(ro.addr(), 16 << 10) },
+                access,
+            )
+            .unwrap();
         assert!(!mr.writable);
         assert_eq!(
             mr.pin_path,
@@ -263,8 +288,7 @@ fn read_only_mappings() {
                 mr.lkey,
                 ReregFlags::CHANGE_ACCESS,
                 0,
-                0,
-                0,
+                mrkit_soft::UserMemory::empty_at(0),
                 0,
                 A::LOCAL_WRITE,
             )
@@ -282,13 +306,23 @@ fn max_mr_1001st_registration_fails_with_enomem() {
     let buf = populated(4096);
     let keys: Vec<u32> = (0..1000)
         .map(|_| {
-            ctx.reg_mr_va(pd, buf.addr(), 4096, A::LOCAL_WRITE)
-                .unwrap()
-                .lkey
+            // SAFETY: test memory: it stays allocated while any work request can reach this MR.
+            ctx.reg_mr_va(
+                pd,
+                unsafe { mrkit_soft::UserMemory::new(buf.addr(), 4096) },
+                A::LOCAL_WRITE,
+            )
+            .unwrap()
+            .lkey
         })
         .collect();
     let e = ctx
-        .reg_mr_va(pd, buf.addr(), 4096, A::LOCAL_WRITE)
+        // SAFETY: test memory: it stays allocated while any work request can reach this MR.
+        .reg_mr_va(
+            pd,
+            unsafe { mrkit_soft::UserMemory::new(buf.addr(), 4096) },
+            A::LOCAL_WRITE,
+        )
         .unwrap_err();
     assert_eq!(e.errno(), Errno::ENOMEM);
     assert!(e.to_string().contains("max_mr (1000)"), "{e}");
@@ -296,7 +330,12 @@ fn max_mr_1001st_registration_fails_with_enomem() {
     assert_eq!(ctx.stats().pinned_bytes, 1000 * 4096);
     ctx.dereg_mr(keys[500]).unwrap();
     let k = ctx
-        .reg_mr_va(pd, buf.addr(), 4096, A::LOCAL_WRITE)
+        // SAFETY: test memory: it stays allocated while any work request can reach this MR.
+        .reg_mr_va(
+            pd,
+            unsafe { mrkit_soft::UserMemory::new(buf.addr(), 4096) },
+            A::LOCAL_WRITE,
+        )
         .unwrap()
         .lkey;
     for k in keys.iter().copied().filter(|k| *k != keys[500]).chain([k]) {
@@ -319,7 +358,12 @@ fn translation_capacity_and_thp() {
     let pd = ctx.alloc_pd().unwrap();
     let small = populated(4 << 20);
     let e = ctx
-        .reg_mr_va(pd, small.addr(), 4 << 20, A::LOCAL_WRITE)
+        // SAFETY: test memory: it stays allocated while any work request can reach this MR.
+        .reg_mr_va(
+            pd,
+            unsafe { mrkit_soft::UserMemory::new(small.addr(), 4 << 20) },
+            A::LOCAL_WRITE,
+        )
         .unwrap_err();
     assert_eq!(e.errno(), Errno::ENOMEM);
     assert!(e.to_string().contains("translation"), "{e}");
@@ -341,7 +385,12 @@ fn translation_capacity_and_thp() {
         },
     )
     .unwrap();
-    let mr = ctx.reg_mr_va(pd, huge.addr(), 4 << 20, A::LOCAL_WRITE);
+    // SAFETY: test memory: it stays allocated while any work request can reach this MR.
+    let mr = ctx.reg_mr_va(
+        pd,
+        unsafe { mrkit_soft::UserMemory::new(huge.addr(), 4 << 20) },
+        A::LOCAL_WRITE,
+    );
     let mr = mr.expect("THP-backed 4 MiB needs 2 entries and must fit in 512");
     assert_eq!(mr.page_size, 2 << 20);
     assert_eq!(mr.entries, 2);
@@ -353,7 +402,14 @@ fn pd_dealloc_busy_and_usecounts() {
     let ctx = Context::open(rxe());
     let pd = ctx.alloc_pd().unwrap();
     let buf = populated(4096);
-    let mr = ctx.reg_mr_va(pd, buf.addr(), 4096, A::empty()).unwrap();
+    // SAFETY: test memory: it stays allocated while any work request can reach this MR.
+    let mr = ctx
+        .reg_mr_va(
+            pd,
+            unsafe { mrkit_soft::UserMemory::new(buf.addr(), 4096) },
+            A::empty(),
+        )
+        .unwrap();
     let mw = ctx.alloc_mw(pd, MwType::Type2).unwrap();
     assert_eq!(ctx.dealloc_pd(pd).unwrap_err().errno(), Errno::EBUSY);
     ctx.dereg_mr(mr.lkey).unwrap();
@@ -374,7 +430,12 @@ fn lookup_predicate() {
     let pd2 = ctx.alloc_pd().unwrap();
     let buf = populated(8192);
     let mr = ctx
-        .reg_mr_va(pd, buf.addr(), 8192, A::LOCAL_WRITE | A::REMOTE_READ)
+        // SAFETY: test memory: it stays allocated while any work request can reach this MR.
+        .reg_mr_va(
+            pd,
+            unsafe { mrkit_soft::UserMemory::new(buf.addr(), 8192) },
+            A::LOCAL_WRITE | A::REMOTE_READ,
+        )
         .unwrap();
     let a = buf.addr();
     type Row = (u32, u32, A, u64, u64, Result<(), AccessDenied>);
@@ -463,9 +524,23 @@ fn stale_keys_never_match_across_thousands_of_cycles() {
     let pd = ctx.alloc_pd().unwrap();
     let buf = populated(4096);
     let mut dead = std::collections::HashSet::new();
-    let live = ctx.reg_mr_va(pd, buf.addr(), 4096, A::REMOTE_READ).unwrap();
+    // SAFETY: test memory: it stays allocated while any work request can reach this MR.
+    let live = ctx
+        .reg_mr_va(
+            pd,
+            unsafe { mrkit_soft::UserMemory::new(buf.addr(), 4096) },
+            A::REMOTE_READ,
+        )
+        .unwrap();
     for _ in 0..5000 {
-        let mr = ctx.reg_mr_va(pd, buf.addr(), 4096, A::REMOTE_READ).unwrap();
+        // SAFETY: test memory: it stays allocated while any work request can reach this MR.
+        let mr = ctx
+            .reg_mr_va(
+                pd,
+                unsafe { mrkit_soft::UserMemory::new(buf.addr(), 4096) },
+                A::REMOTE_READ,
+            )
+            .unwrap();
         assert!(!dead.contains(&mr.lkey), "key {:#x} reissued", mr.lkey);
         assert_ne!(mr.lkey, live.lkey);
         ctx.dereg_mr(mr.lkey).unwrap();
@@ -503,7 +578,12 @@ fn concurrent_registrations() {
                 for i in 0..300u64 {
                     let off = ((t * 300 + i) % 250) * 4096;
                     let mr = ctx
-                        .reg_mr_va(pd, addr + off, 8192, A::LOCAL_WRITE | A::REMOTE_WRITE)
+                        // SAFETY: test memory: it stays allocated while any work request can reach this MR.
+                        .reg_mr_va(
+                            pd,
+                            unsafe { mrkit_soft::UserMemory::new(addr + off, 8192) },
+                            A::LOCAL_WRITE | A::REMOTE_WRITE,
+                        )
                         .unwrap();
                     let g = ctx
                         .check_access(
@@ -537,10 +617,20 @@ fn overlapping_registrations_do_not_unpin_each_other() {
     let pd = ctx.alloc_pd().unwrap();
     let buf = populated(1 << 20);
     let a = ctx
-        .reg_mr_va(pd, buf.addr(), 1 << 20, A::LOCAL_WRITE)
+        // SAFETY: test memory: it stays allocated while any work request can reach this MR.
+        .reg_mr_va(
+            pd,
+            unsafe { mrkit_soft::UserMemory::new(buf.addr(), 1 << 20) },
+            A::LOCAL_WRITE,
+        )
         .unwrap();
     let b = ctx
-        .reg_mr_va(pd, buf.addr() + 4096, 64 << 10, A::LOCAL_WRITE)
+        // SAFETY: test memory: it stays allocated while any work request can reach this MR.
+        .reg_mr_va(
+            pd,
+            unsafe { mrkit_soft::UserMemory::new(buf.addr() + 4096, 64 << 10) },
+            A::LOCAL_WRITE,
+        )
         .unwrap();
     assert_eq!(
         ctx.stats().pinned_bytes,
@@ -580,7 +670,14 @@ fn rereg_rules() {
     let pd = ctx.alloc_pd().unwrap();
     let pd2 = ctx.alloc_pd().unwrap();
     let buf = populated(64 << 10);
-    let mr = ctx.reg_mr_va(pd, buf.addr(), 8192, A::LOCAL_WRITE).unwrap();
+    // SAFETY: test memory: it stays allocated while any work request can reach this MR.
+    let mr = ctx
+        .reg_mr_va(
+            pd,
+            unsafe { mrkit_soft::UserMemory::new(buf.addr(), 8192) },
+            A::LOCAL_WRITE,
+        )
+        .unwrap();
     let k = mr.lkey;
     let cases: [(u32, u32, u64, u64, A, Errno); 7] = [
         (0, pd, 0, 0, A::empty(), Errno::EINVAL),
@@ -627,18 +724,28 @@ fn rereg_rules() {
         ),
     ];
     for (i, (flags, p, addr, len, acc, want)) in cases.into_iter().enumerate() {
-        let e = ctx.rereg_mr(k, flags, p, addr, len, addr, acc).unwrap_err();
+        // SAFETY: test memory: it stays allocated while any work request can reach this MR.
+        let e = ctx
+            .rereg_mr(
+                k,
+                flags,
+                p,
+                unsafe { mrkit_soft::UserMemory::new(addr, len) },
+                addr,
+                acc,
+            )
+            .unwrap_err();
         assert_eq!(e.errno(), want, "case {i}: {e}");
         assert!(ctx.query_mr(k).is_ok(), "case {i}: old MR must stay valid");
     }
     // Page-offset mismatch on TRANSLATION.
     let e = ctx
+        // SAFETY: test memory: it stays allocated while any work request can reach this MR.
         .rereg_mr(
             k,
             ReregFlags::CHANGE_TRANSLATION,
             0,
-            buf.addr(),
-            4096,
+            unsafe { mrkit_soft::UserMemory::new(buf.addr(), 4096) },
             buf.addr() + 1,
             A::empty(),
         )
@@ -650,8 +757,7 @@ fn rereg_rules() {
             k,
             ReregFlags::CHANGE_PD | ReregFlags::CHANGE_ACCESS,
             pd2,
-            0,
-            0,
+            mrkit_soft::UserMemory::empty_at(0),
             0,
             A::LOCAL_WRITE | A::REMOTE_READ,
         )
@@ -668,12 +774,12 @@ fn rereg_rules() {
     ctx.dealloc_pd(pd).unwrap(); // the MR moved away
                                  // TRANSLATION: new keys, new range.
     let j = ctx
+        // SAFETY: test memory: it stays allocated while any work request can reach this MR.
         .rereg_mr(
             k,
             ReregFlags::CHANGE_TRANSLATION,
             0,
-            buf.addr() + 8192,
-            16384,
+            unsafe { mrkit_soft::UserMemory::new(buf.addr() + 8192, 16384) },
             buf.addr() + 8192,
             A::empty(),
         )
@@ -693,12 +799,36 @@ fn memory_windows() {
     let buf = populated(64 << 10);
     let a = buf.addr();
     let mr = ctx
-        .reg_mr_va(pd, a, 64 << 10, A::LOCAL_WRITE | A::MW_BIND)
+        // SAFETY: test memory: it stays allocated while any work request can reach this MR.
+        .reg_mr_va(
+            pd,
+            unsafe { mrkit_soft::UserMemory::new(a, 64 << 10) },
+            A::LOCAL_WRITE | A::MW_BIND,
+        )
         .unwrap();
-    let mr_nobind = ctx.reg_mr_va(pd, a, 4096, A::LOCAL_WRITE).unwrap();
-    let mr_ro = ctx.reg_mr_va(pd, a, 4096, A::MW_BIND).unwrap();
+    // SAFETY: test memory: it stays allocated while any work request can reach this MR.
+    let mr_nobind = ctx
+        .reg_mr_va(
+            pd,
+            unsafe { mrkit_soft::UserMemory::new(a, 4096) },
+            A::LOCAL_WRITE,
+        )
+        .unwrap();
+    // SAFETY: test memory: it stays allocated while any work request can reach this MR.
+    let mr_ro = ctx
+        .reg_mr_va(
+            pd,
+            unsafe { mrkit_soft::UserMemory::new(a, 4096) },
+            A::MW_BIND,
+        )
+        .unwrap();
     let mr_pd2 = ctx
-        .reg_mr_va(pd2, a, 4096, A::LOCAL_WRITE | A::MW_BIND)
+        // SAFETY: test memory: it stays allocated while any work request can reach this MR.
+        .reg_mr_va(
+            pd2,
+            unsafe { mrkit_soft::UserMemory::new(a, 4096) },
+            A::LOCAL_WRITE | A::MW_BIND,
+        )
         .unwrap();
     let w1 = ctx.alloc_mw(pd, MwType::Type1).unwrap();
     let w2 = ctx.alloc_mw(pd, MwType::Type2).unwrap();
@@ -840,7 +970,12 @@ fn dealloc_mw_unbinds() {
     let pd = ctx.alloc_pd().unwrap();
     let buf = populated(8192);
     let mr = ctx
-        .reg_mr_va(pd, buf.addr(), 8192, A::LOCAL_WRITE | A::MW_BIND)
+        // SAFETY: test memory: it stays allocated while any work request can reach this MR.
+        .reg_mr_va(
+            pd,
+            unsafe { mrkit_soft::UserMemory::new(buf.addr(), 8192) },
+            A::LOCAL_WRITE | A::MW_BIND,
+        )
         .unwrap();
     let w = ctx.alloc_mw(pd, MwType::Type1).unwrap();
     let k = ctx
@@ -877,10 +1012,10 @@ fn on_demand_paging() {
     // Not populated: nothing is resident until the device touches it.
     let buf = Buffer::new(1 << 20).unwrap();
     let mr = ctx
+        // SAFETY: test memory: it stays allocated while any work request can reach this MR.
         .reg_mr_va(
             pd,
-            buf.addr(),
-            1 << 20,
+            unsafe { mrkit_soft::UserMemory::new(buf.addr(), 1 << 20) },
             A::ON_DEMAND | A::LOCAL_WRITE | A::REMOTE_WRITE,
         )
         .unwrap();
@@ -919,7 +1054,13 @@ fn on_demand_paging() {
 
     // Implicit ODP: the whole address space.
     let imp = ctx
-        .reg_mr(pd, 0, u64::MAX, 0, A::ON_DEMAND | A::LOCAL_WRITE)
+        // SAFETY: test memory: it stays allocated while any work request can reach this MR.
+        .reg_mr(
+            pd,
+            unsafe { mrkit_soft::UserMemory::new(0, u64::MAX) },
+            0,
+            A::ON_DEMAND | A::LOCAL_WRITE,
+        )
         .unwrap();
     let other = Buffer::new(8192).unwrap();
     let g = ctx
@@ -946,7 +1087,13 @@ fn on_demand_paging() {
     let p = no_implicit.alloc_pd().unwrap();
     assert_eq!(
         no_implicit
-            .reg_mr(p, 0, u64::MAX, 0, A::ON_DEMAND)
+            // SAFETY: test memory: it stays allocated while any work request can reach this MR.
+            .reg_mr(
+                p,
+                unsafe { mrkit_soft::UserMemory::new(0, u64::MAX) },
+                0,
+                A::ON_DEMAND
+            )
             .unwrap_err()
             .errno(),
         Errno::EINVAL
@@ -958,7 +1105,14 @@ fn dereg_waits_for_in_flight_access() {
     let ctx = Context::open(rxe());
     let pd = ctx.alloc_pd().unwrap();
     let buf = populated(4096);
-    let mr = ctx.reg_mr_va(pd, buf.addr(), 4096, A::LOCAL_WRITE).unwrap();
+    // SAFETY: test memory: it stays allocated while any work request can reach this MR.
+    let mr = ctx
+        .reg_mr_va(
+            pd,
+            unsafe { mrkit_soft::UserMemory::new(buf.addr(), 4096) },
+            A::LOCAL_WRITE,
+        )
+        .unwrap();
     let g = ctx
         .check_access(
             mr.lkey,

@@ -9,8 +9,9 @@ use indicatif::{ProgressBar, ProgressStyle};
 use mrkit::{AccessFlags, Buffer, BufferOptions};
 use mrkit_soft::mem::pin::{self, PinPath};
 use mrkit_soft::mr::KeyUse;
-use mrkit_soft::{Context, DeviceConfig};
+use mrkit_soft::{Context, DeviceConfig, UserMemory};
 use serde_json::{json, Value};
+use std::sync::Arc;
 
 use super::human;
 use crate::exit;
@@ -102,14 +103,16 @@ fn alloc(size: u64, thp: bool) -> Option<Buffer> {
     .ok()
 }
 
-fn reg_point(ctx: &Context, pd: u32, buf: &Buffer, thp: bool) -> Point {
+fn reg_point(ctx: &Context, pd: u32, buf: &Arc<Buffer>, thp: bool) -> Point {
     let size = buf.len() as u64;
     let mut regs = Vec::new();
     let mut deregs = Vec::new();
     let mut info = (0, 0);
     for _ in 0..reps_for(size) {
+        // The MR holds a reference to the buffer until it is deregistered.
+        let mem = UserMemory::owned(buf.clone());
         let t = Instant::now();
-        let r = ctx.reg_mr_va(pd, buf.addr(), size, AccessFlags::LOCAL_WRITE);
+        let r = ctx.reg_mr_va(pd, mem, AccessFlags::LOCAL_WRITE);
         let reg = t.elapsed().as_nanos() as u64;
         match r {
             Ok(mr) => {
@@ -318,16 +321,18 @@ fn copy_cost(n: u64) -> f64 {
 /// range check against one registered 1 MiB slab.
 fn per_message(ctx: &Context, pd: u32, n: u64) -> PerMessage {
     let slab = match alloc(1 << 20, false) {
-        Some(b) => b,
+        Some(b) => Arc::new(b),
         None => return pm_failed(n, 0.0, Some("allocation failed".into())),
     };
     let t = Instant::now();
     for i in 0..n {
         let off = (i % 256) * 4096;
+        let Some(mem) = UserMemory::owned_range(slab.clone(), off, 4096) else {
+            return pm_failed(n, 0.0, Some("slab too small".into()));
+        };
         match ctx.reg_mr_va(
             pd,
-            slab.addr() + off,
-            4096,
+            mem,
             AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE,
         ) {
             Ok(mr) => {
@@ -339,8 +344,7 @@ fn per_message(ctx: &Context, pd: u32, n: u64) -> PerMessage {
     let per = t.elapsed().as_nanos() as f64 / n as f64;
     let big = match ctx.reg_mr_va(
         pd,
-        slab.addr(),
-        1 << 20,
+        UserMemory::owned(slab),
         AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE,
     ) {
         Ok(m) => m,
@@ -418,7 +422,7 @@ pub fn run(a: BenchArgs) -> u8 {
                 human(size),
                 if thp { "THP" } else { "4 KiB pages" }
             ));
-            let Some(buf) = alloc(size, thp) else {
+            let Some(buf) = alloc(size, thp).map(Arc::new) else {
                 points.push(Point::failed(size, thp, "allocation failed".into()));
                 pb.inc(1);
                 continue;
@@ -901,15 +905,17 @@ fn data_path_in_process(quick: bool) -> Value {
         let b = dp_side(false)?;
         let full = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ;
         rc_connect(&a.ctx, a.qp, &b.ctx, b.qp, full, 5).map_err(|e| e.to_string())?;
-        let mut la = vec![0x5au8; DP_ARENA];
+        // The MRs own the arenas (kept alive until deregistered); the memcpy baseline copies
+        // from the local arena into an unregistered one of the same size (both DRAM-resident).
+        let la = Arc::new(vec![0x5au8; DP_ARENA]);
         let mut rb = vec![0u8; DP_ARENA];
         let ml = a
             .ctx
-            .reg_mr_va(a.pd, la.as_mut_ptr() as u64, DP_ARENA as u64, full)
+            .reg_mr_va(a.pd, UserMemory::owned(la.clone()), full)
             .map_err(|e| e.to_string())?;
         let mr = b
             .ctx
-            .reg_mr_va(b.pd, rb.as_mut_ptr() as u64, DP_ARENA as u64, full)
+            .reg_mr_va(b.pd, UserMemory::owned(Arc::new(vec![0u8; DP_ARENA])), full)
             .map_err(|e| e.to_string())?;
         let total = if quick { 64usize << 20 } else { 512 << 20 };
         let iters = if quick { 2000 } else { 20000 };

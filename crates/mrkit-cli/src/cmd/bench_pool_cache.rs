@@ -16,11 +16,13 @@
 //!   Data correctness of the scenario is verified by `tests/pool_basic.rs`.
 
 use std::hint::black_box;
+use std::sync::Arc;
 use std::time::Instant;
 
 use mrkit::cache::{CacheConfig, MonitorMode, RegCache};
 use mrkit::pool::{MrPool, PoolConfig};
 use mrkit::{AccessFlags, Buffer, Context, DeviceConfig, ProtectionDomain};
+use mrkit_soft::UserMemory;
 
 const MSGS: usize = 16384;
 const MSG: usize = 4096;
@@ -66,16 +68,19 @@ fn cache_hit(cache: &RegCache, addr: u64) -> f64 {
     median(&mut per_batch)
 }
 
-fn cache_miss_overhead(pd: &ProtectionDomain, cache: &RegCache, buf: &Buffer) -> f64 {
+fn cache_miss_overhead(pd: &ProtectionDomain, cache: &RegCache, buf: &Arc<Buffer>) -> f64 {
     let acc = AccessFlags::LOCAL_WRITE;
     let prov = pd.context().provider().clone();
     let pages = (buf.len() / 4096) as u64;
     let mut raw = Vec::new();
     let mut cached = Vec::new();
     for i in 0..4000u64 {
-        let a = buf.addr() + (i % pages) * 4096;
+        let off = (i % pages) * 4096;
+        let a = buf.addr() + off;
+        // The MR holds a reference to the buffer until it is deregistered.
+        let mem = UserMemory::owned_range(buf.clone(), off, 4096).expect("inside the buffer");
         let t0 = Instant::now();
-        let info = prov.reg_mr(pd.handle(), a, 4096, a, acc).expect("reg_mr");
+        let info = prov.reg_mr(pd.handle(), mem, a, acc).expect("reg_mr");
         prov.dereg_mr(info.lkey).expect("dereg_mr");
         raw.push(t0.elapsed().as_nanos() as f64);
         let t0 = Instant::now();
@@ -92,16 +97,21 @@ fn per_message(pd: &ProtectionDomain, write: bool) -> f64 {
     let mut src = Buffer::new(MSGS * MSG).expect("buffer");
     src.as_mut_slice().fill(1); // fault the pages in once, outside the timing
     let addr = src.addr();
+    // Each MR holds a reference to the buffer until it is deregistered, so between messages
+    // (every MR deregistered) the buffer is ours alone again and can be written.
+    let mut src = Arc::new(src);
     let prov = pd.context().provider().clone();
     let t0 = Instant::now();
     for i in 0..MSGS {
         let off = i * MSG;
         if write {
-            src.as_mut_slice()[off..off + MSG].fill(i as u8);
+            Arc::get_mut(&mut src).expect("no MR left").as_mut_slice()[off..off + MSG]
+                .fill(i as u8);
         }
         let a = addr + off as u64;
+        let mem = UserMemory::owned_range(src.clone(), off as u64, MSG as u64).expect("inside");
         let info = prov
-            .reg_mr(pd.handle(), a, MSG as u64, a, AccessFlags::LOCAL_WRITE)
+            .reg_mr(pd.handle(), mem, a, AccessFlags::LOCAL_WRITE)
             .expect("reg_mr");
         black_box(info.lkey);
         prov.dereg_mr(info.lkey).expect("dereg_mr");
@@ -151,7 +161,7 @@ fn measure() -> Result<(Rows, Rows), String> {
         }
     };
     let cache = RegCache::new(&pd, cfg).map_err(|e| e.to_string())?;
-    let buf = Buffer::new(4 << 20).map_err(|e| e.to_string())?;
+    let buf = Arc::new(Buffer::new(4 << 20).map_err(|e| e.to_string())?);
     let hit = cache_hit(&cache, buf.addr());
     let go = std::sync::Barrier::new(2);
     let hit2 = std::thread::scope(|s| {

@@ -5,8 +5,11 @@
 use std::time::{Duration, Instant};
 
 use clap::Args;
+use std::sync::Arc;
+
 use mrkit::{AccessFlags, Buffer, BufferOptions, Context, DeviceConfig};
 use mrkit_soft::mr::KeyUse;
+use mrkit_soft::UserMemory;
 
 use crate::exit;
 
@@ -134,19 +137,28 @@ fn run_inner() -> mrkit::Result<()> {
     );
     let small = mrkit_soft::Context::open(DeviceConfig::rxe().max_mr(1000));
     let spd = small.alloc_pd()?;
-    let page = buffer(4096).expect("alloc");
+    // Each MR holds a reference to the page until it is deregistered.
+    let page = Arc::new(buffer(4096).expect("alloc"));
     let mut keys = Vec::new();
     for _ in 0..1000 {
         keys.push(
             small
-                .reg_mr_va(spd, page.addr(), 4096, AccessFlags::LOCAL_WRITE)?
+                .reg_mr_va(
+                    spd,
+                    UserMemory::owned(page.clone()),
+                    AccessFlags::LOCAL_WRITE,
+                )?
                 .lkey,
         );
     }
     crate::outln!("   1000 registrations of the same page: ok (each pins it again)");
     show(
         "registration 1001",
-        small.reg_mr_va(spd, page.addr(), 4096, AccessFlags::LOCAL_WRITE),
+        small.reg_mr_va(
+            spd,
+            UserMemory::owned(page.clone()),
+            AccessFlags::LOCAL_WRITE,
+        ),
     );
     for k in keys {
         small.dereg_mr(k)?;
@@ -187,8 +199,8 @@ fn run_inner() -> mrkit::Result<()> {
     let raw = Context::open(DeviceConfig::rxe());
     let s = raw.soft().expect("embedded");
     let p = s.alloc_pd()?;
-    let b = buffer(4096).expect("alloc");
-    let m = s.reg_mr_va(p, b.addr(), 4096, AccessFlags::empty())?;
+    let b = Arc::new(buffer(4096).expect("alloc"));
+    let m = s.reg_mr_va(p, UserMemory::owned(b), AccessFlags::empty())?;
     show("dealloc_pd with a live MR", s.dealloc_pd(p));
     s.dereg_mr(m.lkey)?;
     show("dealloc_pd after dereg", s.dealloc_pd(p));
@@ -223,7 +235,8 @@ fn buffer(len: usize) -> mrkit::Result<Buffer> {
 /// One endpoint: an mrkit0 instance with a PD, a CQ and an RC QP.
 struct Endpoint {
     ctx: mrkit_soft::Context,
-    pd: u32,
+    /// The safe API's PD: its MRs own their buffers.
+    pd: mrkit::ProtectionDomain,
     cq: u32,
     qp: u32,
 }
@@ -231,10 +244,10 @@ struct Endpoint {
 fn endpoint() -> mrkit::Result<Endpoint> {
     use mrkit_soft::qp::{QpCap, QpInitAttr};
     let ctx = mrkit_soft::Context::open(DeviceConfig::rxe());
-    let pd = ctx.alloc_pd()?;
+    let pd = Context::from_provider(Arc::new(ctx.clone())).alloc_pd()?;
     let cq = ctx.create_cq(64, None)?;
     let (qp, _) = ctx.create_qp(QpInitAttr {
-        pd,
+        pd: pd.handle(),
         send_cq: cq,
         recv_cq: cq,
         cap: QpCap::default(),
@@ -297,76 +310,72 @@ fn move_data(n: &mut u32) -> mrkit::Result<()> {
         b.qp,
         b.ctx.node_id()
     );
-    let mut abuf = buffer(16 << 10)?;
-    let mut bbuf = buffer(16 << 10)?;
-    let am = a
-        .ctx
-        .reg_mr_va(a.pd, abuf.addr(), 16 << 10, AccessFlags::LOCAL_WRITE)?;
-    let bm = b.ctx.reg_mr_va(b.pd, bbuf.addr(), 16 << 10, remote)?;
+    // Each MR owns its buffer (freed only after deregistration).
+    let mut am = a.pd.register(buffer(16 << 10)?, AccessFlags::LOCAL_WRITE)?;
+    let mut bm = b.pd.register(buffer(16 << 10)?, remote)?;
+    let (a_iova, a_lkey) = (am.info().iova, am.lkey());
+    let (b_iova, b_rkey) = (bm.info().iova, bm.rkey());
     crate::outln!(
         "   A registers 16 KiB LOCAL_WRITE (lkey {:#010x}); B registers 16 KiB LOCAL_WRITE|REMOTE_WRITE|REMOTE_READ|REMOTE_ATOMIC and sends A its address {:#x} and rkey {:#010x}",
-        am.lkey,
-        bm.iova,
-        bm.rkey
+        a_lkey,
+        b_iova,
+        b_rkey
     );
 
     let msg = b"hello from A, written by RDMA WRITE";
-    abuf.as_mut_slice()[..msg.len()].copy_from_slice(msg);
+    am.as_mut_slice()[..msg.len()].copy_from_slice(msg);
     let wc = one(
         &a,
         SendWr::new(1, WrOpcode::RdmaWrite)
-            .sge(am.iova, msg.len() as u32, am.lkey)
-            .remote(bm.iova, bm.rkey),
+            .sge(a_iova, msg.len() as u32, a_lkey)
+            .remote(b_iova, b_rkey),
     )?;
     crate::outln!(
         "   WRITE {} B A -> B: completion {}; B's memory now reads \"{}\" (B's CPU did nothing)",
         msg.len(),
         wc.status.name(),
-        text(&bbuf.as_slice()[..64])
+        text(&bm.as_slice()[..64])
     );
 
     let reply = b"B's data, fetched by RDMA READ";
-    bbuf.as_mut_slice()[4096..4096 + reply.len()].copy_from_slice(reply);
+    bm.as_mut_slice()[4096..4096 + reply.len()].copy_from_slice(reply);
     let wc = one(
         &a,
         SendWr::new(2, WrOpcode::RdmaRead)
-            .sge(am.iova + 4096, reply.len() as u32, am.lkey)
-            .remote(bm.iova + 4096, bm.rkey),
+            .sge(a_iova + 4096, reply.len() as u32, a_lkey)
+            .remote(b_iova + 4096, b_rkey),
     )?;
     crate::outln!(
         "   READ {} B B -> A: completion {}; A's memory now reads \"{}\"",
         reply.len(),
         wc.status.name(),
-        text(&abuf.as_slice()[4096..4096 + 64])
+        text(&am.as_slice()[4096..4096 + 64])
     );
 
-    bbuf.as_mut_slice()[8192..8200].copy_from_slice(&41u64.to_ne_bytes());
+    bm.as_mut_slice()[8192..8200].copy_from_slice(&41u64.to_ne_bytes());
     let mut faa = SendWr::new(3, WrOpcode::AtomicFetchAndAdd)
-        .sge(am.iova + 8192, 8, am.lkey)
-        .remote(bm.iova + 8192, bm.rkey);
+        .sge(a_iova + 8192, 8, a_lkey)
+        .remote(b_iova + 8192, b_rkey);
     faa.compare_add = 1;
     let wc = one(&a, faa)?;
     crate::outln!(
         "   FETCH_AND_ADD(+1) on B's counter: completion {}; A received the old value {}, B's counter is now {}",
         wc.status.name(),
-        u64_at(abuf.as_slice(), 8192),
-        u64_at(bbuf.as_slice(), 8192)
+        u64_at(am.as_slice(), 8192),
+        u64_at(bm.as_slice(), 8192)
     );
 
     crate::outln!("\n   Classic mistake: WRITE to an MR registered without REMOTE_WRITE");
-    let cbuf = buffer(4096)?;
-    let cm = b
-        .ctx
-        .reg_mr_va(b.pd, cbuf.addr(), 4096, AccessFlags::LOCAL_WRITE)?;
+    let cm = b.pd.register(buffer(4096)?, AccessFlags::LOCAL_WRITE)?;
     let wc = one(
         &a,
         SendWr::new(4, WrOpcode::RdmaWrite)
-            .sge(am.iova, 8, am.lkey)
-            .remote(cm.iova, cm.rkey),
+            .sge(a_iova, 8, a_lkey)
+            .remote(cm.info().iova, cm.rkey()),
     )?;
     crate::outln!(
         "   WRITE with B's rkey {:#010x} (LOCAL_WRITE only): completion {}{}",
-        cm.rkey,
+        cm.rkey(),
         wc.status.name(),
         if wc.status == WcStatus::RemAccessErr {
             " (IBV_WC_REM_ACCESS_ERR: the responder's key check refused it)"
@@ -377,11 +386,10 @@ fn move_data(n: &mut u32) -> mrkit::Result<()> {
     if let Ok(st) = a.ctx.qp_state(a.qp) {
         crate::outln!("   A's QP is now in state {st:?}: an RC error is fatal to the connection");
     }
+    // QPs first, then the MRs (deregistered, then their buffers freed), then the PDs.
     let _ = a.ctx.destroy_qp(a.qp);
     let _ = b.ctx.destroy_qp(b.qp);
-    for (c, k) in [(&a.ctx, am.lkey), (&b.ctx, bm.lkey), (&b.ctx, cm.lkey)] {
-        let _ = c.dereg_mr(k);
-    }
+    drop((am, bm, cm));
     Ok(())
 }
 
@@ -396,16 +404,22 @@ fn pool_vs_per_message(n: &mut u32) -> mrkit::Result<()> {
     let ctx = Context::open(DeviceConfig::rxe());
     let pd = ctx.alloc_pd()?;
     let soft = ctx.soft().expect("embedded device");
-    let mut buf = buffer(1 << 20)?;
+    // Each MR holds a reference to the buffer until it is deregistered: between messages the
+    // buffer is ours alone again and can be written.
+    let mut buf = Arc::new(buffer(1 << 20)?);
     let msg = [0x5au8; 4096];
     let t = Instant::now();
     for i in 0..MESSAGES {
         let off = (i % 256) * 4096;
-        buf.as_mut_slice()[off..off + 4096].copy_from_slice(&msg);
+        Arc::get_mut(&mut buf)
+            .ok_or_else(|| err("buffer still registered"))?
+            .as_mut_slice()[off..off + 4096]
+            .copy_from_slice(&msg);
+        let mem = UserMemory::owned_range(buf.clone(), off as u64, 4096)
+            .ok_or_else(|| err("range outside the buffer"))?;
         let mr = soft.reg_mr_va(
             pd.handle(),
-            buf.addr() + off as u64,
-            4096,
+            mem,
             AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE,
         )?;
         soft.dereg_mr(mr.lkey)?;

@@ -883,8 +883,13 @@ fn reproduce(p: &Params) -> Value {
     let r = if size == 0 {
         // Buffer cannot be empty: register zero bytes of it through the raw device.
         let soft = ctx.soft().expect("embedded device");
-        soft.reg_mr(pd.handle(), buf.addr(), 0, iova, access)
-            .map(|_| ())
+        soft.reg_mr(
+            pd.handle(),
+            mrkit_soft::UserMemory::empty_at(buf.addr()),
+            iova,
+            access,
+        )
+        .map(|_| ())
     } else {
         pd.register_iova(buf, iova, access).map(|_| ())
     };

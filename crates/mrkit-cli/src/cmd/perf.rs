@@ -5,8 +5,15 @@
 //! the operation with a window of outstanding work requests, verifies the data, and prints
 //! bandwidth, message rate and round-trip latency (JSON keys `op`, `size`, `bw_mbps`,
 //! `msg_rate`, `lat_us_p50`, `lat_us_p99`, `errors`).
+//!
+//! The server treats every client as hostile: it listens on the device's own address unless
+//! told otherwise (`--listen`), reads exchange lines of bounded length with a timeout, checks
+//! every field of a client's hello before allocating anything, and tears each client down in
+//! order when it finishes or fails: QP (no further access), then MR (deregistered: the old
+//! rkey is refused from then on), then the buffer, CQ and PD. The buffer is owned by its MR
+//! (`mrkit::MemoryRegion`), so it cannot be freed while registered.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, ErrorKind, Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
@@ -14,7 +21,7 @@ use clap::{Args, ValueEnum};
 use mrkit_soft::cq::{Wc, WcOpcode, WcStatus};
 use mrkit_soft::qp::connect::{connect_qp, ConnectOpts, RemoteQp};
 use mrkit_soft::qp::{send_flags, QpCap, QpInitAttr, RecvWr, SendWr, Sge, WrOpcode};
-use mrkit_soft::{AccessFlags, Context, DeviceConfig, MrInfo};
+use mrkit_soft::{AccessFlags, Context, DeviceConfig};
 use serde::{Deserialize, Serialize};
 
 use crate::exit;
@@ -68,6 +75,17 @@ pub struct PerfArgs {
     /// Serve this many clients, then exit (server; 0 = forever).
     #[arg(long, default_value_t = 0)]
     count: u32,
+    /// TCP address the server listens on (default: the device's own address, never every
+    /// interface unless asked, e.g. `--listen 0.0.0.0`).
+    #[arg(long, value_name = "IP")]
+    listen: Option<IpAddr>,
+    /// Largest message size a client may ask the server for.
+    #[arg(long, default_value = "16MiB", value_parser = parse_size)]
+    max_size: u64,
+    /// Seconds the server waits for each exchange line of a client before dropping it (the
+    /// verdict after the measurement may take up to the client's own 300 s limit).
+    #[arg(long, default_value_t = 10.0, value_name = "SECONDS")]
+    client_timeout: f64,
     /// Machine-readable output.
     #[arg(long)]
     json: bool,
@@ -79,6 +97,7 @@ fn parse_size(s: &str) -> Result<u64, String> {
 
 /// Out-of-band exchange message.
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 struct Hello {
     ip: IpAddr,
     qpn: u32,
@@ -110,12 +129,45 @@ pub struct PerfResult {
     pub errors: u64,
 }
 
+/// One connection's resources. Dropping it tears them down in order: the QP first (the device
+/// stops processing it), then the MR (deregistered: every later access with its keys is
+/// refused), then the buffer the MR owns, the CQ and the PD.
 struct Side {
     ctx: Context,
     cq: u32,
     qp: u32,
-    mr: MrInfo,
-    buf: Vec<u8>,
+    /// Owns the buffer: it is freed only after deregistration.
+    mr: mrkit::MemoryRegion,
+}
+
+impl Side {
+    fn buf(&self) -> &[u8] {
+        self.mr.as_slice()
+    }
+    fn buf_mut(&mut self) -> &mut [u8] {
+        self.mr.as_mut_slice()
+    }
+    fn iova(&self) -> u64 {
+        self.mr.info().iova
+    }
+    fn lkey(&self) -> u32 {
+        self.mr.lkey()
+    }
+}
+
+impl Drop for Side {
+    fn drop(&mut self) {
+        // QP before MR: no work request of this connection can reach the memory afterwards
+        // (deregistration below would wait for one in flight anyway).
+        if let Err(e) = self.ctx.destroy_qp(self.qp) {
+            tracing::warn!(error = %e, qp = self.qp, "destroy_qp failed");
+        }
+        if let Err(e) = self.ctx.destroy_cq(self.cq) {
+            tracing::warn!(error = %e, cq = self.cq, "destroy_cq failed");
+        }
+        // Then the field `mr` drops: dereg, then the buffer is unmapped, then the PD (held by
+        // the MR) is deallocated.
+    }
 }
 
 fn mtu_enum(bytes: u32) -> u8 {
@@ -139,15 +191,27 @@ fn open_device(addr: Option<&str>) -> anyhow::Result<Context> {
 }
 
 fn open_side(addr: Option<&str>, len: usize) -> anyhow::Result<Side> {
-    side_on(open_device(addr)?, len)
+    side_on(open_device(addr)?, len, |_| {})
 }
 
-/// Resources for one connection on an opened device.
-fn side_on(ctx: Context, len: usize) -> anyhow::Result<Side> {
-    let pd = ctx.alloc_pd()?;
+/// Resources for one connection on an opened device; `fill` writes the buffer's initial
+/// contents before it is registered. On an error, whatever was created is released again.
+fn side_on(ctx: Context, len: usize, fill: impl FnOnce(&mut [u8])) -> anyhow::Result<Side> {
+    // The safe API: the MR owns its buffer and the PD is released with its last user.
+    let dev = mrkit::Context::from_provider(std::sync::Arc::new(ctx.clone()));
+    let pd = dev.alloc_pd()?;
+    let mut buf = mrkit::Buffer::new(len.max(64))?;
+    fill(buf.as_mut_slice());
+    let mr = pd.register(
+        buf,
+        AccessFlags::LOCAL_WRITE
+            | AccessFlags::REMOTE_WRITE
+            | AccessFlags::REMOTE_READ
+            | AccessFlags::REMOTE_ATOMIC,
+    )?;
     let cq = ctx.create_cq(8192, None)?;
-    let (qp, _) = ctx.create_qp(QpInitAttr {
-        pd,
+    let qp = ctx.create_qp(QpInitAttr {
+        pd: pd.handle(),
         send_cq: cq,
         recv_cq: cq,
         cap: QpCap {
@@ -156,24 +220,15 @@ fn side_on(ctx: Context, len: usize) -> anyhow::Result<Side> {
             ..QpCap::default()
         },
         sq_sig_all: false,
-    })?;
-    let buf = vec![0u8; len.max(64)];
-    let mr = ctx.reg_mr_va(
-        pd,
-        buf.as_ptr() as u64,
-        buf.len() as u64,
-        AccessFlags::LOCAL_WRITE
-            | AccessFlags::REMOTE_WRITE
-            | AccessFlags::REMOTE_READ
-            | AccessFlags::REMOTE_ATOMIC,
-    )?;
-    Ok(Side {
-        ctx,
-        cq,
-        qp,
-        mr,
-        buf,
-    })
+    });
+    let qp = match qp {
+        Ok((qp, _)) => qp,
+        Err(e) => {
+            let _ = ctx.destroy_cq(cq);
+            return Err(e.into());
+        }
+    };
+    Ok(Side { ctx, cq, qp, mr })
 }
 
 fn send_line<T: Serialize>(s: &mut TcpStream, v: &T) -> anyhow::Result<()> {
@@ -183,12 +238,38 @@ fn send_line<T: Serialize>(s: &mut TcpStream, v: &T) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Longest exchange line accepted (a hello is about 150 bytes).
+const MAX_LINE: u64 = 4096;
+
 fn read_line<T: for<'de> Deserialize<'de>>(r: &mut BufReader<TcpStream>) -> anyhow::Result<T> {
-    let mut line = String::new();
-    if r.read_line(&mut line)? == 0 {
+    let mut line = Vec::new();
+    // Bounded: a peer sending an endless line cannot make us buffer it.
+    let n = match r.by_ref().take(MAX_LINE + 1).read_until(b'\n', &mut line) {
+        Ok(n) => n,
+        Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+            let t = r
+                .get_ref()
+                .read_timeout()
+                .ok()
+                .flatten()
+                .unwrap_or_default();
+            anyhow::bail!(
+                "timed out: the peer sent no complete line for {} s",
+                t.as_secs_f64()
+            );
+        }
+        Err(e) => return Err(e.into()),
+    };
+    if n == 0 {
         anyhow::bail!("peer closed the exchange connection");
     }
-    Ok(serde_json::from_str(line.trim())?)
+    if !line.ends_with(b"\n") {
+        if n as u64 > MAX_LINE {
+            anyhow::bail!("exchange line longer than {MAX_LINE} bytes");
+        }
+        anyhow::bail!("peer closed the exchange connection mid-line");
+    }
+    Ok(serde_json::from_slice(line.trim_ascii())?)
 }
 
 fn pattern(seed: u8, buf: &mut [u8]) {
@@ -304,9 +385,9 @@ fn hello(side: &Side, op: Op, size: u64, seed: u8) -> anyhow::Result<Hello> {
         ip: side.ctx.udp_port()?.local_addr().ip(),
         qpn: side.qp,
         psn: 0,
-        addr: side.mr.iova,
-        rkey: side.mr.rkey,
-        len: side.buf.len() as u64,
+        addr: side.iova(),
+        rkey: side.mr.rkey(),
+        len: side.buf().len() as u64,
         op,
         size,
         seed,
@@ -317,9 +398,9 @@ fn recv_wr(side: &Side, id: u64, off: u64, len: u64) -> RecvWr {
     RecvWr {
         wr_id: id,
         sg_list: vec![Sge {
-            addr: side.mr.iova + off,
+            addr: side.iova() + off,
             length: len as u32,
-            lkey: side.mr.lkey,
+            lkey: side.lkey(),
         }],
     }
 }
@@ -339,35 +420,114 @@ fn send_wr(side: &Side, id: u64, op: WrOpcode, off: u64, len: u64, signaled: boo
     if matches!(op, WrOpcode::Send | WrOpcode::RdmaWrite) && len <= INLINE_MAX {
         // Inline: the bytes travel in the WR (copied here as `ibv_post_send` copies them).
         w.flags |= send_flags::INLINE;
-        w.inline_data = side.buf[off as usize..(off + len) as usize].to_vec();
+        w.inline_data = side.buf()[off as usize..(off + len) as usize].to_vec();
         return w;
     }
     w.sg_list = vec![Sge {
-        addr: side.mr.iova + off,
+        addr: side.iova() + off,
         length: len as u32,
-        lkey: side.mr.lkey,
+        lkey: side.lkey(),
     }];
     w
 }
 
+/// Limits the server applies to what clients ask for.
+#[derive(Debug, Clone, Copy)]
+struct ServerLimits {
+    max_size: u64,
+    timeout: Duration,
+}
+
+/// Echo round trips a SEND client may ask for (the client takes at most 10 000 samples).
+const MAX_ECHO: u32 = 10_000;
+/// Messages of a SEND client's bandwidth phase.
+const MAX_BULK: u32 = 10_000_000;
+/// How long the server waits for a client's verdict after the exchange: the client's own
+/// limit for its measurement.
+const VERDICT_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Check a client's hello before anything is allocated for it.
+fn validate_hello(h: &Hello, ours: IpAddr, lim: &ServerLimits) -> anyhow::Result<()> {
+    if h.size == 0 || h.size > lim.max_size {
+        anyhow::bail!(
+            "size {} outside 1 ..= {} (--max-size)",
+            h.size,
+            lim.max_size
+        );
+    }
+    if h.op == Op::Atomic && h.size != 8 {
+        anyhow::bail!("atomic size must be 8, not {}", h.size);
+    }
+    // 24-bit QP numbers; 0 and 1 are the special QPs.
+    if !(2..=0xff_ffff).contains(&h.qpn) {
+        anyhow::bail!("qpn {:#x} is not a 24-bit RC QP number", h.qpn);
+    }
+    if h.psn > 0xff_ffff {
+        anyhow::bail!("psn {:#x} is not 24 bits", h.psn);
+    }
+    let unicast = match h.ip {
+        IpAddr::V4(v) => !(v.is_unspecified() || v.is_multicast() || v.is_broadcast()),
+        IpAddr::V6(v) => !(v.is_unspecified() || v.is_multicast()),
+    };
+    if !unicast || h.ip.is_ipv4() != ours.is_ipv4() {
+        anyhow::bail!("address {} is not a unicast peer for {ours}", h.ip);
+    }
+    // The client's buffer: never used by the server, but it must describe a real range.
+    if h.len < h.size || h.addr.checked_add(h.len).is_none() {
+        anyhow::bail!(
+            "buffer {:#x}+{} cannot hold {} bytes",
+            h.addr,
+            h.len,
+            h.size
+        );
+    }
+    Ok(())
+}
+
 /// Server: serve clients one at a time.
 fn serve(a: &PerfArgs) -> anyhow::Result<()> {
-    let tcp_ip = match &a.addr {
-        Some(s) => mrkit_soft::net::udp::parse_addr(s)
-            .map_err(anyhow::Error::msg)?
-            .ip(),
-        None => IpAddr::from([0, 0, 0, 0]),
+    if !(a.client_timeout > 0.0 && a.client_timeout.is_finite()) {
+        anyhow::bail!("--client-timeout needs a positive number of seconds");
+    }
+    let lim = ServerLimits {
+        max_size: a.max_size.max(1),
+        timeout: Duration::try_from_secs_f64(a.client_timeout)?,
     };
-    let listener = TcpListener::bind(SocketAddr::new(tcp_ip, a.port))?;
-    eprintln!("mrkit perf: server listening on {}", listener.local_addr()?);
     // One device for all clients (its UDP address stays bound); resources per client.
     let dev = open_device(a.addr.as_deref())?;
+    let ours = dev.udp_port()?.local_addr().ip();
+    let listener = TcpListener::bind(SocketAddr::new(a.listen.unwrap_or(ours), a.port))?;
+    eprintln!("mrkit perf: server listening on {}", listener.local_addr()?);
     let mut served = 0;
     for conn in listener.incoming() {
-        let conn = conn?;
-        if let Err(e) = serve_one(&dev, conn) {
-            eprintln!("mrkit perf: client failed: {e:#}");
+        let conn = match conn {
+            Ok(c) => c,
+            Err(e) => {
+                // E.g. a connection reset before accept, or out of descriptors: not fatal.
+                eprintln!("mrkit perf: accept failed: {e}");
+                std::thread::sleep(Duration::from_millis(10));
+                continue;
+            }
+        };
+        let who = conn
+            .peer_addr()
+            .map_or_else(|_| "?".to_string(), |p| p.to_string());
+        if let Err(e) = serve_one(&dev, conn, ours, &lim) {
+            eprintln!("mrkit perf: client {who} failed: {e:#}");
         }
+        // Every resource of the client is gone by now (see `Side`).
+        let r = dev.resource_counts();
+        eprintln!(
+            "mrkit perf: client {who} done; live: pd {} mr {} qp {} cq {} mw {}, pinned {} B, \
+             memlock {} pages",
+            r.pds,
+            r.mrs,
+            r.qps,
+            r.cqs,
+            r.mws,
+            dev.stats().pinned_bytes,
+            mrkit_soft::mem::account::pinned_pages()
+        );
         served += 1;
         if a.count != 0 && served >= a.count {
             break;
@@ -376,17 +536,31 @@ fn serve(a: &PerfArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn serve_one(dev: &Context, conn: TcpStream) -> anyhow::Result<()> {
+fn serve_one(
+    dev: &Context,
+    conn: TcpStream,
+    ours: IpAddr,
+    lim: &ServerLimits,
+) -> anyhow::Result<()> {
     conn.set_nodelay(true)?;
+    // A silent or stalled client is dropped after the timeout instead of blocking the server.
+    conn.set_read_timeout(Some(lim.timeout))?;
+    conn.set_write_timeout(Some(lim.timeout))?;
     let mut w = conn.try_clone()?;
     let mut r = BufReader::new(conn);
     let peer: Hello = read_line(&mut r)?;
-    let len = (peer.size.max(8) * 2) as usize;
-    let mut side = side_on(dev.clone(), len)?;
-    pattern(peer.seed, &mut side.buf);
+    validate_hello(&peer, ours, lim)?;
+    // size ≤ --max-size: checked anyway, so an absurd --max-size cannot wrap.
+    let len = peer
+        .size
+        .max(8)
+        .checked_mul(2)
+        .and_then(|l| usize::try_from(l).ok())
+        .ok_or_else(|| anyhow::anyhow!("size {} is too large", peer.size))?;
+    let side = side_on(dev.clone(), len, |b| pattern(peer.seed, b))?;
     let me = hello(&side, peer.op, peer.size, peer.seed)?;
     connect(&side, &peer)?;
-    let size = peer.size.max(1);
+    let size = peer.size;
     if peer.op == Op::Send {
         let wrs: Vec<RecvWr> = (0..512).map(|i| recv_wr(&side, i, 0, size)).collect();
         side.ctx.post_recv(side.qp, &wrs)?;
@@ -396,6 +570,11 @@ fn serve_one(dev: &Context, conn: TcpStream) -> anyhow::Result<()> {
     if peer.op == Op::Send {
         // Echo phase (latency), then receive phase (bandwidth); the client tells the count.
         let (echo, bulk): (u32, u32) = read_line(&mut r)?;
+        if echo > MAX_ECHO || bulk > MAX_BULK {
+            anyhow::bail!(
+                "asked for {echo} echoes and {bulk} messages (at most {MAX_ECHO} and {MAX_BULK})"
+            );
+        }
         let deadline = Instant::now() + Duration::from_secs(120);
         let mut c = EchoCompletions::default();
         // The reply is prepared once and posted with a new wr_id each time, as perftest
@@ -421,7 +600,7 @@ fn serve_one(dev: &Context, conn: TcpStream) -> anyhow::Result<()> {
             let wc = c.next_recv(&side, deadline)?;
             let bad = wc.status != WcStatus::Success || u64::from(wc.byte_len) != size;
             // The last message is checked byte for byte (earlier ones share the buffer).
-            if bad || (i + 1 == bulk && side.buf[..size as usize] != expect[..]) {
+            if bad || (i + 1 == bulk && side.buf()[..size as usize] != expect[..]) {
                 errors += 1;
             }
             side.ctx
@@ -429,7 +608,8 @@ fn serve_one(dev: &Context, conn: TcpStream) -> anyhow::Result<()> {
         }
         errors += c.errors;
     }
-    // Wait for the client's verdict; reply with our error count.
+    // Wait for the client's verdict (it measures meanwhile); reply with our error count.
+    r.get_ref().set_read_timeout(Some(VERDICT_TIMEOUT))?;
     let _done: String = read_line(&mut r)?;
     send_line(&mut w, &errors)?;
     Ok(())
@@ -465,6 +645,9 @@ pub fn run_client_with(
         window,
         mtu: 4096,
         count: 0,
+        listen: None,
+        max_size: 16 << 20,
+        client_timeout: 10.0,
         json: true,
     };
     run_client(&a, server)
@@ -480,7 +663,11 @@ pub fn run_client(a: &PerfArgs, server: &str) -> anyhow::Result<PerfResult> {
     let mut w = conn.try_clone()?;
     let mut r = BufReader::new(conn);
     let seed = 0x5a;
-    let mut side = open_side(a.addr.as_deref(), (size * 2) as usize)?;
+    let len = size
+        .checked_mul(2)
+        .and_then(|l| usize::try_from(l).ok())
+        .ok_or_else(|| anyhow::anyhow!("size {size} is too large"))?;
+    let mut side = open_side(a.addr.as_deref(), len)?;
     send_line(&mut w, &hello(&side, a.op, size, seed)?)?;
     let peer: Hello = read_line(&mut r)?;
     connect(&side, &peer)?;
@@ -499,14 +686,14 @@ pub fn run_client(a: &PerfArgs, server: &str) -> anyhow::Result<PerfResult> {
         wr.rkey = peer.rkey;
         if a.op == Op::Atomic {
             wr.compare_add = 1;
-            wr.sg_list[0].addr = side.mr.iova + size; // result lands in the second half
+            wr.sg_list[0].addr = side.iova() + size; // result lands in the second half
         }
         if a.op == Op::Read {
-            wr.sg_list[0].addr = side.mr.iova + size;
+            wr.sg_list[0].addr = side.iova() + size;
         }
         wr
     };
-    pattern(seed.wrapping_add(1), &mut side.buf[..size as usize]);
+    pattern(seed.wrapping_add(1), &mut side.buf_mut()[..size as usize]);
     // Latency phase: one outstanding message, iters/4 samples (at least 20).
     let samples = (a.iters / 4).clamp(20, 10_000);
     if a.op == Op::Send {
@@ -591,7 +778,7 @@ pub fn run_client(a: &PerfArgs, server: &str) -> anyhow::Result<PerfResult> {
             side.ctx.post_send(side.qp, &[rd])?;
             wcs.clear();
             poll_n(&side, 1, &mut wcs, deadline)?;
-            let (lo, hi) = side.buf.split_at(size as usize);
+            let (lo, hi) = side.buf().split_at(size as usize);
             if wcs[0].status != WcStatus::Success || lo != &hi[..size as usize] {
                 errors += 1;
             }
@@ -599,7 +786,7 @@ pub fn run_client(a: &PerfArgs, server: &str) -> anyhow::Result<PerfResult> {
         Op::Read => {
             let mut expect = vec![0u8; size as usize];
             pattern(seed, &mut expect);
-            if side.buf[size as usize..(2 * size) as usize] != expect[..] {
+            if side.buf()[size as usize..(2 * size) as usize] != expect[..] {
                 errors += 1;
             }
         }
@@ -614,7 +801,7 @@ pub fn run_client(a: &PerfArgs, server: &str) -> anyhow::Result<PerfResult> {
             let mut init = [0u8; 8];
             pattern(seed, &mut init);
             let start = u64::from_ne_bytes(init);
-            let now = u64::from_ne_bytes(side.buf[size as usize..size as usize + 8].try_into()?);
+            let now = u64::from_ne_bytes(side.buf()[size as usize..size as usize + 8].try_into()?);
             if now.wrapping_sub(start) != u64::from(samples) + u64::from(a.iters) {
                 errors += 1;
             }

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Args;
-use mrkit::stat_export;
+use mrkit::stat_export::{self, StatDir};
 use serde_json::{json, Value};
 
 use super::human;
@@ -49,65 +49,132 @@ pub struct HoldArgs {
     no_install: bool,
 }
 
-fn dirs(explicit: &Option<PathBuf>) -> Vec<PathBuf> {
-    if let Some(d) = explicit {
-        return vec![d.clone()];
-    }
-    let mut v = vec![stat_export::runtime_dir()];
-    if std::env::var_os("MRKIT_STAT_DIR").is_some_and(|d| !d.is_empty()) {
-        return v;
-    }
-    // Other users' shared exports live in /tmp/mrkit-<uid>.
-    if let Ok(rd) = std::fs::read_dir("/tmp") {
-        for e in rd.flatten() {
-            let p = e.path();
-            if p.file_name().and_then(|n| n.to_str()).is_some_and(|n| {
-                n.starts_with("mrkit-") && n[6..].chars().all(|c| c.is_ascii_digit())
-            }) && !v.contains(&p)
-            {
-                v.push(p);
-            }
+/// The directories to read, each opened and checked (see [`StatDir`]); a directory that fails
+/// the checks is skipped with a warning on stderr. Also returns every path looked at.
+fn dirs(explicit: &Option<PathBuf>) -> (Vec<StatDir>, Vec<PathBuf>) {
+    let mut looked = Vec::new();
+    let mut out = Vec::new();
+    let mut add = |p: PathBuf, owner: Option<u32>, quiet_if_missing: bool| {
+        if looked.contains(&p) {
+            return;
         }
+        match StatDir::open(&p, owner) {
+            Ok(d) => out.push(d),
+            Err(e) if quiet_if_missing && e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => eprintln!(
+                "mrkit stat: warning: skipping {}: {}",
+                escape(&p.display().to_string()),
+                escape(&e.to_string())
+            ),
+        }
+        looked.push(p);
+    };
+    if let Some(d) = explicit {
+        add(d.clone(), None, false);
+        return (out, looked);
     }
-    v
+    let me = rustix::process::getuid().as_raw();
+    let own = stat_export::runtime_dir();
+    if std::env::var_os("MRKIT_STAT_DIR").is_some_and(|d| !d.is_empty()) {
+        add(own, None, true);
+        return (out, looked);
+    }
+    add(own, Some(me), true);
+    // Other users' shared exports live in /tmp/mrkit-<uid>; the directory must belong to
+    // that uid.
+    let mut others: Vec<(u32, PathBuf)> = std::fs::read_dir("/tmp")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name();
+            let uid: u32 = name.to_str()?.strip_prefix("mrkit-")?.parse().ok()?;
+            // Canonical names only ("mrkit-007" is not uid 7's directory).
+            (name.to_str()? == format!("mrkit-{uid}")).then(|| (uid, e.path()))
+        })
+        .collect();
+    others.sort();
+    for (uid, p) in others {
+        add(p, Some(uid), true);
+    }
+    (out, looked)
 }
 
-fn collect(a: &StatArgs) -> Vec<Value> {
-    let mut targets: Vec<(PathBuf, u32)> = Vec::new();
-    for d in dirs(&a.dir) {
-        for pid in stat_export::list(&d) {
-            if a.pid.map_or(true, |p| p == pid) {
-                targets.push((d.clone(), pid));
+fn collect(a: &StatArgs, dirs: &[StatDir]) -> Vec<Value> {
+    // Read every file first (bounded, checked opens), then ask the running ones to refresh so
+    // their exporters work in parallel, then wait for each.
+    let mut found: Vec<(&StatDir, u32, Value, bool)> = Vec::new();
+    for d in dirs {
+        for pid in d.list() {
+            if a.pid.is_some_and(|p| p != pid) {
+                continue;
+            }
+            match d.read(pid) {
+                Ok(v) => {
+                    let alive = d.is_running(&v);
+                    if alive || a.all {
+                        found.push((d, pid, v, alive));
+                    }
+                }
+                Err(e) => tracing::info!(
+                    pid,
+                    dir = %escape(&d.path().display().to_string()),
+                    error = %escape(&e.to_string()),
+                    "unreadable stat file"
+                ),
             }
         }
     }
-    // Ask everybody first so the exporters refresh in parallel.
-    for (d, pid) in &targets {
-        let _ = stat_export::request(d, *pid);
-    }
+    let asked = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0);
+    let requested: Vec<bool> = found
+        .iter()
+        .map(|(d, pid, _, alive)| *alive && d.request(*pid).is_ok())
+        .collect();
+    let deadline = std::time::Instant::now() + Duration::from_millis(2500);
     let mut out = Vec::new();
-    for (d, pid) in targets {
-        let first = stat_export::read(&d, pid);
-        let alive = first.as_ref().map(stat_export::is_alive).unwrap_or(false);
-        if !alive && !a.all {
-            continue;
-        }
-        let r = if alive {
-            stat_export::request_and_read(&d, pid, Duration::from_millis(2500))
-        } else {
-            first.map(|v| (v, false))
-        };
-        match r {
-            Ok((mut v, fresh)) => {
-                v["alive"] = json!(alive);
-                v["fresh"] = json!(fresh);
-                v["dir"] = json!(d.display().to_string());
-                out.push(v);
+    for ((d, pid, first, alive), requested) in found.into_iter().zip(requested) {
+        let mut v = first;
+        let mut fresh = false;
+        if requested {
+            loop {
+                match d.read(pid) {
+                    Ok(now) => v = now,
+                    Err(e) => {
+                        tracing::info!(pid, error = %escape(&e.to_string()), "stat file vanished");
+                        break;
+                    }
+                }
+                fresh = v["updated_unix_ms"].as_u64().unwrap_or(0) >= asked;
+                if fresh || std::time::Instant::now() >= deadline {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
             }
-            Err(e) => tracing::info!(pid, error = %e, "unreadable stat file"),
         }
+        v["alive"] = json!(alive);
+        v["fresh"] = json!(fresh);
+        v["dir"] = json!(d.path().display().to_string());
+        out.push(v);
     }
     out
+}
+
+/// `s` with control characters (and the bidirectional-text controls that reorder what a
+/// terminal shows) escaped, so a process name or path can never drive the terminal.
+pub(crate) fn escape(s: &str) -> String {
+    let mut o = String::with_capacity(s.len());
+    for c in s.chars() {
+        let bidi = matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}');
+        if c.is_control() || bidi {
+            o.extend(c.escape_default());
+        } else {
+            o.push(c);
+        }
+    }
+    o
 }
 
 fn ns(v: u64) -> String {
@@ -120,9 +187,16 @@ fn ns(v: u64) -> String {
     }
 }
 
+/// Print one line of text output, escaped (stat files are written by other processes).
+macro_rules! say {
+    ($($arg:tt)*) => {
+        crate::outln!("{}", escape(&format!($($arg)*)))
+    };
+}
+
 fn print_text(procs: &[Value], dirs: &[PathBuf]) {
     if procs.is_empty() {
-        crate::outln!(
+        say!(
             "no mrkit process exports statistics (looked in {})",
             dirs.iter()
                 .map(|d| d.display().to_string())
@@ -138,7 +212,7 @@ fn print_text(procs: &[Value], dirs: &[PathBuf]) {
     for p in procs {
         let u = |k: &str| p[k].as_u64().unwrap_or(0);
         let age = now.saturating_sub(u("updated_unix_ms")) as f64 / 1000.0;
-        crate::outln!(
+        say!(
             "pid {} ({}) {}  updated {age:.1} s ago",
             u("pid"),
             p["comm"].as_str().unwrap_or("?"),
@@ -157,7 +231,7 @@ fn print_text(procs: &[Value], dirs: &[PathBuf]) {
                     .collect()
             })
             .unwrap_or_default();
-        crate::outln!(
+        say!(
             "  mr: live {}  registered {}  deregistered {}  failed {}",
             u("mrs_live"),
             u("registrations"),
@@ -168,7 +242,7 @@ fn print_text(procs: &[Value], dirs: &[PathBuf]) {
                 fails.join(" ")
             }
         );
-        crate::outln!(
+        say!(
             "  pinned {} (peak {})  translation entries {}  pins io_uring {} mlock {}  odp faults {}",
             human(u("pinned_bytes")),
             human(u("pinned_bytes_peak")),
@@ -178,7 +252,7 @@ fn print_text(procs: &[Value], dirs: &[PathBuf]) {
             u("odp_faults")
         );
         let l = &p["latency_ns"];
-        crate::outln!(
+        say!(
             "  reg latency p50 {} p99 {} (n={})",
             ns(l["p50"].as_u64().unwrap_or(0)),
             ns(l["p99"].as_u64().unwrap_or(0)),
@@ -186,14 +260,15 @@ fn print_text(procs: &[Value], dirs: &[PathBuf]) {
         );
         if let Some(m) = p["sources"].as_object() {
             for (k, v) in m {
-                crate::outln!("  {k}: {v}");
+                say!("  {k}: {v}");
             }
         }
     }
 }
 
 fn once(a: &StatArgs) -> (Vec<Value>, Vec<PathBuf>) {
-    (collect(a), dirs(&a.dir))
+    let (ds, looked) = dirs(&a.dir);
+    (collect(a, &ds), looked)
 }
 
 pub fn run(a: StatArgs) -> u8 {

@@ -23,8 +23,10 @@ use crate::access::AccessFlags;
 use crate::device::DeviceConfig;
 use crate::qp::connect::{connect_qp, ConnectOpts, RemoteQp};
 use crate::qp::{QpCap, QpInitAttr, QpState, RecvWr, Sge};
+use crate::user_mem::UserMemory;
 use crate::wire::IcrcInputs;
 use crate::Context;
+use std::sync::Arc;
 
 const CANARY: u8 = 0xa5;
 const PAD: usize = 4096;
@@ -67,7 +69,7 @@ struct Harness {
     peer_qp: u32,
     pd: u32,
     /// `PAD` canary bytes, the registered `MR_LEN` bytes, `PAD` canary bytes.
-    mem: Vec<u8>,
+    mem: Arc<Vec<u8>>,
     lkey: u32,
     iova: u64,
 }
@@ -104,12 +106,14 @@ fn harness() -> Harness {
     let (peer, _, _, peer_qp) = manual_rc_host(4096, false);
     let mut mem = vec![CANARY; PAD + MR_LEN + PAD];
     mem[PAD..PAD + MR_LEN].fill(0);
-    let addr = mem.as_ptr() as u64 + PAD as u64;
+    // The MR holds the buffer (with its canaries) until it is deregistered.
+    let mem = Arc::new(mem);
+    let range = UserMemory::owned_range(mem.clone(), PAD as u64, MR_LEN as u64).expect("range");
     let all = AccessFlags::LOCAL_WRITE
         | AccessFlags::REMOTE_WRITE
         | AccessFlags::REMOTE_READ
         | AccessFlags::REMOTE_ATOMIC;
-    let mr = resp.reg_mr_va(pd, addr, MR_LEN as u64, all).expect("mr");
+    let mr = resp.reg_mr_va(pd, range, all).expect("mr");
     let h = Harness {
         resp,
         peer,
@@ -196,7 +200,7 @@ struct ReqHarness {
     qp: u32,
     cq: u32,
     /// `PAD` canary bytes, the registered `MR_LEN` bytes, `PAD` canary bytes.
-    mem: Vec<u8>,
+    mem: Arc<Vec<u8>>,
     lkey: u32,
     iova: u64,
     /// The latest `now` handed to the device: time given to the timers never goes back
@@ -216,9 +220,10 @@ fn req_harness() -> ReqHarness {
     let (ctx, pd, cq, qp) = manual_rc_host(4096, true);
     let mut mem = vec![CANARY; PAD + MR_LEN + PAD];
     mem[PAD..PAD + MR_LEN].fill(0);
-    let addr = mem.as_ptr() as u64 + PAD as u64;
+    let mem = Arc::new(mem);
+    let range = UserMemory::owned_range(mem.clone(), PAD as u64, MR_LEN as u64).expect("range");
     let mr = ctx
-        .reg_mr_va(pd, addr, MR_LEN as u64, AccessFlags::LOCAL_WRITE)
+        .reg_mr_va(pd, range, AccessFlags::LOCAL_WRITE)
         .expect("mr");
     ReqHarness {
         ctx,

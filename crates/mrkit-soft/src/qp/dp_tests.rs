@@ -1,6 +1,9 @@
 //! In-crate data-path tests that need to craft packets: a misaligned atomic reaching the
 //! responder (bypassing the post-time check), and `Pkt::to_wire` against the wire parser.
+use std::sync::Arc;
 use std::time::Instant;
+
+use crate::user_mem::UserMemory;
 
 use super::{rc_connect, QpState, SendWr, WrOpcode};
 use crate::cq::{Wc, WcStatus};
@@ -27,11 +30,12 @@ fn connected(access: A) -> (Host, Host) {
 fn responder_misaligned_atomic_is_rem_inv_req_err() {
     let all = A::LOCAL_WRITE | A::REMOTE_WRITE | A::REMOTE_READ | A::REMOTE_ATOMIC;
     let ((a, apd, acq, aqp), (b, bpd, _, bqp)) = connected(all);
-    let mut res = [0u8; 8];
-    let mut target = [0x11u8; 64];
-    let rm = a.reg_mr_va(apd, res.as_mut_ptr() as u64, 8, all).unwrap();
+    // The MRs own their buffers (kept alive until deregistered).
+    let res = Arc::new(vec![0u8; 8]);
+    let target = Arc::new(vec![0x11u8; 64]);
+    let rm = a.reg_mr_va(apd, UserMemory::owned(res), all).unwrap();
     let tm = b
-        .reg_mr_va(bpd, target.as_mut_ptr() as u64, 64, all)
+        .reg_mr_va(bpd, UserMemory::owned(target.clone()), all)
         .unwrap();
     // A legitimate FETCH_ADD with PSN 0 is posted (not yet sent: manual progress) ...
     let mut wr = SendWr::new(1, WrOpcode::AtomicFetchAndAdd)
@@ -188,10 +192,12 @@ fn pkt_to_wire_round_trips_through_the_parser() {
 fn responder_coalesces_the_acks_of_one_batch_into_one() {
     let all = A::LOCAL_WRITE | A::REMOTE_WRITE | A::REMOTE_READ;
     let ((a, apd, acq, aqp), (b, bpd, _, _)) = connected(all);
-    let mut src = [7u8; 64];
-    let mut dst = [0u8; 64];
-    let sm = a.reg_mr_va(apd, src.as_mut_ptr() as u64, 64, all).unwrap();
-    let dm = b.reg_mr_va(bpd, dst.as_mut_ptr() as u64, 64, all).unwrap();
+    let src = Arc::new(vec![7u8; 64]);
+    let dst = Arc::new(vec![0u8; 64]);
+    let sm = a.reg_mr_va(apd, UserMemory::owned(src), all).unwrap();
+    let dm = b
+        .reg_mr_va(bpd, UserMemory::owned(dst.clone()), all)
+        .unwrap();
     // Four one-packet WRITEs, each with AckReq (last packet of its message) ...
     let wrs: Vec<SendWr> = (0..4u64)
         .map(|i| {
@@ -216,5 +222,5 @@ fn responder_coalesces_the_acks_of_one_batch_into_one() {
         (0..4).map(|i| (i, WcStatus::Success)).collect::<Vec<_>>(),
         "one ACK completes all four, in order"
     );
-    assert_eq!(dst, [7u8; 64]);
+    assert_eq!(dst[..], [7u8; 64]);
 }

@@ -11,7 +11,7 @@ use mrkit_soft::mr::MrInfo;
 use mrkit_soft::net::loopback::drive_until_idle;
 use mrkit_soft::qp::connect::{connect_qp, ConnectOpts, RemoteQp};
 use mrkit_soft::qp::{rc_connect, QpCap, QpInitAttr, RecvWr, Sge};
-use mrkit_soft::{AccessFlags as A, Context, DeviceConfig};
+use mrkit_soft::{AccessFlags as A, Context, DeviceConfig, UserMemory};
 
 pub struct Host {
     pub ctx: Context,
@@ -93,17 +93,29 @@ pub fn drain(h: &Host) -> Vec<Wc> {
     v
 }
 
-pub fn reg(h: &Host, buf: &mut [u8]) -> MrInfo {
-    h.ctx
-        .reg_mr_va(h.pd, buf.as_mut_ptr() as u64, buf.len() as u64, all())
-        .unwrap()
+/// Register `buf` on `h` with all rights.
+///
+/// # Safety
+///
+/// Nothing may access the MR once `buf` is freed or moved: the caller posts no work request
+/// over it after that, and no peer outside the test knows its keys (the tests' hosts talk only
+/// to each other), so an MR left registered until the device is dropped is never used.
+pub unsafe fn reg(h: &Host, buf: &mut [u8]) -> MrInfo {
+    // SAFETY: the caller guarantees no access reaches the range once `buf` is gone (above).
+    let mem = unsafe { UserMemory::new(buf.as_mut_ptr() as u64, buf.len() as u64) };
+    h.ctx.reg_mr_va(h.pd, mem, all()).unwrap()
 }
 
 /// `len` bytes of `fill` registered on `h` with all rights: the bytes (the MR is valid while
 /// they live: bind them to a name, not `_`) and the MR.
-pub fn buf_mr(h: &Host, fill: u8, len: usize) -> (Vec<u8>, MrInfo) {
+///
+/// # Safety
+///
+/// As for [`reg`]: nothing accesses the MR once the returned bytes are dropped.
+pub unsafe fn buf_mr(h: &Host, fill: u8, len: usize) -> (Vec<u8>, MrInfo) {
     let mut buf = vec![fill; len];
-    let mr = reg(h, &mut buf);
+    // SAFETY: passed on to our caller; the vector's heap buffer does not move with the Vec.
+    let mr = unsafe { reg(h, &mut buf) };
     (buf, mr)
 }
 
@@ -154,9 +166,10 @@ impl Host {
     pub fn with_buf(self, len: usize, access: A) -> BufHost {
         let Host { ctx, pd, cq, qp } = self;
         let buf = vec![0u8; len];
-        let mr = ctx
-            .reg_mr_va(pd, buf.as_ptr() as u64, len as u64, access)
-            .unwrap();
+        // SAFETY: `BufHost` owns `buf` and deregisters the MR before freeing it (its `Drop`);
+        // its users never resize `buf`.
+        let mem = unsafe { UserMemory::new(buf.as_ptr() as u64, len as u64) };
+        let mr = ctx.reg_mr_va(pd, mem, access).unwrap();
         BufHost {
             ctx,
             pd,
@@ -164,6 +177,16 @@ impl Host {
             qp,
             buf,
             mr,
+        }
+    }
+}
+
+impl Drop for BufHost {
+    fn drop(&mut self) {
+        // Deregister before the buffer is freed; if that fails the buffer is leaked, never
+        // freed under a live MR.
+        if self.ctx.dereg_mr(self.mr.lkey).is_err() {
+            std::mem::forget(std::mem::take(&mut self.buf));
         }
     }
 }

@@ -1129,7 +1129,11 @@ impl RegCache {
         let mut a = s;
         while a < e {
             let l = (e - a).min(self.inner.max_chunk);
-            match ctx.provider().reg_mr(sh.pd.handle(), a, l, a, access) {
+            // SAFETY: `RegCache::get`'s caller guarantees the range is memory it may register;
+            // the cache deregisters it when the memory monitor reports it unmapped (and
+            // never hands out keys for a stale mapping).
+            let mem = unsafe { mrkit_soft::UserMemory::new(a, l) };
+            match ctx.provider().reg_mr(sh.pd.handle(), mem, a, access) {
                 Ok(info) => out.push(Piece {
                     addr: a,
                     len: l,
