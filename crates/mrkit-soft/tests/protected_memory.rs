@@ -16,6 +16,7 @@ use mrkit_soft::mem::pin::{set_pin_mode, PinMode, PinPath};
 use mrkit_soft::net::loopback::drive_until_idle;
 use mrkit_soft::qp::connect::{connect_qp, ConnectOpts, RemoteQp};
 use mrkit_soft::qp::{RecvWr, SendWr, Sge, WrOpcode};
+use mrkit_soft::UserMemory;
 
 /// The pin mode is process-wide: the cases run one at a time.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -183,6 +184,17 @@ fn completion(h: &Host, other: &Host, udp: bool) -> Wc {
     }
 }
 
+/// Register `[addr, addr + len)` with every access right on `h`.
+///
+/// # Safety
+/// The range must stay allocated until the MR is deregistered (it may be protected or unmapped
+/// behind the device's back: that is what these tests do to it).
+unsafe fn reg_at(h: &Host, addr: u64, len: usize) -> mrkit_soft::mr::MrInfo {
+    // SAFETY: forwarded to the caller.
+    let mem = unsafe { UserMemory::new(addr, len as u64) };
+    h.ctx.reg_mr_va(h.pd, mem, all()).unwrap()
+}
+
 fn pat(seed: u8) -> impl Fn(usize) -> u8 {
     move |i| (i as u8).wrapping_mul(31).wrapping_add(seed)
 }
@@ -196,27 +208,21 @@ fn run(damage: Damage, backing: Backing, mode: PinMode, udp: bool) {
     let mut ta = map(backing);
     tb.fill(pat(1));
     ta.fill(pat(2));
-    let mb = b.ctx.reg_mr_va(b.pd, tb.addr, LEN as u64, all()).unwrap();
-    let ma = a.ctx.reg_mr_va(a.pd, ta.addr, LEN as u64, all()).unwrap();
+    // SAFETY (all five registrations): the mappings and vectors outlive the MRs, which this
+    // function deregisters (by dropping the hosts) before it returns; damaging a mapping while
+    // it is registered is what the test is about.
+    let mb = unsafe { reg_at(&b, tb.addr, LEN) };
+    let ma = unsafe { reg_at(&a, ta.addr, LEN) };
     let path = mb.pin_path.expect("pinned");
     let lost = damage == Damage::Unmap && path == PinPath::Mlock;
     println!("{damage:?} {backing:?} {mode:?} udp={udp}: pinned via {path:?}");
     // Plain buffers on a: the WRITE source and the READ destination.
     let src: Vec<u8> = (0..LEN).map(pat(3)).collect();
     let mut back = vec![0u8; LEN];
-    let msrc = a
-        .ctx
-        .reg_mr_va(a.pd, src.as_ptr() as u64, LEN as u64, all())
-        .unwrap();
-    let mback = a
-        .ctx
-        .reg_mr_va(a.pd, back.as_mut_ptr() as u64, LEN as u64, all())
-        .unwrap();
+    let msrc = unsafe { reg_at(&a, src.as_ptr() as u64, LEN) };
+    let mback = unsafe { reg_at(&a, back.as_mut_ptr() as u64, LEN) };
     let mut rbuf = vec![0u8; LEN];
-    let mrbuf = b
-        .ctx
-        .reg_mr_va(b.pd, rbuf.as_mut_ptr() as u64, LEN as u64, all())
-        .unwrap();
+    let mrbuf = unsafe { reg_at(&b, rbuf.as_mut_ptr() as u64, LEN) };
 
     tb.damage(damage);
     ta.damage(damage);
