@@ -21,7 +21,7 @@
 use std::collections::HashMap;
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, UdpSocket};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::Instant;
 
 use parking_lot::Mutex;
@@ -341,7 +341,7 @@ impl UdpPort {
                 None => Ok(0),
                 Some((addr, len)) => {
                     let mut handle = None;
-                    f(addr, &mut Datagram::new(bufs, 0, &mut handle, 0, len));
+                    f(addr, &mut Datagram::new(bufs, 0, &mut handle, 0, len, 0));
                     Ok(1)
                 }
             };
@@ -367,10 +367,15 @@ impl UdpPort {
                         let mut handle = None;
                         let stride = m.stride.max(1);
                         let mut off = 0;
+                        let mut seg = 0;
                         while off < m.len {
                             let len = stride.min(m.len - off);
-                            f(m.addr, &mut Datagram::new(bufs, i, &mut handle, off, len));
+                            f(
+                                m.addr,
+                                &mut Datagram::new(bufs, i, &mut handle, off, len, seg),
+                            );
                             off += len;
+                            seg += 1;
                             total += 1;
                         }
                     }
@@ -398,6 +403,7 @@ pub struct Datagram<'a> {
     handle: &'a mut Option<std::sync::Arc<Vec<u8>>>,
     off: usize,
     len: usize,
+    seg: usize,
 }
 
 impl<'a> Datagram<'a> {
@@ -407,6 +413,7 @@ impl<'a> Datagram<'a> {
         handle: &'a mut Option<std::sync::Arc<Vec<u8>>>,
         off: usize,
         len: usize,
+        seg: usize,
     ) -> Datagram<'a> {
         Datagram {
             bufs,
@@ -414,7 +421,14 @@ impl<'a> Datagram<'a> {
             handle,
             off,
             len,
+            seg,
         }
+    }
+
+    /// The datagram's index within the receive offload batch it arrived in (0 for a
+    /// datagram that arrived alone). An mrkit sender's GSO segment `k` carries IPv4 ID `k`.
+    pub fn segment(&self) -> usize {
+        self.seg
     }
 
     /// The datagram's bytes.
@@ -478,6 +492,12 @@ pub struct RecvBufs {
     plain: bool,
     /// Receives in a row in single mode that got one small datagram.
     small_run: u32,
+    /// A receive found a GSO segment of an mrkit sender cut apart from its batch (the
+    /// kernel segments a GSO buffer that reaches the socket while its GRO is off): turn GRO
+    /// back on at once, so that the retransmission arrives whole ([`Drop::IcrcIpv4Id`]).
+    ///
+    /// [`Drop::IcrcIpv4Id`]: super::Drop::IcrcIpv4Id
+    cut_run: bool,
 }
 
 /// Single-mode receives of one small datagram in a row after which receive offload is
@@ -542,7 +562,8 @@ impl RecvBufs {
             self.plain = self.gro_off;
             return;
         }
-        if !small || (slots > 1 && n >= slots) {
+        let cut = std::mem::take(&mut self.cut_run);
+        if !small || (slots > 1 && n >= slots) || cut {
             self.small_run = 0;
             if self.gro_off && sockio::set_gro(&port.rx, true).is_ok() {
                 self.gro_off = false;
@@ -612,6 +633,7 @@ impl Default for RecvBufs {
             gro_off: false,
             plain: false,
             small_run: 0,
+            cut_run: false,
         }
     }
 }
@@ -851,10 +873,13 @@ pub(crate) fn poll_rx(
     // the two sides would then take turns instead of overlapping.
     let slots = bufs.slots_for(one_ok);
     let mut small = true;
+    let mut cut_run = false;
+    let mode = ctx.dev.config.icrc_ipv4();
     let r = port.recv_some(bufs, slots, 1, |src, d| {
         small &= d.len < SMALL_DATAGRAM;
         received += 1;
-        let parsed = super::Pkt::parse_wire(d.bytes(), src, local, node).map(|(mut p, at)| {
+        let parsed = super::Pkt::parse_wire(d.bytes(), src, local, node, d.seg, mode);
+        let parsed = parsed.map(|(mut p, at)| {
             p.payload = if at.len() <= super::SMALL_PAYLOAD {
                 super::Payload::copied(&d.bytes()[at])
             } else {
@@ -879,24 +904,17 @@ pub(crate) fn poll_rx(
                     dropped += 1;
                 }
             }
-            Err(super::Drop::Malformed) => {
-                st.rx_malformed.fetch_add(1, Relaxed);
-            }
-            Err(super::Drop::BadIcrc) => {
-                st.rx_bad_icrc.fetch_add(1, Relaxed);
-            }
-            Err(super::Drop::UnknownQp) => {
-                st.rx_unknown_qp.fetch_add(1, Relaxed);
-            }
+            Err(why) => cut_run |= st.dropped(why, 1),
         }
     });
+    bufs.cut_run |= cut_run;
     if let Some((_, q)) = cur {
         deliver(q, &mut run);
     }
     run.clear();
     bufs.run = run;
     if dropped > 0 {
-        st.rx_unknown_qp.fetch_add(dropped, Relaxed);
+        st.dropped(super::Drop::UnknownQp, dropped);
     }
     if received > 0 {
         // One writer at a time: this runs under the device's receive lock (`bufs` lives in
@@ -942,21 +960,39 @@ fn next_single(single: bool, busy: u8, n: usize, small: bool) -> bool {
 const SMALL_DATAGRAM: usize = 1024;
 
 /// Link counters of a device. Independent relaxed counters.
+///
+/// Every dropped datagram is counted here and, for `mrkit stat`, in the process-wide
+/// [`crate::stats::rx_drops`].
 #[derive(Debug, Default)]
 pub struct NetStats {
     /// Datagrams sent.
-    pub tx_datagrams: std::sync::atomic::AtomicU64,
+    pub tx_datagrams: AtomicU64,
     /// Send errors.
-    pub send_errors: std::sync::atomic::AtomicU64,
+    pub send_errors: AtomicU64,
     /// Datagrams received. Written only under the device's receive lock (one writer: a
     /// load and a store, no locked read-modify-write).
-    pub rx_datagrams: std::sync::atomic::AtomicU64,
+    pub rx_datagrams: AtomicU64,
     /// Dropped: malformed (truncated, bad version, unknown opcode, bad pad ...).
-    pub rx_malformed: std::sync::atomic::AtomicU64,
-    /// Dropped: ICRC mismatch.
-    pub rx_bad_icrc: std::sync::atomic::AtomicU64,
+    pub rx_malformed: AtomicU64,
+    /// Dropped: ICRC mismatch (all of them, including the two kinds below).
+    pub rx_bad_icrc: AtomicU64,
+    /// Of `rx_bad_icrc`: the ICRC matches another IPv4 identification than the one expected,
+    /// and not one an mrkit sender's GSO segment would carry: a foreign peer's, which
+    /// `MRKIT_ICRC_IPV4=solve` accepts.
+    pub rx_icrc_foreign_id: AtomicU64,
+    /// Of `rx_bad_icrc`: the ICRC matches ID 1..64 with DF, an mrkit sender's GSO segment
+    /// that reached the socket cut apart from its batch (queued while its receive offload
+    /// was off); RC retransmits it.
+    pub rx_icrc_cut_run: AtomicU64,
     /// Dropped: no such QP.
-    pub rx_unknown_qp: std::sync::atomic::AtomicU64,
+    pub rx_unknown_qp: AtomicU64,
+    /// Dropped: the source address is not the QP's remote address.
+    pub rx_drop_src_addr: AtomicU64,
+    /// Dropped: the P_Key does not match the QP's (the port's `bad_pkey_cntr`).
+    pub rx_drop_pkey: AtomicU64,
+    /// Dropped: the QP's state does not take the packet (RESET, INIT, ERR; a request before
+    /// RTR, a response before RTS).
+    pub rx_drop_qp_state: AtomicU64,
 }
 
 /// A copy of [`NetStats`].
@@ -970,11 +1006,25 @@ pub struct NetStatsSnapshot {
     pub rx_datagrams: u64,
     /// Dropped as malformed.
     pub rx_malformed: u64,
-    /// Dropped for a bad ICRC.
+    /// Dropped for a bad ICRC (all kinds).
     pub rx_bad_icrc: u64,
+    /// Of `rx_bad_icrc`: matches a foreign IPv4 identification.
+    pub rx_icrc_foreign_id: u64,
+    /// Of `rx_bad_icrc`: a GSO segment cut apart from its batch.
+    pub rx_icrc_cut_run: u64,
     /// Dropped for an unknown QP.
     pub rx_unknown_qp: u64,
+    /// Dropped: wrong source address.
+    pub rx_drop_src_addr: u64,
+    /// Dropped: wrong P_Key.
+    pub rx_drop_pkey: u64,
+    /// Dropped: the QP's state.
+    pub rx_drop_qp_state: u64,
 }
+
+/// GSO segments one send may carry on Linux: a mismatching ID below this with DF is taken
+/// for an mrkit sender's cut-apart GSO segment.
+const GSO_SEGMENTS_MAX: u16 = 64;
 
 impl NetStats {
     /// Copy the counters.
@@ -986,8 +1036,55 @@ impl NetStats {
             rx_datagrams: self.rx_datagrams.load(Relaxed),
             rx_malformed: self.rx_malformed.load(Relaxed),
             rx_bad_icrc: self.rx_bad_icrc.load(Relaxed),
+            rx_icrc_foreign_id: self.rx_icrc_foreign_id.load(Relaxed),
+            rx_icrc_cut_run: self.rx_icrc_cut_run.load(Relaxed),
             rx_unknown_qp: self.rx_unknown_qp.load(Relaxed),
+            rx_drop_src_addr: self.rx_drop_src_addr.load(Relaxed),
+            rx_drop_pkey: self.rx_drop_pkey.load(Relaxed),
+            rx_drop_qp_state: self.rx_drop_qp_state.load(Relaxed),
         }
+    }
+
+    /// The counter of one kind of drop.
+    fn counter(&self, k: crate::stats::RxDrop) -> &AtomicU64 {
+        use crate::stats::RxDrop;
+        match k {
+            RxDrop::Malformed => &self.rx_malformed,
+            RxDrop::BadIcrc => &self.rx_bad_icrc,
+            RxDrop::IcrcForeignId => &self.rx_icrc_foreign_id,
+            RxDrop::IcrcCutRun => &self.rx_icrc_cut_run,
+            RxDrop::UnknownQp => &self.rx_unknown_qp,
+            RxDrop::SrcAddr => &self.rx_drop_src_addr,
+            RxDrop::Pkey => &self.rx_drop_pkey,
+            RxDrop::QpState => &self.rx_drop_qp_state,
+        }
+    }
+
+    /// Count `n` packets dropped for `k`, here and process-wide.
+    pub(crate) fn count(&self, k: crate::stats::RxDrop, n: u64) {
+        self.counter(k).fetch_add(n, Ordering::Relaxed);
+        crate::stats::rx_drops().add(k, n);
+    }
+
+    /// Count `n` datagrams the receive path dropped for `why`. Returns whether they were GSO
+    /// segments cut apart from their batch (the receiver then turns GRO back on).
+    pub(crate) fn dropped(&self, why: super::Drop, n: u64) -> bool {
+        use super::Drop;
+        use crate::stats::RxDrop;
+        match why {
+            Drop::Malformed => self.count(RxDrop::Malformed, n),
+            Drop::BadIcrc => self.count(RxDrop::BadIcrc, n),
+            Drop::IcrcIpv4Id { id, df } => {
+                self.count(RxDrop::BadIcrc, n);
+                if df && (1..GSO_SEGMENTS_MAX).contains(&id) {
+                    self.count(RxDrop::IcrcCutRun, n);
+                    return true;
+                }
+                self.count(RxDrop::IcrcForeignId, n);
+            }
+            Drop::UnknownQp => self.count(RxDrop::UnknownQp, n),
+        }
+        false
     }
 }
 
