@@ -194,7 +194,7 @@ pub fn process() -> &'static RegStats {
 pub enum RxDrop {
     /// Not a well-formed RoCEv2 RC packet.
     Malformed,
-    /// ICRC mismatch (every kind, including the next two).
+    /// ICRC matching no IPv4 identification (corruption).
     BadIcrc,
     /// ICRC matching a foreign IPv4 identification only.
     IcrcForeignId,

@@ -493,16 +493,24 @@ pub struct RecvBufs {
     /// Receives in a row in single mode that got one small datagram.
     small_run: u32,
     /// A receive found a GSO segment of an mrkit sender cut apart from its batch (the
-    /// kernel segments a GSO buffer that reaches the socket while its GRO is off): turn GRO
-    /// back on at once, so that the retransmission arrives whole ([`Drop::IcrcIpv4Id`]).
-    ///
-    /// [`Drop::IcrcIpv4Id`]: super::Drop::IcrcIpv4Id
+    /// kernel segments a GSO buffer that reaches the socket while its GRO is off, and the
+    /// receiver can then no longer tell the segment's IPv4 ID): turn GRO back on at once, so
+    /// that the retransmission arrives whole, and wait [`GRO_OFF_BACKOFF`] times longer
+    /// before turning it off again.
     cut_run: bool,
+    /// Single-mode receives of one small datagram in a row after which GRO goes off
+    /// ([`GRO_OFF_AFTER`], times [`GRO_OFF_BACKOFF`] for every cut run seen).
+    gro_off_after: u32,
 }
 
 /// Single-mode receives of one small datagram in a row after which receive offload is
 /// turned off (request/response traffic has nothing to coalesce).
 const GRO_OFF_AFTER: u32 = 64;
+
+/// Factor by which the wait before GRO goes off grows each time a GSO run reached the socket
+/// while GRO was off (each such run costs a retransmission): a device whose traffic mixes
+/// request/response with bulk transfers soon keeps GRO on.
+const GRO_OFF_BACKOFF: u32 = 64;
 
 impl RecvBufs {
     /// Receive slots for the next pass: one for request/response traffic, else
@@ -563,6 +571,9 @@ impl RecvBufs {
             return;
         }
         let cut = std::mem::take(&mut self.cut_run);
+        if cut {
+            self.gro_off_after = self.gro_off_after.saturating_mul(GRO_OFF_BACKOFF);
+        }
         if !small || (slots > 1 && n >= slots) || cut {
             self.small_run = 0;
             if self.gro_off && sockio::set_gro(&port.rx, true).is_ok() {
@@ -575,7 +586,7 @@ impl RecvBufs {
             self.small_run = self.small_run.saturating_add(1);
         }
         if !self.gro_off
-            && self.small_run >= GRO_OFF_AFTER
+            && self.small_run >= self.gro_off_after
             && sockio::set_gro(&port.rx, false).is_ok()
         {
             self.gro_off = true;
@@ -634,6 +645,7 @@ impl Default for RecvBufs {
             plain: false,
             small_run: 0,
             cut_run: false,
+            gro_off_after: GRO_OFF_AFTER,
         }
     }
 }
@@ -668,7 +680,9 @@ pub(crate) fn send_pkts(ctx: &crate::Context, pkts: Vec<super::Pkt>) {
 /// [`send_pkts`] on a bound port, with the device only (also used while it is dropped).
 pub(crate) fn send_pkts_on(dev: &crate::DeviceInner, port: &UdpPort, pkts: &[super::Pkt]) {
     let local = port.local_addr();
-    let max_seg = if dev.config.uses_gso() {
+    // With a fault injector every datagram leaves alone (ID 0), so none may be built as a
+    // GSO segment: its ICRC would cover ID `k` and the receiver would drop it.
+    let max_seg = if dev.config.uses_gso() && port.faults.is_none() {
         port.max_gso_segments() // 1..=sockio::MAX_GSO_SEGMENTS
     } else {
         1
@@ -749,9 +763,18 @@ fn send_runs(
         let run_start = used;
         let mut seg_len = 0;
         let mut n = 0;
+        let same_flow = |p: &super::Pkt| p.dst_ip == Some(dst_ip) && p.src_qpn == first.src_qpn;
         while i < pkts.len() && n < max_seg {
             let p = &pkts[i];
-            if p.dst_ip != Some(dst_ip) || p.src_qpn != first.src_qpn {
+            if !same_flow(p) {
+                break;
+            }
+            if n > 0 && !pkts.get(i + 1).is_some_and(same_flow) {
+                // The flow's last packet of this send leaves alone, with ID 0, which every
+                // receiver can check. A receiver whose GRO is off gets a GSO run cut into
+                // datagrams whose IDs it cannot know and drops all but the first; this
+                // packet, arriving right behind them, then shows the PSN gap and the
+                // responder NAKs at once instead of the requester waiting for its timer.
                 break;
             }
             let inputs = if base.is_ipv4() {
@@ -974,15 +997,15 @@ pub struct NetStats {
     pub rx_datagrams: AtomicU64,
     /// Dropped: malformed (truncated, bad version, unknown opcode, bad pad ...).
     pub rx_malformed: AtomicU64,
-    /// Dropped: ICRC mismatch (all of them, including the two kinds below).
+    /// Dropped: the ICRC matches no IPv4 identification at all (a corrupted packet).
     pub rx_bad_icrc: AtomicU64,
-    /// Of `rx_bad_icrc`: the ICRC matches another IPv4 identification than the one expected,
-    /// and not one an mrkit sender's GSO segment would carry: a foreign peer's, which
-    /// `MRKIT_ICRC_IPV4=solve` accepts.
+    /// Dropped: the ICRC does not match the IPv4 identification expected, but another one,
+    /// and not one an mrkit sender's GSO segment carries: a foreign peer's packet, which
+    /// `MRKIT_ICRC_IPV4=solve` accepts (or, with probability 2^-15, a corrupted one).
     pub rx_icrc_foreign_id: AtomicU64,
-    /// Of `rx_bad_icrc`: the ICRC matches ID 1..64 with DF, an mrkit sender's GSO segment
-    /// that reached the socket cut apart from its batch (queued while its receive offload
-    /// was off); RC retransmits it.
+    /// Dropped: the ICRC matches ID 1..63 with DF, an mrkit sender's GSO segment that
+    /// reached the socket cut apart from its batch (queued while the socket's receive offload
+    /// was off), whose ID the receiver cannot know; RC retransmits it.
     pub rx_icrc_cut_run: AtomicU64,
     /// Dropped: no such QP.
     pub rx_unknown_qp: AtomicU64,
@@ -1006,11 +1029,11 @@ pub struct NetStatsSnapshot {
     pub rx_datagrams: u64,
     /// Dropped as malformed.
     pub rx_malformed: u64,
-    /// Dropped for a bad ICRC (all kinds).
+    /// Dropped for a bad ICRC (no IPv4 ID matches).
     pub rx_bad_icrc: u64,
-    /// Of `rx_bad_icrc`: matches a foreign IPv4 identification.
+    /// Dropped: the ICRC matches a foreign IPv4 identification.
     pub rx_icrc_foreign_id: u64,
-    /// Of `rx_bad_icrc`: a GSO segment cut apart from its batch.
+    /// Dropped: a GSO segment cut apart from its batch.
     pub rx_icrc_cut_run: u64,
     /// Dropped for an unknown QP.
     pub rx_unknown_qp: u64,
@@ -1024,7 +1047,7 @@ pub struct NetStatsSnapshot {
 
 /// GSO segments one send may carry on Linux: a mismatching ID below this with DF is taken
 /// for an mrkit sender's cut-apart GSO segment.
-const GSO_SEGMENTS_MAX: u16 = 64;
+const GSO_SEGMENTS_MAX: u16 = sockio::MAX_GSO_SEGMENTS as u16;
 
 impl NetStats {
     /// Copy the counters.
@@ -1075,7 +1098,6 @@ impl NetStats {
             Drop::Malformed => self.count(RxDrop::Malformed, n),
             Drop::BadIcrc => self.count(RxDrop::BadIcrc, n),
             Drop::IcrcIpv4Id { id, df } => {
-                self.count(RxDrop::BadIcrc, n);
                 if df && (1..GSO_SEGMENTS_MAX).contains(&id) {
                     self.count(RxDrop::IcrcCutRun, n);
                     return true;
