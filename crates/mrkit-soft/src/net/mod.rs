@@ -266,7 +266,21 @@ impl Pkt {
         dst: std::net::SocketAddr,
         node: u64,
     ) -> Result<Pkt, Drop> {
-        let (mut p, at) = Self::parse_wire(datagram, src, dst, node, 0, Ipv4IcrcMode::Exact)?;
+        Self::from_wire_in_batch(datagram, src, dst, node, 0, Ipv4IcrcMode::Exact)
+    }
+
+    /// As [`from_wire`](Self::from_wire) for the `seg`-th datagram of a receive offload batch
+    /// (its IPv4 ICRC is checked for ID `seg` with DF), or with the `mode` of a device
+    /// configured for foreign peers.
+    pub fn from_wire_in_batch(
+        datagram: &[u8],
+        src: std::net::SocketAddr,
+        dst: std::net::SocketAddr,
+        node: u64,
+        seg: usize,
+        mode: Ipv4IcrcMode,
+    ) -> Result<Pkt, Drop> {
+        let (mut p, at) = Self::parse_wire(datagram, src, dst, node, seg, mode)?;
         p.payload = Payload::copied(&datagram[at]);
         Ok(p)
     }
