@@ -571,7 +571,9 @@ impl RecvBufs {
             return;
         }
         let cut = std::mem::take(&mut self.cut_run);
-        if cut {
+        if cut && self.gro_off {
+            // Once per run cut apart (its other segments, queued before GRO went back on,
+            // are cut too but do not count again).
             self.gro_off_after = self.gro_off_after.saturating_mul(GRO_OFF_BACKOFF);
         }
         if !small || (slots > 1 && n >= slots) || cut {
@@ -1365,6 +1367,98 @@ mod tests {
             got.extend(until_some(&mut bufs));
         }
         assert_eq!(got, (0..4u8).map(|k| vec![k; 1200]).collect::<Vec<_>>());
+    }
+
+    /// A GSO run that reaches a socket whose GRO is off is cut into datagrams whose IPv4 IDs
+    /// (1, 2, ...) the receiver cannot know: the exact check takes the first (ID 0) and drops
+    /// the others as cut-run segments, which turns GRO back on (and makes the wait before it
+    /// goes off again 64 times longer); the same run sent again arrives as one batch, and
+    /// every segment passes the check for its index.
+    #[test]
+    fn a_run_cut_apart_by_gro_off_is_counted_and_turns_gro_back_on() {
+        use crate::wire::{Aeth, IcrcInputs, Opcode, PacketBuilder, IPV4_FLAGS_DF};
+        let (a, b) = pair(None);
+        let stats = NetStats::default();
+        let mut bufs = RecvBufs::default();
+        // One receive pass as poll_rx makes it: parse every datagram at its batch index and
+        // count what is dropped. Returns (ok, dropped) verdicts in order.
+        let pass = |bufs: &mut RecvBufs| -> Vec<Result<(), super::super::Drop>> {
+            let slots = bufs.slots_per_pass();
+            let mut got = Vec::new();
+            let mut cut = false;
+            let local = b.local_addr();
+            let n = b
+                .recv_some(bufs, slots, 1, |src, d| {
+                    let r = super::super::Pkt::parse_wire(
+                        d.bytes(),
+                        src,
+                        local,
+                        0,
+                        d.segment(),
+                        super::super::Ipv4IcrcMode::Exact,
+                    )
+                    .map(|_| ());
+                    if let Err(why) = r {
+                        cut |= stats.dropped(why, 1);
+                    }
+                    got.push(r);
+                })
+                .unwrap();
+            bufs.cut_run |= cut;
+            bufs.after_receive(&b, n, slots, true, false);
+            got
+        };
+        let until_some = |bufs: &mut RecvBufs| {
+            let end = Instant::now() + Duration::from_secs(5);
+            let mut got = Vec::new();
+            while got.len() < 3 && Instant::now() < end {
+                got.extend(pass(bufs));
+            }
+            got
+        };
+        // Request/response traffic turns GRO off.
+        let sport = 0xC003;
+        let src = SocketAddr::new(a.local_addr().ip(), sport);
+        let inputs = IcrcInputs::from_socket_addrs(src, b.local_addr());
+        let ack = |psn: u32, id: u16| {
+            PacketBuilder::new(Opcode::Acknowledge, 0x42, psn)
+                .aeth(Aeth::ack(psn))
+                .to_vec(&[], &inputs.with_ipv4_id(id, IPV4_FLAGS_DF))
+                .unwrap()
+        };
+        assert!(pass(&mut bufs).is_empty());
+        for i in 0..GRO_OFF_AFTER + 1 {
+            a.send(sport, b.local_addr(), &ack(i, 0), None).unwrap();
+            let end = Instant::now() + Duration::from_secs(5);
+            let mut got = pass(&mut bufs);
+            while got.is_empty() && Instant::now() < end {
+                got = pass(&mut bufs);
+            }
+            assert_eq!(got, vec![Ok(())]);
+            assert!(pass(&mut bufs).is_empty());
+        }
+        assert!(bufs.gro_off, "GRO is off after request/response traffic");
+        // A run of three ACKs, segment k computed for ID k as an mrkit sender does.
+        let run: Vec<u8> = (0..3u16).flat_map(|k| ack(100 + u32::from(k), k)).collect();
+        a.send(sport, b.local_addr(), &run, Some(20)).unwrap();
+        let got = until_some(&mut bufs);
+        use super::super::Drop::IcrcIpv4Id;
+        assert_eq!(
+            got,
+            vec![
+                Ok(()),
+                Err(IcrcIpv4Id { id: 1, df: true }),
+                Err(IcrcIpv4Id { id: 2, df: true })
+            ]
+        );
+        assert_eq!(stats.snapshot().rx_icrc_cut_run, 2);
+        assert_eq!(stats.snapshot().rx_bad_icrc, 0);
+        assert!(!bufs.gro_off, "a cut run turns GRO back on");
+        assert_eq!(bufs.gro_off_after, GRO_OFF_AFTER * GRO_OFF_BACKOFF);
+        // With GRO on, the run arrives whole and each segment checks against its index.
+        assert!(pass(&mut bufs).is_empty());
+        a.send(sport, b.local_addr(), &run, Some(20)).unwrap();
+        assert_eq!(until_some(&mut bufs), vec![Ok(()), Ok(()), Ok(())]);
     }
 
     #[test]

@@ -1503,3 +1503,29 @@ mod inline_tests {
         }
     }
 }
+
+#[cfg(test)]
+mod receive_check_tests {
+    use super::*;
+
+    /// The IBA P_Key rule, against the port's only entry (0xFFFF, full member) and between
+    /// arbitrary keys.
+    #[test]
+    fn pkey_match_rule() {
+        // (key, table, match)
+        let table = [
+            (0xFFFF, 0xFFFF, true),
+            (0x7FFF, 0xFFFF, true),  // limited member of the default partition
+            (0x7FFF, 0x7FFF, false), // two limited members
+            (0x8000, 0xFFFF, false), // another partition
+            (0x0000, 0xFFFF, false), // the invalid P_Key
+            (0x8000, 0x8000, false), // the invalid P_Key, full member
+            (0x1234, 0xFFFF, false),
+            (0x9234, 0x1234, true),
+            (0x1234, 0x9234, true),
+        ];
+        for (k, t, want) in table {
+            assert_eq!(pkey_match(k, t), want, "{k:#06x} vs {t:#06x}");
+        }
+    }
+}
