@@ -190,6 +190,7 @@ fn round_trips_then_bulk_then_round_trips() {
     assert!(b.buf == data, "the 1 MiB WRITE landed intact");
     a.buf.fill(0);
     let half = LEN / 2;
+    let cut_before_read = a.ctx.net_stats().rx_icrc_cut_run;
     let mut r = SendWr::new(1001, WrOpcode::RdmaRead);
     r.sg_list = vec![Sge {
         addr: a.mr.iova + half as u64,
@@ -203,6 +204,14 @@ fn round_trips_then_bulk_then_round_trips() {
     let wc = poll_n(&a, 1, Duration::from_secs(10));
     assert_eq!(wc[0].status, WcStatus::Success, "{wc:?}");
     assert!(a.buf[half..] == data[..half], "the READ came back intact");
+    // The requester switched its receive offload back on before the READ request left: no
+    // READ response arrived cut apart from its GSO run (it would have waited for the timer).
+    assert_eq!(
+        a.ctx.net_stats().rx_icrc_cut_run,
+        cut_before_read,
+        "{:?}",
+        a.ctx.net_stats()
+    );
     round_trips(&mut a, &b, 2, 300);
     let (na, nb) = (a.ctx.net_stats(), b.ctx.net_stats());
     assert_eq!(

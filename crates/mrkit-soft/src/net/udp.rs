@@ -21,7 +21,7 @@
 use std::collections::HashMap;
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, UdpSocket};
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::Instant;
 
 use parking_lot::Mutex;
@@ -101,6 +101,14 @@ pub struct UdpPort {
     /// The receive socket has receive offload (`UDP_GRO`), which [`RecvBufs`] turns off
     /// while the traffic is request/response (see `RecvBufs::plain`).
     gro: bool,
+    /// GRO is off on the receive socket (a copy of `RecvBufs::gro_off` for senders, written
+    /// by the receiver when it switches). A hint: orders no other data.
+    gro_is_off: AtomicBool,
+    /// A sender switched GRO back on (`hold_gro`) because READ responses will arrive as GSO
+    /// runs; the receiver takes note at its next pass. The sender's `set_gro` happens before
+    /// its READ request leaves, so the responses find GRO on whatever the receiver knows; the
+    /// flag orders no other data.
+    gro_forced_on: AtomicBool,
     /// Send sockets by UDP source port (FxHash: the key is a port number we chose).
     tx: Mutex<HashMap<u16, UdpSocket, rustc_hash::FxBuildHasher>>,
     faults: Option<Mutex<FaultInjector<Outgoing>>>,
@@ -176,6 +184,8 @@ impl UdpPort {
             rx,
             max_gso_segments,
             gro,
+            gro_is_off: AtomicBool::new(false),
+            gro_forced_on: AtomicBool::new(false),
             tx: Mutex::new(HashMap::default()),
             faults: faults
                 .filter(|f| !f.is_clean())
@@ -393,6 +403,18 @@ impl UdpPort {
     pub fn rx_socket(&self) -> &UdpSocket {
         &self.rx
     }
+
+    /// Make sure GRO is on before a READ request leaves whose responses come as GSO runs:
+    /// with GRO off the kernel would cut them into datagrams whose IPv4 IDs the receiver
+    /// cannot know, and a requester that loses READ responses waits for its retransmission
+    /// timer. Costs a load when GRO is on; a system call the first time otherwise.
+    fn hold_gro(&self) {
+        if self.gro_is_off.load(Ordering::Relaxed)
+            && !self.gro_forced_on.swap(true, Ordering::Relaxed)
+        {
+            let _ = sockio::set_gro(&self.rx, true);
+        }
+    }
 }
 
 /// One received datagram, lent to a receive callback ([`UdpPort::recv`]).
@@ -566,6 +588,7 @@ impl RecvBufs {
             self.plain = true;
             return;
         }
+        self.note_forced_gro(port);
         if n == 0 {
             self.plain = self.gro_off;
             return;
@@ -581,6 +604,7 @@ impl RecvBufs {
             if self.gro_off && sockio::set_gro(&port.rx, true).is_ok() {
                 self.gro_off = false;
                 self.plain = false;
+                port.gro_is_off.store(false, Ordering::Relaxed);
             }
             return;
         }
@@ -592,6 +616,26 @@ impl RecvBufs {
             && sockio::set_gro(&port.rx, false).is_ok()
         {
             self.gro_off = true;
+            port.gro_is_off.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// Take note of a sender's [`UdpPort::hold_gro`]: GRO is on, no plain receives, and the
+    /// wait before it goes off again grows as after a cut run. (A receive whose decision to
+    /// turn GRO off crossed the sender's switch may have turned it off again: switch it on
+    /// once more.)
+    fn note_forced_gro(&mut self, port: &UdpPort) {
+        if port.gro_forced_on.load(Ordering::Relaxed)
+            && port.gro_forced_on.swap(false, Ordering::Relaxed)
+        {
+            if self.gro_off {
+                self.gro_off_after = self.gro_off_after.saturating_mul(GRO_OFF_BACKOFF);
+            }
+            let _ = sockio::set_gro(&port.rx, true);
+            self.gro_off = false;
+            self.plain = false;
+            self.small_run = 0;
+            port.gro_is_off.store(false, Ordering::Relaxed);
         }
     }
 
@@ -652,6 +696,9 @@ impl Default for RecvBufs {
     }
 }
 
+/// The smallest path MTU (256): a READ of more bytes may be answered by several packets.
+const MIN_PATH_MTU: u32 = 256;
+
 /// A GSO send is one UDP datagram to the kernel: at most 65,507 bytes of payload in all.
 const MAX_GSO_BYTES: usize = 65_507;
 
@@ -682,6 +729,13 @@ pub(crate) fn send_pkts(ctx: &crate::Context, pkts: Vec<super::Pkt>) {
 /// [`send_pkts`] on a bound port, with the device only (also used while it is dropped).
 pub(crate) fn send_pkts_on(dev: &crate::DeviceInner, port: &UdpPort, pkts: &[super::Pkt]) {
     let local = port.local_addr();
+    // READ responses of more than one packet come back as GSO runs: GRO must be on first.
+    if pkts.iter().any(|p| {
+        p.bth.opcode == crate::wire::Opcode::RdmaReadRequest
+            && p.ext.reth.is_some_and(|r| r.dma_len > MIN_PATH_MTU)
+    }) {
+        port.hold_gro();
+    }
     // With a fault injector every datagram leaves alone (ID 0), so none may be built as a
     // GSO segment: its ICRC would cover ID `k` and the receiver would drop it.
     let max_seg = if dev.config.uses_gso() && port.faults.is_none() {
@@ -896,6 +950,9 @@ pub(crate) fn poll_rx(
     // the next batch is taken. Draining the socket first would let a receiver that fell
     // behind take a sender's whole window at once and acknowledge it only at the end, and
     // the two sides would then take turns instead of overlapping.
+    // Before receiving: a sender may have switched GRO back on (a READ request left), and
+    // then no receive may be a plain one.
+    bufs.note_forced_gro(port);
     let slots = bufs.slots_for(one_ok);
     let mut small = true;
     let mut cut_run = false;
