@@ -224,8 +224,9 @@ pub enum Ipv4IcrcMode {
     /// arrived alone). That is exactly what an mrkit sender puts on the wire: a lone datagram
     /// leaves with ID 0 and DF, segment `k` of a GSO send with ID `k`, and on loopback and
     /// veth a GSO send reaches a receive-offload socket as one batch. As a plain CRC-32
-    /// check, it rejects every error of up to 3 bits and every burst of up to 32 bits, and
-    /// any other corruption except with probability 2^-32.
+    /// check against one value, it rejects every error of up to 3 bits and every burst of up
+    /// to 32 bits in datagrams of up to 11 KiB (mrkit's are at most 4.2 KiB), and any other
+    /// corruption except with probability 2^-32.
     #[default]
     Exact,
     /// Accept the packet if **any** identification and DF value makes the ICRC match (a

@@ -1070,7 +1070,8 @@ pub struct NetStats {
     pub rx_unknown_qp: AtomicU64,
     /// Dropped: the source address is not the QP's remote address.
     pub rx_drop_src_addr: AtomicU64,
-    /// Dropped: the P_Key does not match the QP's (the port's `bad_pkey_cntr`).
+    /// Dropped: the P_Key does not match the QP's (what hardware counts in the port's
+    /// `bad_pkey_cntr`).
     pub rx_drop_pkey: AtomicU64,
     /// Dropped: the QP's state does not take the packet (RESET, INIT, ERR; a request before
     /// RTR, a response before RTS).
