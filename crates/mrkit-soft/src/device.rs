@@ -184,6 +184,7 @@ pub struct DeviceConfig {
     dontfork: bool,
     udp_addr: Option<std::net::SocketAddr>,
     gso: bool,
+    icrc_ipv4: crate::net::Ipv4IcrcMode,
     delayed_acks: bool,
     progress: crate::progress::ProgressPolicy,
     faults: Option<crate::net::fault::FaultConfig>,
@@ -228,6 +229,10 @@ pub const ENV_VARS: &[(&str, &str)] = &[
     (
         "MRKIT_GSO",
         "1 (default): send runs of packets as one UDP GSO buffer; 0: one datagram per packet",
+    ),
+    (
+        "MRKIT_ICRC_IPV4",
+        "exact (default): an IPv4 packet's ICRC must match the one IP ID an mrkit sender uses; solve: accept any IP ID (foreign peers, NIC GRO)",
     ),
     (
         "MRKIT_DELAYED_ACK",
@@ -337,6 +342,7 @@ impl DeviceConfig {
             dontfork: false,
             udp_addr: None,
             gso: true,
+            icrc_ipv4: crate::net::Ipv4IcrcMode::Exact,
             delayed_acks: true,
             progress: crate::progress::ProgressPolicy::Auto,
             faults: None,
@@ -475,6 +481,12 @@ impl DeviceConfig {
             c.gso = !matches!(v.as_str(), "0" | "off" | "no" | "false");
             c.sources.insert("gso", Source::Env("MRKIT_GSO"));
         }
+        if let Some(v) = get("MRKIT_ICRC_IPV4").filter(|v| !v.trim().is_empty()) {
+            c.icrc_ipv4 = crate::net::Ipv4IcrcMode::parse(&v)
+                .ok_or_else(|| format!("MRKIT_ICRC_IPV4={v}: expected exact or solve"))?;
+            c.sources
+                .insert("icrc_ipv4", Source::Env("MRKIT_ICRC_IPV4"));
+        }
         if let Some(v) = get("MRKIT_PROGRESS").filter(|v| !v.trim().is_empty()) {
             c.progress = crate::progress::ProgressPolicy::parse(&v)
                 .ok_or_else(|| format!("MRKIT_PROGRESS={v}: expected auto, spin or block"))?;
@@ -563,6 +575,17 @@ impl DeviceConfig {
     /// Whether UDP segmentation offload is used.
     pub fn uses_gso(&self) -> bool {
         self.gso
+    }
+    /// How received IPv4 packets' ICRCs are checked (default
+    /// [`Exact`](crate::net::Ipv4IcrcMode::Exact); `MRKIT_ICRC_IPV4`).
+    pub fn icrc_ipv4_mode(mut self, mode: crate::net::Ipv4IcrcMode) -> Self {
+        self.icrc_ipv4 = mode;
+        self.sources.insert("icrc_ipv4", Source::Builder);
+        self
+    }
+    /// The IPv4 ICRC check mode.
+    pub fn icrc_ipv4(&self) -> crate::net::Ipv4IcrcMode {
+        self.icrc_ipv4
     }
     /// Delayed ACKs on the UDP link (default on; `MRKIT_DELAYED_ACK=0`). On: a plain ACK
     /// produced while the application polls may wait up to

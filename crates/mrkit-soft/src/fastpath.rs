@@ -245,6 +245,7 @@ mod tests {
         Pkt {
             dst_node: 0,
             dst_ip: Some(std::net::Ipv4Addr::LOCALHOST.into()),
+            src_ip: None,
             src_node: 0,
             src_qpn,
             bth: Bth::new(opcode, 99, psn),

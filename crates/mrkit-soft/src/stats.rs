@@ -188,6 +188,83 @@ pub fn process() -> &'static RegStats {
     P.get_or_init(RegStats::default)
 }
 
+/// Why a received packet was dropped before it could act on a QP (see
+/// [`crate::net::udp::NetStats`] for each kind).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RxDrop {
+    /// Not a well-formed RoCEv2 RC packet.
+    Malformed,
+    /// ICRC matching no IPv4 identification (corruption).
+    BadIcrc,
+    /// ICRC matching a foreign IPv4 identification only.
+    IcrcForeignId,
+    /// ICRC matching the ID of an mrkit GSO segment received apart from its batch.
+    IcrcCutRun,
+    /// No QP with the destination QPN.
+    UnknownQp,
+    /// Source address other than the QP's remote address.
+    SrcAddr,
+    /// P_Key not matching the QP's.
+    Pkey,
+    /// QP state that does not take the packet.
+    QpState,
+}
+
+impl RxDrop {
+    /// Every kind, in the order [`RxDrops::snapshot`] lists them.
+    pub const ALL: [RxDrop; 8] = [
+        RxDrop::Malformed,
+        RxDrop::BadIcrc,
+        RxDrop::IcrcForeignId,
+        RxDrop::IcrcCutRun,
+        RxDrop::UnknownQp,
+        RxDrop::SrcAddr,
+        RxDrop::Pkey,
+        RxDrop::QpState,
+    ];
+
+    /// The counter's name (as in `mrkit stat` and [`crate::net::udp::NetStats`]).
+    pub fn name(self) -> &'static str {
+        match self {
+            RxDrop::Malformed => "rx_malformed",
+            RxDrop::BadIcrc => "rx_bad_icrc",
+            RxDrop::IcrcForeignId => "rx_icrc_foreign_id",
+            RxDrop::IcrcCutRun => "rx_icrc_cut_run",
+            RxDrop::UnknownQp => "rx_unknown_qp",
+            RxDrop::SrcAddr => "rx_drop_src_addr",
+            RxDrop::Pkey => "rx_drop_pkey",
+            RxDrop::QpState => "rx_drop_qp_state",
+        }
+    }
+}
+
+/// Received packets dropped by every device of the process, per [`RxDrop`] kind.
+/// Independent relaxed counters (drops are rare: an add per dropped packet).
+#[derive(Debug, Default)]
+pub struct RxDrops {
+    counts: [AtomicU64; 8],
+}
+
+impl RxDrops {
+    pub(crate) fn add(&self, k: RxDrop, n: u64) {
+        self.counts[k as usize].fetch_add(n, Relaxed);
+    }
+
+    /// `(counter name, count)` for every kind, in [`RxDrop::ALL`] order.
+    pub fn snapshot(&self) -> Vec<(&'static str, u64)> {
+        RxDrop::ALL
+            .iter()
+            .map(|k| (k.name(), self.counts[*k as usize].load(Relaxed)))
+            .collect()
+    }
+}
+
+/// Process-wide receive drop counters (all device instances of this process).
+pub fn rx_drops() -> &'static RxDrops {
+    static D: std::sync::OnceLock<RxDrops> = std::sync::OnceLock::new();
+    D.get_or_init(RxDrops::default)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -635,6 +635,11 @@ pub fn snapshot() -> Value {
     for (name, f) in list {
         srcs.insert(name.to_string(), f());
     }
+    // Received packets every device of this process dropped, by reason (`mrkit stat` prints
+    // sources as they are).
+    let drops = stats::rx_drops().snapshot().into_iter();
+    let drops: Map<String, Value> = drops.map(|(n, c)| (n.to_string(), json!(c))).collect();
+    srcs.insert("rx_drops".into(), drops.into());
     let pid = std::process::id();
     json!({
         "schema": SCHEMA,

@@ -29,6 +29,15 @@ use crate::Context;
 use std::sync::Arc;
 
 const CANARY: u8 = 0xa5;
+
+/// The remote address of the fuzzed QPs: fuzzed packets "from the peer" come from here, and
+/// what the QPs send goes here over UDP, where nothing listens (127.x.y.254 is never a
+/// default device address).
+const PEER: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(127, 254, 254, 254)), 0xc001);
+/// Another local address: packets from here must be dropped by the source-address check.
+const STRANGER: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(127, 1, 1, 1)), 0xc001);
+/// The destination the fuzzed packets' ICRCs are computed for.
+const DST: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(127, 1, 1, 2)), 4791);
 const PAD: usize = 4096;
 const MR_LEN: usize = 16384;
 
@@ -75,9 +84,11 @@ struct Harness {
 }
 
 fn bring_up(h: &Harness) {
-    for (c, q, pq, node) in [
-        (&h.resp, h.qp, h.peer_qp, h.peer.node_id()),
-        (&h.peer, h.peer_qp, h.qp, h.resp.node_id()),
+    // The responder's peer is at `PEER` (its replies go there over UDP); the peer QP reaches
+    // the responder over the loopback link.
+    for (c, q, pq, node, ip) in [
+        (&h.resp, h.qp, h.peer_qp, h.peer.node_id(), Some(PEER.ip())),
+        (&h.peer, h.peer_qp, h.qp, h.resp.node_id(), None),
     ] {
         if c.qp_state(q).ok() == Some(QpState::Rts) {
             continue;
@@ -85,7 +96,7 @@ fn bring_up(h: &Harness) {
         let remote = RemoteQp {
             qpn: pq,
             psn: 0,
-            ip: None,
+            ip,
             node,
         };
         let _ = reconnect(c, q, remote, ConnectOpts::default());
@@ -135,7 +146,12 @@ thread_local! {
 /// Feed one fuzz input. Byte 0 chooses how much of the packet is repaired so that the fuzzer
 /// reaches deep states: bit 0 sets the destination QPN to the live QP, bit 1 points PSNs at the
 /// expected one, bit 2 aims RETH/AtomicETH addresses and keys at the registered buffer (or just
-/// outside it), and the ICRC is recomputed unless bit 3 is set. The rest is the datagram.
+/// outside it), and the ICRC is recomputed unless bit 3 is set. The datagram comes from the
+/// QP's remote address unless bit 4 is set (then from another local address: the receive
+/// checks must drop it), and its P_Key is set to the default 0xFFFF unless bit 5 is set (then
+/// the fuzzed one is checked). Bit 6 makes it segment `1 + len % 63` of a receive batch
+/// (the ICRC then covers that IPv4 ID), and bits 7 and 3 together check the ICRC as given in
+/// solve mode. The rest is the datagram.
 pub fn fuzz_responder(data: &[u8]) {
     if data.is_empty() {
         return;
@@ -152,6 +168,9 @@ pub fn fuzz_responder(data: &[u8]) {
             if mode & 2 != 0 {
                 d[9..12].fill(0);
             }
+            if mode & 0x20 == 0 {
+                d[2..4].copy_from_slice(&crate::wire::DEFAULT_PKEY.to_be_bytes());
+            }
             if mode & 4 != 0 && d.len() >= 28 {
                 // RETH/AtomicETH start right after the BTH for requests that carry them.
                 let off = u64::from(u16::from_be_bytes([d[12], d[13]])) % (MR_LEN as u64 + 64);
@@ -160,12 +179,26 @@ pub fn fuzz_responder(data: &[u8]) {
                 d[20..24].copy_from_slice(&h.lkey.to_be_bytes());
             }
         }
-        let src = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(127, 1, 1, 1)), 0xc001);
-        let dst = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(127, 1, 1, 2)), 4791);
+        let src = if mode & 0x10 == 0 { PEER } else { STRANGER };
+        let dst = DST;
+        // Bit 6: the datagram arrives as segment 1..=63 of a receive batch (exact check with
+        // that ID); bit 7 (with bit 3: the ICRC as given) checks it in solve mode.
+        let seg = if mode & 0x40 != 0 {
+            1 + d.len() % 63
+        } else {
+            0
+        };
+        let icrc_mode = if mode & 0x88 == 0x88 {
+            super::Ipv4IcrcMode::Solve
+        } else {
+            super::Ipv4IcrcMode::Exact
+        };
         if mode & 8 == 0 && d.len() >= 16 {
-            let _ = IcrcInputs::from_socket_addrs(src, dst).fill(&mut d);
+            let inputs = IcrcInputs::from_socket_addrs(src, dst)
+                .with_ipv4_id(seg as u16, crate::wire::IPV4_FLAGS_DF);
+            let _ = inputs.fill(&mut d);
         }
-        if let Ok(p) = Pkt::from_wire(&d, src, dst, h.resp.node_id()) {
+        if let Ok(p) = Pkt::from_wire_in_batch(&d, src, dst, h.resp.node_id(), seg, icrc_mode) {
             h.resp.dev.dp.enqueue_packet(p);
         }
         let now = Instant::now();
@@ -242,7 +275,7 @@ fn req_bring_up(h: &ReqHarness, now: Instant) {
     let remote = RemoteQp {
         qpn: GHOST_QPN,
         psn: 0,
-        ip: None,
+        ip: Some(PEER.ip()),
         node: GHOST_NODE,
     };
     let opts = ConnectOpts {
@@ -300,7 +333,9 @@ thread_local! {
 /// bytes,
 /// 5 an atomic ACK, 6 lets `syndrome` × 10 ms pass (retransmission and RNR timers), 7 sends
 /// the rest of the input as a raw datagram. PSNs are taken modulo 16 so that most fall in or
-/// near the window (0-8). Returns the completions (for tests of the harness itself).
+/// near the window (0-8). Bit 3 of `kind` sends the packet from another local address than
+/// the QP's remote (the receive checks must drop it), bit 4 gives it the P_Key `[x, y]`
+/// instead of the default 0xFFFF. Returns the completions (for tests of the harness itself).
 pub fn fuzz_completer(data: &[u8]) -> Vec<crate::cq::Wc> {
     use crate::wire::{Aeth, AtomicAckEth, Opcode, PacketBuilder};
     R.with(|cell| {
@@ -308,13 +343,17 @@ pub fn fuzz_completer(data: &[u8]) -> Vec<crate::cq::Wc> {
         let h = g.get_or_insert_with(req_harness);
         let mut now = Instant::now().max(h.clock);
         req_bring_up(h, now);
-        let src = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(127, 1, 1, 1)), 0xc001);
-        let dst = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(127, 1, 1, 2)), 4791);
-        let inputs = IcrcInputs::from_socket_addrs(src, dst);
         let mut rest = data;
         while rest.len() >= 6 {
             let (r, tail) = rest.split_at(6);
             rest = tail;
+            let src = if r[0] & 8 == 0 { PEER } else { STRANGER };
+            let inputs = IcrcInputs::from_socket_addrs(src, DST);
+            let pkey = if r[0] & 0x10 == 0 {
+                crate::wire::DEFAULT_PKEY
+            } else {
+                u16::from_be_bytes([r[4], r[5]])
+            };
             let psn = u32::from(r[1] % 16);
             let aeth = Aeth {
                 syndrome: r[2],
@@ -322,6 +361,7 @@ pub fn fuzz_completer(data: &[u8]) -> Vec<crate::cq::Wc> {
             };
             let dgram = match r[0] % 8 {
                 0 => PacketBuilder::new(Opcode::Acknowledge, h.qp, psn)
+                    .pkey(pkey)
                     .aeth(aeth)
                     .to_vec(&[], &inputs),
                 k @ 1..=4 => {
@@ -331,7 +371,7 @@ pub fn fuzz_completer(data: &[u8]) -> Vec<crate::cq::Wc> {
                         Opcode::RdmaReadResponseLast,
                         Opcode::RdmaReadResponseOnly,
                     ][usize::from(k - 1)];
-                    let mut b = PacketBuilder::new(op, h.qp, psn);
+                    let mut b = PacketBuilder::new(op, h.qp, psn).pkey(pkey);
                     if op.info().headers.contains(crate::wire::HeaderSet::AETH) {
                         b = b.aeth(aeth);
                     }
@@ -339,6 +379,7 @@ pub fn fuzz_completer(data: &[u8]) -> Vec<crate::cq::Wc> {
                     b.to_vec(&vec![r[5]; len], &inputs)
                 }
                 5 => PacketBuilder::new(Opcode::AtomicAcknowledge, h.qp, psn)
+                    .pkey(pkey)
                     .aeth(aeth)
                     .atomic_ack_eth(AtomicAckEth {
                         orig: u64::from_le_bytes([r[3], r[4], r[5], 0, 0, 0, 0, 1]),
@@ -355,7 +396,7 @@ pub fn fuzz_completer(data: &[u8]) -> Vec<crate::cq::Wc> {
                 }
             };
             if let Ok(d) = dgram {
-                if let Ok(p) = Pkt::from_wire(&d, src, dst, h.ctx.node_id()) {
+                if let Ok(p) = Pkt::from_wire(&d, src, DST, h.ctx.node_id()) {
                     h.ctx.dev.dp.enqueue_packet(p);
                 }
             }
@@ -467,6 +508,60 @@ mod tests {
             ]
         );
         assert_eq!(statuses(&[0, 1, 0x60, 0, 0, 0]), []);
+    }
+
+    /// The receive checks run on fuzzed input: an ACK from another local address, or with a
+    /// P_Key of another partition, completes nothing; with the default partition's limited
+    /// P_Key from the QP's remote address it completes the SEND and the WRITE.
+    #[test]
+    fn fuzzed_responses_go_through_the_receive_checks() {
+        use crate::cq::WcStatus::*;
+        assert_eq!(statuses(&[8, 3, 0x1f, 0, 0, 0]), []);
+        assert_eq!(statuses(&[16, 3, 0x1f, 0, 0x12, 0x34]), []);
+        assert_eq!(statuses(&[8 | 16, 3, 0x1f, 0, 0xff, 0xff]), []);
+        assert_eq!(
+            statuses(&[16, 3, 0x1f, 0, 0x7f, 0xff]),
+            [(0, Success), (1, Success)]
+        );
+    }
+
+    /// Fuzzed requests from another local address, or with a fuzzed P_Key, are dropped and
+    /// counted by the responder's device.
+    #[test]
+    fn fuzzed_requests_go_through_the_receive_checks() {
+        let write = |mode: u8, pkey: u16| {
+            let mut v = vec![mode];
+            let reth = Reth {
+                va: 0,
+                rkey: 0,
+                dma_len: 8,
+            };
+            let b = PacketBuilder::new(Opcode::RdmaWriteOnly, 0, 0)
+                .pkey(pkey)
+                .reth(reth);
+            v.extend(
+                b.to_vec(
+                    &[0xEE; 8],
+                    &IcrcInputs::ipv4(
+                        Ipv4Addr::new(127, 1, 1, 1),
+                        Ipv4Addr::new(127, 1, 1, 2),
+                        0xc001,
+                        4791,
+                    ),
+                )
+                .unwrap(),
+            );
+            v
+        };
+        let stats = || H.with(|h| h.borrow().as_ref().map(|h| h.resp.net_stats()).unwrap());
+        fuzz_responder(&write(0x7, 0xFFFF));
+        let s0 = stats();
+        fuzz_responder(&write(0x7 | 0x10, 0xFFFF)); // from a stranger
+        fuzz_responder(&write(0x7 | 0x20, 0x1234)); // another partition
+        fuzz_responder(&write(0x7 | 0x20, 0xFFFF)); // the default one, fuzzed: passes
+        let s1 = stats();
+        assert_eq!(s1.rx_drop_src_addr, s0.rx_drop_src_addr + 1, "{s1:?}");
+        assert_eq!(s1.rx_drop_pkey, s0.rx_drop_pkey + 1, "{s1:?}");
     }
 
     proptest! {

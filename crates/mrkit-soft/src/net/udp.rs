@@ -21,7 +21,7 @@
 use std::collections::HashMap;
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, UdpSocket};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::Instant;
 
 use parking_lot::Mutex;
@@ -101,6 +101,14 @@ pub struct UdpPort {
     /// The receive socket has receive offload (`UDP_GRO`), which [`RecvBufs`] turns off
     /// while the traffic is request/response (see `RecvBufs::plain`).
     gro: bool,
+    /// GRO is off on the receive socket (a copy of `RecvBufs::gro_off` for senders, written
+    /// by the receiver when it switches). A hint: orders no other data.
+    gro_is_off: AtomicBool,
+    /// A sender switched GRO back on (`hold_gro`) because READ responses will arrive as GSO
+    /// runs; the receiver takes note at its next pass. The sender's `set_gro` happens before
+    /// its READ request leaves, so the responses find GRO on whatever the receiver knows; the
+    /// flag orders no other data.
+    gro_forced_on: AtomicBool,
     /// Send sockets by UDP source port (FxHash: the key is a port number we chose).
     tx: Mutex<HashMap<u16, UdpSocket, rustc_hash::FxBuildHasher>>,
     faults: Option<Mutex<FaultInjector<Outgoing>>>,
@@ -176,6 +184,8 @@ impl UdpPort {
             rx,
             max_gso_segments,
             gro,
+            gro_is_off: AtomicBool::new(false),
+            gro_forced_on: AtomicBool::new(false),
             tx: Mutex::new(HashMap::default()),
             faults: faults
                 .filter(|f| !f.is_clean())
@@ -341,7 +351,7 @@ impl UdpPort {
                 None => Ok(0),
                 Some((addr, len)) => {
                     let mut handle = None;
-                    f(addr, &mut Datagram::new(bufs, 0, &mut handle, 0, len));
+                    f(addr, &mut Datagram::new(bufs, 0, &mut handle, 0, len, 0));
                     Ok(1)
                 }
             };
@@ -367,10 +377,15 @@ impl UdpPort {
                         let mut handle = None;
                         let stride = m.stride.max(1);
                         let mut off = 0;
+                        let mut seg = 0;
                         while off < m.len {
                             let len = stride.min(m.len - off);
-                            f(m.addr, &mut Datagram::new(bufs, i, &mut handle, off, len));
+                            f(
+                                m.addr,
+                                &mut Datagram::new(bufs, i, &mut handle, off, len, seg),
+                            );
                             off += len;
+                            seg += 1;
                             total += 1;
                         }
                     }
@@ -388,6 +403,18 @@ impl UdpPort {
     pub fn rx_socket(&self) -> &UdpSocket {
         &self.rx
     }
+
+    /// Make sure GRO is on before a READ request leaves whose responses come as GSO runs:
+    /// with GRO off the kernel would cut them into datagrams whose IPv4 IDs the receiver
+    /// cannot know, and a requester that loses READ responses waits for its retransmission
+    /// timer. Costs a load when GRO is on; a system call the first time otherwise.
+    fn hold_gro(&self) {
+        if self.gro_is_off.load(Ordering::Relaxed)
+            && !self.gro_forced_on.swap(true, Ordering::Relaxed)
+        {
+            let _ = sockio::set_gro(&self.rx, true);
+        }
+    }
 }
 
 /// One received datagram, lent to a receive callback ([`UdpPort::recv`]).
@@ -398,6 +425,7 @@ pub struct Datagram<'a> {
     handle: &'a mut Option<std::sync::Arc<Vec<u8>>>,
     off: usize,
     len: usize,
+    seg: usize,
 }
 
 impl<'a> Datagram<'a> {
@@ -407,6 +435,7 @@ impl<'a> Datagram<'a> {
         handle: &'a mut Option<std::sync::Arc<Vec<u8>>>,
         off: usize,
         len: usize,
+        seg: usize,
     ) -> Datagram<'a> {
         Datagram {
             bufs,
@@ -414,7 +443,14 @@ impl<'a> Datagram<'a> {
             handle,
             off,
             len,
+            seg,
         }
+    }
+
+    /// The datagram's index within the receive offload batch it arrived in (0 for a
+    /// datagram that arrived alone). An mrkit sender's GSO segment `k` carries IPv4 ID `k`.
+    pub fn segment(&self) -> usize {
+        self.seg
     }
 
     /// The datagram's bytes.
@@ -478,11 +514,25 @@ pub struct RecvBufs {
     plain: bool,
     /// Receives in a row in single mode that got one small datagram.
     small_run: u32,
+    /// A receive found a GSO segment of an mrkit sender cut apart from its batch (the
+    /// kernel segments a GSO buffer that reaches the socket while its GRO is off, and the
+    /// receiver can then no longer tell the segment's IPv4 ID): turn GRO back on at once, so
+    /// that the retransmission arrives whole, and wait [`GRO_OFF_BACKOFF`] times longer
+    /// before turning it off again.
+    cut_run: bool,
+    /// Single-mode receives of one small datagram in a row after which GRO goes off
+    /// ([`GRO_OFF_AFTER`], times [`GRO_OFF_BACKOFF`] for every cut run seen).
+    gro_off_after: u32,
 }
 
 /// Single-mode receives of one small datagram in a row after which receive offload is
 /// turned off (request/response traffic has nothing to coalesce).
 const GRO_OFF_AFTER: u32 = 64;
+
+/// Factor by which the wait before GRO goes off grows each time a GSO run reached the socket
+/// while GRO was off (each such run costs a retransmission): a device whose traffic mixes
+/// request/response with bulk transfers soon keeps GRO on.
+const GRO_OFF_BACKOFF: u32 = 64;
 
 impl RecvBufs {
     /// Receive slots for the next pass: one for request/response traffic, else
@@ -538,15 +588,23 @@ impl RecvBufs {
             self.plain = true;
             return;
         }
+        self.note_forced_gro(port);
         if n == 0 {
             self.plain = self.gro_off;
             return;
         }
-        if !small || (slots > 1 && n >= slots) {
+        let cut = std::mem::take(&mut self.cut_run);
+        if cut && self.gro_off {
+            // Once per run cut apart (its other segments, queued before GRO went back on,
+            // are cut too but do not count again).
+            self.gro_off_after = self.gro_off_after.saturating_mul(GRO_OFF_BACKOFF);
+        }
+        if !small || (slots > 1 && n >= slots) || cut {
             self.small_run = 0;
             if self.gro_off && sockio::set_gro(&port.rx, true).is_ok() {
                 self.gro_off = false;
                 self.plain = false;
+                port.gro_is_off.store(false, Ordering::Relaxed);
             }
             return;
         }
@@ -554,10 +612,30 @@ impl RecvBufs {
             self.small_run = self.small_run.saturating_add(1);
         }
         if !self.gro_off
-            && self.small_run >= GRO_OFF_AFTER
+            && self.small_run >= self.gro_off_after
             && sockio::set_gro(&port.rx, false).is_ok()
         {
             self.gro_off = true;
+            port.gro_is_off.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// Take note of a sender's [`UdpPort::hold_gro`]: GRO is on, no plain receives, and the
+    /// wait before it goes off again grows as after a cut run. (A receive whose decision to
+    /// turn GRO off crossed the sender's switch may have turned it off again: switch it on
+    /// once more.)
+    fn note_forced_gro(&mut self, port: &UdpPort) {
+        if port.gro_forced_on.load(Ordering::Relaxed)
+            && port.gro_forced_on.swap(false, Ordering::Relaxed)
+        {
+            if self.gro_off {
+                self.gro_off_after = self.gro_off_after.saturating_mul(GRO_OFF_BACKOFF);
+            }
+            let _ = sockio::set_gro(&port.rx, true);
+            self.gro_off = false;
+            self.plain = false;
+            self.small_run = 0;
+            port.gro_is_off.store(false, Ordering::Relaxed);
         }
     }
 
@@ -612,9 +690,14 @@ impl Default for RecvBufs {
             gro_off: false,
             plain: false,
             small_run: 0,
+            cut_run: false,
+            gro_off_after: GRO_OFF_AFTER,
         }
     }
 }
+
+/// The smallest path MTU (256): a READ of more bytes may be answered by several packets.
+const MIN_PATH_MTU: u32 = 256;
 
 /// A GSO send is one UDP datagram to the kernel: at most 65,507 bytes of payload in all.
 const MAX_GSO_BYTES: usize = 65_507;
@@ -646,7 +729,16 @@ pub(crate) fn send_pkts(ctx: &crate::Context, pkts: Vec<super::Pkt>) {
 /// [`send_pkts`] on a bound port, with the device only (also used while it is dropped).
 pub(crate) fn send_pkts_on(dev: &crate::DeviceInner, port: &UdpPort, pkts: &[super::Pkt]) {
     let local = port.local_addr();
-    let max_seg = if dev.config.uses_gso() {
+    // READ responses of more than one packet come back as GSO runs: GRO must be on first.
+    if pkts.iter().any(|p| {
+        p.bth.opcode == crate::wire::Opcode::RdmaReadRequest
+            && p.ext.reth.is_some_and(|r| r.dma_len > MIN_PATH_MTU)
+    }) {
+        port.hold_gro();
+    }
+    // With a fault injector every datagram leaves alone (ID 0), so none may be built as a
+    // GSO segment: its ICRC would cover ID `k` and the receiver would drop it.
+    let max_seg = if dev.config.uses_gso() && port.faults.is_none() {
         port.max_gso_segments() // 1..=sockio::MAX_GSO_SEGMENTS
     } else {
         1
@@ -727,9 +819,18 @@ fn send_runs(
         let run_start = used;
         let mut seg_len = 0;
         let mut n = 0;
+        let same_flow = |p: &super::Pkt| p.dst_ip == Some(dst_ip) && p.src_qpn == first.src_qpn;
         while i < pkts.len() && n < max_seg {
             let p = &pkts[i];
-            if p.dst_ip != Some(dst_ip) || p.src_qpn != first.src_qpn {
+            if !same_flow(p) {
+                break;
+            }
+            if n > 0 && !pkts.get(i + 1).is_some_and(same_flow) {
+                // The flow's last packet of this send leaves alone, with ID 0, which every
+                // receiver can check. A receiver whose GRO is off gets a GSO run cut into
+                // datagrams whose IDs it cannot know and drops all but the first; this
+                // packet, arriving right behind them, then shows the PSN gap and the
+                // responder NAKs at once instead of the requester waiting for its timer.
                 break;
             }
             let inputs = if base.is_ipv4() {
@@ -849,12 +950,18 @@ pub(crate) fn poll_rx(
     // the next batch is taken. Draining the socket first would let a receiver that fell
     // behind take a sender's whole window at once and acknowledge it only at the end, and
     // the two sides would then take turns instead of overlapping.
+    // Before receiving: a sender may have switched GRO back on (a READ request left), and
+    // then no receive may be a plain one.
+    bufs.note_forced_gro(port);
     let slots = bufs.slots_for(one_ok);
     let mut small = true;
+    let mut cut_run = false;
+    let mode = ctx.dev.config.icrc_ipv4();
     let r = port.recv_some(bufs, slots, 1, |src, d| {
         small &= d.len < SMALL_DATAGRAM;
         received += 1;
-        let parsed = super::Pkt::parse_wire(d.bytes(), src, local, node).map(|(mut p, at)| {
+        let parsed = super::Pkt::parse_wire(d.bytes(), src, local, node, d.seg, mode);
+        let parsed = parsed.map(|(mut p, at)| {
             p.payload = if at.len() <= super::SMALL_PAYLOAD {
                 super::Payload::copied(&d.bytes()[at])
             } else {
@@ -879,24 +986,17 @@ pub(crate) fn poll_rx(
                     dropped += 1;
                 }
             }
-            Err(super::Drop::Malformed) => {
-                st.rx_malformed.fetch_add(1, Relaxed);
-            }
-            Err(super::Drop::BadIcrc) => {
-                st.rx_bad_icrc.fetch_add(1, Relaxed);
-            }
-            Err(super::Drop::UnknownQp) => {
-                st.rx_unknown_qp.fetch_add(1, Relaxed);
-            }
+            Err(why) => cut_run |= st.dropped(why, 1),
         }
     });
+    bufs.cut_run |= cut_run;
     if let Some((_, q)) = cur {
         deliver(q, &mut run);
     }
     run.clear();
     bufs.run = run;
     if dropped > 0 {
-        st.rx_unknown_qp.fetch_add(dropped, Relaxed);
+        st.dropped(super::Drop::UnknownQp, dropped);
     }
     if received > 0 {
         // One writer at a time: this runs under the device's receive lock (`bufs` lives in
@@ -942,21 +1042,40 @@ fn next_single(single: bool, busy: u8, n: usize, small: bool) -> bool {
 const SMALL_DATAGRAM: usize = 1024;
 
 /// Link counters of a device. Independent relaxed counters.
+///
+/// Every dropped datagram is counted here and, for `mrkit stat`, in the process-wide
+/// [`crate::stats::rx_drops`].
 #[derive(Debug, Default)]
 pub struct NetStats {
     /// Datagrams sent.
-    pub tx_datagrams: std::sync::atomic::AtomicU64,
+    pub tx_datagrams: AtomicU64,
     /// Send errors.
-    pub send_errors: std::sync::atomic::AtomicU64,
+    pub send_errors: AtomicU64,
     /// Datagrams received. Written only under the device's receive lock (one writer: a
     /// load and a store, no locked read-modify-write).
-    pub rx_datagrams: std::sync::atomic::AtomicU64,
+    pub rx_datagrams: AtomicU64,
     /// Dropped: malformed (truncated, bad version, unknown opcode, bad pad ...).
-    pub rx_malformed: std::sync::atomic::AtomicU64,
-    /// Dropped: ICRC mismatch.
-    pub rx_bad_icrc: std::sync::atomic::AtomicU64,
+    pub rx_malformed: AtomicU64,
+    /// Dropped: the ICRC matches no IPv4 identification at all (a corrupted packet).
+    pub rx_bad_icrc: AtomicU64,
+    /// Dropped: the ICRC does not match the IPv4 identification expected, but another one,
+    /// and not one an mrkit sender's GSO segment carries: a foreign peer's packet, which
+    /// `MRKIT_ICRC_IPV4=solve` accepts (or, with probability 2^-15, a corrupted one).
+    pub rx_icrc_foreign_id: AtomicU64,
+    /// Dropped: the ICRC matches ID 1..63 with DF, an mrkit sender's GSO segment that
+    /// reached the socket cut apart from its batch (queued while the socket's receive offload
+    /// was off), whose ID the receiver cannot know; RC retransmits it.
+    pub rx_icrc_cut_run: AtomicU64,
     /// Dropped: no such QP.
-    pub rx_unknown_qp: std::sync::atomic::AtomicU64,
+    pub rx_unknown_qp: AtomicU64,
+    /// Dropped: the source address is not the QP's remote address.
+    pub rx_drop_src_addr: AtomicU64,
+    /// Dropped: the P_Key does not match the QP's (what hardware counts in the port's
+    /// `bad_pkey_cntr`).
+    pub rx_drop_pkey: AtomicU64,
+    /// Dropped: the QP's state does not take the packet (RESET, INIT, ERR; a request before
+    /// RTR, a response before RTS).
+    pub rx_drop_qp_state: AtomicU64,
 }
 
 /// A copy of [`NetStats`].
@@ -970,11 +1089,25 @@ pub struct NetStatsSnapshot {
     pub rx_datagrams: u64,
     /// Dropped as malformed.
     pub rx_malformed: u64,
-    /// Dropped for a bad ICRC.
+    /// Dropped for a bad ICRC (no IPv4 ID matches).
     pub rx_bad_icrc: u64,
+    /// Dropped: the ICRC matches a foreign IPv4 identification.
+    pub rx_icrc_foreign_id: u64,
+    /// Dropped: a GSO segment cut apart from its batch.
+    pub rx_icrc_cut_run: u64,
     /// Dropped for an unknown QP.
     pub rx_unknown_qp: u64,
+    /// Dropped: wrong source address.
+    pub rx_drop_src_addr: u64,
+    /// Dropped: wrong P_Key.
+    pub rx_drop_pkey: u64,
+    /// Dropped: the QP's state.
+    pub rx_drop_qp_state: u64,
 }
+
+/// GSO segments one send may carry on Linux: a mismatching ID below this with DF is taken
+/// for an mrkit sender's cut-apart GSO segment.
+const GSO_SEGMENTS_MAX: u16 = sockio::MAX_GSO_SEGMENTS as u16;
 
 impl NetStats {
     /// Copy the counters.
@@ -986,8 +1119,54 @@ impl NetStats {
             rx_datagrams: self.rx_datagrams.load(Relaxed),
             rx_malformed: self.rx_malformed.load(Relaxed),
             rx_bad_icrc: self.rx_bad_icrc.load(Relaxed),
+            rx_icrc_foreign_id: self.rx_icrc_foreign_id.load(Relaxed),
+            rx_icrc_cut_run: self.rx_icrc_cut_run.load(Relaxed),
             rx_unknown_qp: self.rx_unknown_qp.load(Relaxed),
+            rx_drop_src_addr: self.rx_drop_src_addr.load(Relaxed),
+            rx_drop_pkey: self.rx_drop_pkey.load(Relaxed),
+            rx_drop_qp_state: self.rx_drop_qp_state.load(Relaxed),
         }
+    }
+
+    /// The counter of one kind of drop.
+    fn counter(&self, k: crate::stats::RxDrop) -> &AtomicU64 {
+        use crate::stats::RxDrop;
+        match k {
+            RxDrop::Malformed => &self.rx_malformed,
+            RxDrop::BadIcrc => &self.rx_bad_icrc,
+            RxDrop::IcrcForeignId => &self.rx_icrc_foreign_id,
+            RxDrop::IcrcCutRun => &self.rx_icrc_cut_run,
+            RxDrop::UnknownQp => &self.rx_unknown_qp,
+            RxDrop::SrcAddr => &self.rx_drop_src_addr,
+            RxDrop::Pkey => &self.rx_drop_pkey,
+            RxDrop::QpState => &self.rx_drop_qp_state,
+        }
+    }
+
+    /// Count `n` packets dropped for `k`, here and process-wide.
+    pub(crate) fn count(&self, k: crate::stats::RxDrop, n: u64) {
+        self.counter(k).fetch_add(n, Ordering::Relaxed);
+        crate::stats::rx_drops().add(k, n);
+    }
+
+    /// Count `n` datagrams the receive path dropped for `why`. Returns whether they were GSO
+    /// segments cut apart from their batch (the receiver then turns GRO back on).
+    pub(crate) fn dropped(&self, why: super::Drop, n: u64) -> bool {
+        use super::Drop;
+        use crate::stats::RxDrop;
+        match why {
+            Drop::Malformed => self.count(RxDrop::Malformed, n),
+            Drop::BadIcrc => self.count(RxDrop::BadIcrc, n),
+            Drop::IcrcIpv4Id { id, df } => {
+                if df && (1..GSO_SEGMENTS_MAX).contains(&id) {
+                    self.count(RxDrop::IcrcCutRun, n);
+                    return true;
+                }
+                self.count(RxDrop::IcrcForeignId, n);
+            }
+            Drop::UnknownQp => self.count(RxDrop::UnknownQp, n),
+        }
+        false
     }
 }
 
@@ -1246,6 +1425,98 @@ mod tests {
             got.extend(until_some(&mut bufs));
         }
         assert_eq!(got, (0..4u8).map(|k| vec![k; 1200]).collect::<Vec<_>>());
+    }
+
+    /// A GSO run that reaches a socket whose GRO is off is cut into datagrams whose IPv4 IDs
+    /// (1, 2, ...) the receiver cannot know: the exact check takes the first (ID 0) and drops
+    /// the others as cut-run segments, which turns GRO back on (and makes the wait before it
+    /// goes off again 64 times longer); the same run sent again arrives as one batch, and
+    /// every segment passes the check for its index.
+    #[test]
+    fn a_run_cut_apart_by_gro_off_is_counted_and_turns_gro_back_on() {
+        use crate::wire::{Aeth, IcrcInputs, Opcode, PacketBuilder, IPV4_FLAGS_DF};
+        let (a, b) = pair(None);
+        let stats = NetStats::default();
+        let mut bufs = RecvBufs::default();
+        // One receive pass as poll_rx makes it: parse every datagram at its batch index and
+        // count what is dropped. Returns (ok, dropped) verdicts in order.
+        let pass = |bufs: &mut RecvBufs| -> Vec<Result<(), super::super::Drop>> {
+            let slots = bufs.slots_per_pass();
+            let mut got = Vec::new();
+            let mut cut = false;
+            let local = b.local_addr();
+            let n = b
+                .recv_some(bufs, slots, 1, |src, d| {
+                    let r = super::super::Pkt::parse_wire(
+                        d.bytes(),
+                        src,
+                        local,
+                        0,
+                        d.segment(),
+                        super::super::Ipv4IcrcMode::Exact,
+                    )
+                    .map(|_| ());
+                    if let Err(why) = r {
+                        cut |= stats.dropped(why, 1);
+                    }
+                    got.push(r);
+                })
+                .unwrap();
+            bufs.cut_run |= cut;
+            bufs.after_receive(&b, n, slots, true, false);
+            got
+        };
+        let until_some = |bufs: &mut RecvBufs| {
+            let end = Instant::now() + Duration::from_secs(5);
+            let mut got = Vec::new();
+            while got.len() < 3 && Instant::now() < end {
+                got.extend(pass(bufs));
+            }
+            got
+        };
+        // Request/response traffic turns GRO off.
+        let sport = 0xC003;
+        let src = SocketAddr::new(a.local_addr().ip(), sport);
+        let inputs = IcrcInputs::from_socket_addrs(src, b.local_addr());
+        let ack = |psn: u32, id: u16| {
+            PacketBuilder::new(Opcode::Acknowledge, 0x42, psn)
+                .aeth(Aeth::ack(psn))
+                .to_vec(&[], &inputs.with_ipv4_id(id, IPV4_FLAGS_DF))
+                .unwrap()
+        };
+        assert!(pass(&mut bufs).is_empty());
+        for i in 0..GRO_OFF_AFTER + 1 {
+            a.send(sport, b.local_addr(), &ack(i, 0), None).unwrap();
+            let end = Instant::now() + Duration::from_secs(5);
+            let mut got = pass(&mut bufs);
+            while got.is_empty() && Instant::now() < end {
+                got = pass(&mut bufs);
+            }
+            assert_eq!(got, vec![Ok(())]);
+            assert!(pass(&mut bufs).is_empty());
+        }
+        assert!(bufs.gro_off, "GRO is off after request/response traffic");
+        // A run of three ACKs, segment k computed for ID k as an mrkit sender does.
+        let run: Vec<u8> = (0..3u16).flat_map(|k| ack(100 + u32::from(k), k)).collect();
+        a.send(sport, b.local_addr(), &run, Some(20)).unwrap();
+        let got = until_some(&mut bufs);
+        use super::super::Drop::IcrcIpv4Id;
+        assert_eq!(
+            got,
+            vec![
+                Ok(()),
+                Err(IcrcIpv4Id { id: 1, df: true }),
+                Err(IcrcIpv4Id { id: 2, df: true })
+            ]
+        );
+        assert_eq!(stats.snapshot().rx_icrc_cut_run, 2);
+        assert_eq!(stats.snapshot().rx_bad_icrc, 0);
+        assert!(!bufs.gro_off, "a cut run turns GRO back on");
+        assert_eq!(bufs.gro_off_after, GRO_OFF_AFTER * GRO_OFF_BACKOFF);
+        // With GRO on, the run arrives whole and each segment checks against its index.
+        assert!(pass(&mut bufs).is_empty());
+        a.send(sport, b.local_addr(), &run, Some(20)).unwrap();
+        assert_eq!(until_some(&mut bufs), vec![Ok(()), Ok(()), Ok(())]);
     }
 
     #[test]

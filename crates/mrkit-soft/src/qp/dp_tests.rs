@@ -49,6 +49,7 @@ fn responder_misaligned_atomic_is_rem_inv_req_err() {
     let p = Pkt {
         dst_node: b.node_id(),
         dst_ip: None,
+        src_ip: None,
         src_node: a.node_id(),
         src_qpn: aqp,
         bth,
@@ -94,6 +95,7 @@ fn pkt_to_wire_round_trips_through_the_parser() {
         Pkt {
             dst_node: 0,
             dst_ip: None,
+            src_ip: None,
             src_node: 0,
             src_qpn: 0,
             bth,

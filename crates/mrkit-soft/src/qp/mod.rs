@@ -396,6 +396,64 @@ impl Out {
     }
 }
 
+/// The checks a received packet passes before its QP acts on it, in rxe's order (the ICRC
+/// was checked when the datagram was parsed):
+///
+/// 1. the QP's state takes it: a request needs RTR, RTS or SQD, a response (ACK, NAK, READ
+///    response, atomic ACK) RTS or SQD; RESET, INIT and ERR take nothing;
+/// 2. a packet from the UDP link comes from the QP's remote address (the IP of its address
+///    vector's GID; the UDP source port is not checked: a RoCEv2 sender picks it per QP for
+///    entropy). The destination address needs no check: the device's socket is bound to its
+///    own address, and the ICRC covers the destination;
+/// 3. its P_Key matches the QP's: the port's table has one entry, the default full-member
+///    0xFFFF, and like rxe every QP is checked against it; two P_Keys match when their low
+///    15 bits are equal and not zero and at least one of them is a full member (bit 15).
+///
+/// A packet that fails is dropped and counted (`mrkit stat`: `rx_drop_qp_state`,
+/// `rx_drop_src_addr`, `rx_drop_pkey`). Packets built in this process (the in-process
+/// loopback link) carry no source address and skip step 2. The transport type needs no check
+/// here: every QP is RC, and the parser drops every opcode that is not RC.
+fn receive_check(
+    p: &Pkt,
+    response: bool,
+    state: QpState,
+    attr: &QpAttr,
+) -> std::result::Result<(), crate::stats::RxDrop> {
+    use crate::stats::RxDrop;
+    let state_ok = if response {
+        matches!(state, QpState::Rts | QpState::Sqd)
+    } else {
+        matches!(state, QpState::Rtr | QpState::Rts | QpState::Sqd)
+    };
+    if !state_ok {
+        return Err(RxDrop::QpState);
+    }
+    if let Some(src) = p.src_ip {
+        if attr.ah_attr.dgid.map(canonical_ip) != Some(canonical_ip(src)) {
+            return Err(RxDrop::SrcAddr);
+        }
+    }
+    if !pkey_match(p.bth.pkey, crate::wire::DEFAULT_PKEY) {
+        return Err(RxDrop::Pkey);
+    }
+    Ok(())
+}
+
+/// An IP address with IPv4-mapped IPv6 addresses as IPv4 (how GIDs and dual-stack sockets
+/// write IPv4 peers).
+fn canonical_ip(ip: std::net::IpAddr) -> std::net::IpAddr {
+    match ip {
+        std::net::IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, std::net::IpAddr::V4),
+        v4 => v4,
+    }
+}
+
+/// The IBA P_Key match rule (as rxe's `pkey_match`): equal low 15 bits, not zero (the
+/// invalid P_Key), and at least one full member.
+pub(crate) fn pkey_match(a: u16, b: u16) -> bool {
+    a & 0x7FFF != 0 && a & 0x7FFF == b & 0x7FFF && (a | b) & 0x8000 != 0
+}
+
 /// Packets whose only effect on memory is placing bytes (RDMA WRITE requests, READ
 /// responses): deferred copies may stay pending across them and coalesce; any other packet
 /// flushes them first.
@@ -602,18 +660,20 @@ impl QpObject {
             ..Out::default()
         };
         for p in inbox.drain(..) {
-            if st.state == QpState::Err || out.error {
-                break; // a QP in ERR drops every incoming packet
+            let response = p.bth.opcode.info().is_response();
+            // A QP in ERR (or one an earlier packet of this run put there) drops everything.
+            let state = if out.error { QpState::Err } else { st.state };
+            if let Err(why) = receive_check(&p, response, state, &st.attr) {
+                ctx.dev.net_stats.count(why, 1);
+                continue;
             }
             if !plain_write(p.bth.opcode) {
                 out.flush_copies();
             }
-            if p.bth.opcode.info().is_response() {
-                if matches!(st.state, QpState::Rts | QpState::Sqd) {
-                    st.comp
-                        .on_response(&q, &mut st.sq, &mut st.req, p, now, &mut out);
-                }
-            } else if matches!(st.state, QpState::Rtr | QpState::Rts | QpState::Sqd) {
+            if response {
+                st.comp
+                    .on_response(&q, &mut st.sq, &mut st.req, p, now, &mut out);
+            } else {
                 if let Some(srq) = &self.srq {
                     if st.rq.is_empty() && st.resp.needs_wqe(&p) {
                         if let Some((w, ev)) = srq.take() {
@@ -1440,6 +1500,32 @@ mod inline_tests {
                     assert_eq!(e.errno(), crate::Errno::EINVAL, "row {i}");
                 }
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod receive_check_tests {
+    use super::*;
+
+    /// The IBA P_Key rule, against the port's only entry (0xFFFF, full member) and between
+    /// arbitrary keys.
+    #[test]
+    fn pkey_match_rule() {
+        // (key, table, match)
+        let table = [
+            (0xFFFF, 0xFFFF, true),
+            (0x7FFF, 0xFFFF, true),  // limited member of the default partition
+            (0x7FFF, 0x7FFF, false), // two limited members
+            (0x8000, 0xFFFF, false), // another partition
+            (0x0000, 0xFFFF, false), // the invalid P_Key
+            (0x8000, 0x8000, false), // the invalid P_Key, full member
+            (0x1234, 0xFFFF, false),
+            (0x9234, 0x1234, true),
+            (0x1234, 0x9234, true),
+        ];
+        for (k, t, want) in table {
+            assert_eq!(pkey_match(k, t), want, "{k:#06x} vs {t:#06x}");
         }
     }
 }

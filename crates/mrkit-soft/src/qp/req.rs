@@ -391,6 +391,7 @@ impl Requester {
         Pkt {
             dst_node: q.dest_node,
             dst_ip: q.dest_ip,
+            src_ip: None,
             src_node: q.src_node,
             src_qpn: q.qpn,
             bth: Bth::new(opcode, q.dest_qpn, psn),

@@ -107,6 +107,7 @@ impl Rig {
         let p = Pkt {
             dst_node: 0,
             dst_ip: None,
+            src_ip: None,
             src_node: 0,
             src_qpn: 0x12,
             bth: Bth::new(Opcode::Acknowledge, 0x11, psn),

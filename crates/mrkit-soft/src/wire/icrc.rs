@@ -551,6 +551,9 @@ pub struct Ipv4IdSolver {
     /// The CRC term of the DF bit alone (the ICRC with DF set is the one with DF clear XOR
     /// this).
     df_term: u32,
+    /// The CRC term of each identification bit alone (bit `i` of the ID): the ICRC with ID
+    /// `k` is the one with ID 0 XOR the terms of `k`'s set bits.
+    id_terms: [u32; 16],
 }
 
 impl Ipv4IdSolver {
@@ -563,6 +566,7 @@ impl Ipv4IdSolver {
         let zero = crc_of_sparse(total, None);
         let mut basis = [(0u32, 0u32); 32];
         let mut df_term = 0;
+        let mut id_terms = [0u32; 16];
         for unknown in 0..17u32 {
             let (byte, bit) = if unknown < 16 {
                 (
@@ -575,6 +579,8 @@ impl Ipv4IdSolver {
             let mut v = crc_of_sparse(total, Some((byte, 1u8 << bit))) ^ zero;
             if unknown == 16 {
                 df_term = v;
+            } else {
+                id_terms[unknown as usize] = v;
             }
             let mut c = 1u32 << unknown;
             for p in (0..32).rev() {
@@ -593,7 +599,34 @@ impl Ipv4IdSolver {
             datagram_len,
             basis,
             df_term,
+            id_terms,
         }
+    }
+
+    /// What identification `id` adds to the ICRC of a datagram of this length, against ID 0
+    /// (flags unchanged): the ICRC computed with ID 0, XOR this, is the ICRC with ID `id`. One
+    /// CRC over the packet then serves any single expected ID.
+    ///
+    /// ```
+    /// use mrkit_soft::wire::{IcrcInputs, Ipv4IdSolver};
+    /// use std::net::Ipv4Addr;
+    /// let lo = Ipv4Addr::LOCALHOST;
+    /// let body = [0x11, 0, 0xff, 0xff, 0, 0, 0, 0x12, 0, 0, 0, 5, 0x1f, 0, 0, 1];
+    /// let base = IcrcInputs::ipv4(lo, lo, 0xc000, 4791);
+    /// let solver = Ipv4IdSolver::new(body.len() + 4);
+    /// for id in [1u16, 7, 63, 0xBEEF] {
+    ///     let want = base.with_ipv4_id(id, 0x4000).compute(&body);
+    ///     assert_eq!(base.compute(&body) ^ solver.id_term(id), want);
+    /// }
+    /// ```
+    pub fn id_term(&self, id: u16) -> u32 {
+        let mut t = 0;
+        let mut rest = id;
+        while rest != 0 {
+            t ^= self.id_terms[rest.trailing_zeros() as usize];
+            rest &= rest - 1;
+        }
+        t
     }
 
     /// The datagram length this solver was built for.
