@@ -321,6 +321,65 @@ fn peer_death_gives_retry_exc_err() {
     );
 }
 
+/// The peer's device goes away after connecting with `retry_cnt` 7 (what perftest and
+/// `mrkit perf` use) and local ACK timeout `timeout`: a WRITE must end with RETRY_EXC_ERR, the
+/// first send and seven retries later (IBA, mlx5: only the RNR retry count uses 7 for
+/// "forever"). Returns how long it took.
+fn dead_peer_retry_cnt_7(timeout: u8) -> Duration {
+    let a = host(DeviceConfig::default());
+    let b = host(DeviceConfig::default());
+    connect_udp(
+        &a,
+        &b,
+        ConnectOpts {
+            timeout,
+            retry_cnt: 7,
+            ..ConnectOpts::default()
+        },
+    );
+    // One WRITE that completes: the connection works before the peer dies.
+    a.ctx.post_send(a.qp, &[write(&a, &b, 1, 0, 4096)]).unwrap();
+    let wc = poll_n(&a, 1, Duration::from_secs(10));
+    assert_eq!(wc.len(), 1);
+    assert_eq!(wc[0].status, WcStatus::Success, "{wc:?}");
+    let w = write(&a, &b, 2, 0, 4096);
+    drop(b);
+    let t0 = Instant::now();
+    a.ctx.post_send(a.qp, &[w]).unwrap();
+    let wc = poll_n(&a, 1, Duration::from_secs(20));
+    let took = t0.elapsed();
+    assert_eq!(
+        wc.len(),
+        1,
+        "no completion within 20 s: retry_cnt 7 retried forever"
+    );
+    assert_eq!(wc[0].status, WcStatus::RetryExcErr, "{wc:?}");
+    assert_eq!(wc[0].wr_id, 2);
+    took
+}
+
+#[test]
+fn peer_death_with_retry_cnt_7_ends_in_retry_exc_err() {
+    // timeout 10: 4.096 µs × 2^10 ≈ 4.2 ms; 8 × 4.2 ms ≈ 34 ms.
+    let took = dead_peer_retry_cnt_7(10);
+    assert!(
+        took >= Duration::from_millis(30),
+        "gave up too early: {took:?}"
+    );
+    assert!(took < Duration::from_secs(5), "took {took:?}");
+}
+
+#[test]
+fn peer_death_with_perftest_defaults_ends_in_bounded_time() {
+    // perftest's timeout 14 (≈ 67 ms) and retry_cnt 7: 8 × 67 ms ≈ 0.54 s.
+    let took = dead_peer_retry_cnt_7(14);
+    assert!(
+        took >= Duration::from_millis(500),
+        "gave up too early: {took:?}"
+    );
+    assert!(took < Duration::from_secs(10), "took {took:?}");
+}
+
 /// READs and atomics (whose responses carry data, so lost responses must be re-requested,
 /// and duplicated atomics must be answered from the replay cache, never re-executed).
 fn reads_and_atomics(spec: &str, n_ops: u64) {

@@ -11,6 +11,7 @@ use super::req::{for_pieces, Requester, SendQueue, WqeSt};
 use super::{Out, QpCtx, WrOpcode};
 use crate::access::AccessFlags;
 use crate::cq::{Wc, WcStatus};
+use crate::device::StatusModel;
 use crate::mr::AccessDenied;
 use crate::net::{Payload, Pkt};
 use crate::wire::{
@@ -125,6 +126,24 @@ impl Completer {
         }
     }
 
+    /// Consume one transport retry (a retransmission timeout or a PSN-sequence NAK); false
+    /// when none is left (the WQE then completes with RETRY_EXC_ERR).
+    ///
+    /// `retry_cnt` 7 means seven retries in the IBA (only the RNR retry count uses 7 for
+    /// "infinite") and on mlx5, so a dead peer ends the connection after
+    /// (retry_cnt + 1) × timeout. rxe never decrements a count of 7 and retries forever; the
+    /// rxe status model keeps that quirk.
+    fn take_retry(&mut self, model: StatusModel) -> bool {
+        if model == StatusModel::Rxe && self.retry_cnt == 7 {
+            return true;
+        }
+        if self.retry_left == 0 {
+            return false;
+        }
+        self.retry_left -= 1;
+        true
+    }
+
     fn advance(&mut self, psn: u32) {
         let next = psn_add(psn, 1);
         if psn_cmp(next, self.comp_psn).is_gt() {
@@ -221,12 +240,9 @@ impl Completer {
                         if self.rewind.is_some() || self.rnr_until.is_some() {
                             return; // a retry is already under way
                         }
-                        if self.retry_left == 0 {
+                        if !self.take_retry(q.model) {
                             Self::fail(sq, Some(psn), WcStatus::RetryExcErr, out);
                             return;
-                        }
-                        if self.retry_left != 7 {
-                            self.retry_left -= 1;
                         }
                         self.comp_psn = psn;
                         self.clamp(sq);
@@ -302,7 +318,7 @@ impl Completer {
     /// `comp_psn`; after `retry_cnt` retries complete with RETRY_EXC_ERR.
     pub(crate) fn tick(
         &mut self,
-        _q: &QpCtx<'_>,
+        q: &QpCtx<'_>,
         sq: &mut SendQueue,
         _req: &mut Requester,
         now: Instant,
@@ -319,12 +335,9 @@ impl Completer {
             return;
         }
         self.last_activity = now;
-        if self.retry_left == 0 {
+        if !self.take_retry(q.model) {
             Self::fail(sq, None, WcStatus::RetryExcErr, out);
             return;
-        }
-        if self.retry_left != 7 {
-            self.retry_left -= 1;
         }
         self.clamp(sq);
         self.rewind = Some(self.comp_psn);

@@ -23,6 +23,7 @@ struct Rig {
     comp: Completer,
     sq: SendQueue,
     now: Instant,
+    model: StatusModel,
 }
 
 /// The QP's engines, borrowed for one call.
@@ -55,11 +56,30 @@ impl Rig {
             comp,
             sq,
             now,
+            model: StatusModel::Rxe,
+        }
+    }
+
+    /// As [`Rig::new`], with the hardware (IBA/mlx5) status model.
+    fn hardware(n: u64) -> Rig {
+        Rig {
+            model: StatusModel::Hardware,
+            ..Rig::new(n)
         }
     }
 
     /// Run one engine call with the QP's context; it must not move the QP to ERR.
     fn engine<R>(
+        &mut self,
+        f: impl FnOnce(&QpCtx<'_>, &mut Engines<'_>, &mut Out) -> R,
+    ) -> (R, Out) {
+        let (r, out) = self.engine_may_fail(f);
+        assert!(!out.error);
+        (r, out)
+    }
+
+    /// As [`engine`](Self::engine), also when the QP moves to ERR.
+    fn engine_may_fail<R>(
         &mut self,
         f: impl FnOnce(&QpCtx<'_>, &mut Engines<'_>, &mut Out) -> R,
     ) -> (R, Out) {
@@ -76,7 +96,7 @@ impl Rig {
             max_rd_atomic: 16,
             max_dest_rd_atomic: 16,
             min_rnr_timer: 0,
-            model: StatusModel::Rxe,
+            model: self.model,
             state: QpState::Rts,
         };
         let mut e = Engines {
@@ -87,7 +107,6 @@ impl Rig {
         };
         let mut out = Out::default();
         let r = f(&q, &mut e, &mut out);
-        assert!(!out.error);
         (r, out)
     }
 
@@ -207,4 +226,84 @@ fn go_back_n_resends_from_the_nak_and_keeps_the_psns() {
     assert_eq!(r.completed(), [0]);
     r.respond(4, ack());
     assert_eq!(r.completed(), [1, 2, 3, 4]);
+}
+
+/// Let the retransmit timer expire with nobody answering; whether the QP failed.
+fn silent_timeout(r: &mut Rig) -> bool {
+    r.now += LATER;
+    let ((), out) = r.engine_may_fail(|q, e, out| e.comp.tick(q, e.sq, e.req, e.now, out));
+    out.error
+}
+
+#[test]
+fn retry_cnt_7_means_seven_retries_in_the_hardware_model() {
+    // A dead peer: nothing answers. IBA/mlx5: the first send and seven retries, then
+    // RETRY_EXC_ERR (only the RNR retry count uses 7 for "forever").
+    let mut r = Rig::hardware(2);
+    assert_eq!(r.step(), [0, 1]);
+    for retry in 1..=7 {
+        assert!(!silent_timeout(&mut r), "retry {retry} still allowed");
+        assert_eq!(r.step(), [0, 1], "retry {retry} resends both PSNs");
+    }
+    assert!(silent_timeout(&mut r), "the eighth timeout ends the QP");
+    let mut wcs = Vec::new();
+    r.comp
+        .drain_done(0x11, false, &mut r.sq, &mut r.req, &mut wcs);
+    assert_eq!(wcs.len(), 1, "{wcs:?}");
+    assert_eq!(wcs[0].status, WcStatus::RetryExcErr);
+    assert_eq!(wcs[0].wr_id, 0);
+}
+
+#[test]
+fn retry_cnt_7_is_forever_in_the_rxe_model_and_any_response_restores_the_count() {
+    let mut r = Rig::new(1);
+    assert_eq!(r.step(), [0]);
+    for _ in 0..50 {
+        assert!(
+            !silent_timeout(&mut r),
+            "rxe never gives up with retry_cnt 7"
+        );
+        assert_eq!(r.step(), [0]);
+    }
+    // Hardware: seven timeouts, then an ACK restores the full count, so seven more are
+    // allowed before the eighth fails.
+    let mut h = Rig::hardware(2);
+    assert_eq!(h.step(), [0, 1]);
+    for _ in 0..7 {
+        assert!(!silent_timeout(&mut h));
+        assert_eq!(h.step(), [0, 1]);
+    }
+    h.respond(0, ack());
+    assert_eq!(h.completed(), [0]);
+    for _ in 0..7 {
+        assert!(!silent_timeout(&mut h));
+        assert_eq!(h.step(), [1]);
+    }
+    assert!(silent_timeout(&mut h));
+}
+
+#[test]
+fn sequence_naks_consume_the_retry_count_in_the_hardware_model() {
+    // A responder that keeps NAKing the same PSN: each NAK is a retry; the eighth ends it.
+    let mut r = Rig::hardware(1);
+    assert_eq!(r.step(), [0]);
+    for _ in 0..7 {
+        r.respond(0, psn_nak());
+        assert_eq!(r.step(), [0]);
+    }
+    let p = Pkt {
+        dst_node: 0,
+        dst_ip: None,
+        src_node: 0,
+        src_qpn: 0x12,
+        bth: Bth::new(Opcode::Acknowledge, 0x11, 0),
+        ext: ExtHeaders {
+            aeth: Some(psn_nak()),
+            ..ExtHeaders::default()
+        },
+        payload: Payload::Empty,
+    };
+    let ((), out) =
+        r.engine_may_fail(|q, e, out| e.comp.on_response(q, e.sq, e.req, p, e.now, out));
+    assert!(out.error, "the eighth sequence NAK exhausts retry_cnt 7");
 }
