@@ -168,6 +168,16 @@ impl Host {
     }
 }
 
+impl Drop for BufHost {
+    /// Deregister the MR before its buffer is freed: `dereg_mr` waits until no packet uses the
+    /// memory any more. Without it a progress pass still running (the peer retransmitting a
+    /// READ, a WRITE arriving late) read or wrote the freed buffer: a crash seen in the UDP
+    /// tests once peers kept retrying after the end of a test.
+    fn drop(&mut self) {
+        let _ = self.ctx.dereg_mr(self.mr.lkey);
+    }
+}
+
 impl BufHost {
     /// One SGE of `len` bytes at offset `off` of the buffer.
     pub fn sge(&self, off: u64, len: u32) -> Vec<Sge> {
