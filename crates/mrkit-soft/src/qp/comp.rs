@@ -196,7 +196,7 @@ impl Completer {
             .is_some_and(|w| w.wr.opcode.is_rd_atomic())
     }
 
-    /// **Implied NAK** (IBA 9.7.5.1.4 "PSN sequence error" as the requester detects it): a
+    /// **Implied NAK** (the IBA's PSN sequence error as the requester detects it): a
     /// response for `psn` arrived while an earlier READ response or atomic ACK is still
     /// missing. A responder sends its responses in PSN order, so the missing ones were lost:
     /// re-request from the first missing PSN at once, as hardware does, instead of waiting a

@@ -601,6 +601,7 @@ impl QpObject {
             recv_wcs: std::mem::take(&mut st.recv_wcs),
             ..Out::default()
         };
+        st.resp.begin_run();
         for p in inbox.drain(..) {
             if st.state == QpState::Err || out.error {
                 break; // a QP in ERR drops every incoming packet
@@ -614,15 +615,17 @@ impl QpObject {
                         .on_response(&q, &mut st.sq, &mut st.req, p, now, &mut out);
                 }
             } else if matches!(st.state, QpState::Rtr | QpState::Rts | QpState::Sqd) {
-                if let Some(srq) = &self.srq {
-                    if st.rq.is_empty() && st.resp.needs_wqe(&p) {
-                        if let Some((w, ev)) = srq.take() {
-                            st.rq.push_back(w);
-                            out.events.extend(ev);
-                        }
-                    }
-                }
-                st.resp.on_request(&q, &mut st.rq, p, &mut out);
+                self.request(st, &q, p, &mut out);
+            }
+        }
+        // READ responses under way (bounded per run, `resp::READ_BURST`), then the requests
+        // that waited behind them.
+        while !out.error && matches!(st.state, QpState::Rtr | QpState::Rts | QpState::Sqd) {
+            out.flush_copies();
+            st.resp.pump(&q, &mut out);
+            match st.resp.next_backlog() {
+                Some(p) => self.request(st, &q, p, &mut out),
+                None => break,
             }
         }
         out.flush_copies();
@@ -715,6 +718,8 @@ impl QpObject {
                 out.events.push(AsyncEvent::SqDrained { qpn: self.qpn });
             }
         }
+        // More READ responses to send: run again soon (not at the next tick).
+        let more = st.state != QpState::Err && st.resp.busy();
         let needs_tick = st.state == QpState::Rts && st.sq.cursor > 0
             || st.comp.rnr_pending()
             || (st.state == QpState::Rts && st.sq.cursor < st.sq.q.len());
@@ -728,10 +733,27 @@ impl QpObject {
             self.note_ticking(ctx, st, true);
         }
         drop(g);
+        if more {
+            ctx.dev.dp.schedule(self.qpn);
+        }
         for e in out.events {
             ctx.raise_async_event(e);
         }
         out.pkts
+    }
+
+    /// Hand one request packet to the responder (taking a receive WQE from the SRQ first when
+    /// the packet consumes one).
+    fn request(&self, st: &mut QpInner, q: &QpCtx<'_>, p: Pkt, out: &mut Out) {
+        if let Some(srq) = &self.srq {
+            if st.rq.is_empty() && st.resp.needs_wqe(&p) {
+                if let Some((w, ev)) = srq.take() {
+                    st.rq.push_back(w);
+                    out.events.extend(ev);
+                }
+            }
+        }
+        st.resp.on_request(q, &mut st.rq, p, out);
     }
 
     /// After a tick ran this QP: leave the ticking set if its timers no longer need ticks.
