@@ -469,6 +469,18 @@ impl Completer {
         );
     }
 
+    /// When this QP's timers next need a run: the end of the RNR wait, or the
+    /// retransmission deadline while WQEs are outstanding; `None` if no timer is pending.
+    pub(crate) fn next_timer(&self, sq: &SendQueue) -> Option<Instant> {
+        if let Some(t) = self.rnr_until {
+            return Some(t);
+        }
+        let t = self.timeout?;
+        sq.q.iter()
+            .any(|w| matches!(w.st, WqeSt::Wait | WqeSt::Sending))
+            .then(|| self.last_activity + t)
+    }
+
     /// Pop finished WQEs from the head, in order, into completions (error completions always;
     /// successful ones when signaled or `sq_sig_all`).
     pub(crate) fn drain_done(

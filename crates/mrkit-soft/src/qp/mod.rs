@@ -432,13 +432,12 @@ pub(crate) struct QpInner {
     pub recv_wcs: Vec<(Wc, bool)>,
     /// Empty buffer swapped with `QpObject::inbox` by a run (no allocation per run).
     pub inbox_spare: Vec<Pkt>,
-    /// This QP is in the device's set of QPs whose timers need ticks (`DataPath::ticking`).
-    /// Set by a run that leaves timers pending, cleared by a tick that finds the QP idle
-    /// (`untick_if_idle`) or by destroy, always under this lock, so that two threads cannot
-    /// apply their answers out of order, and the set's lock is taken only on a change.
-    pub ticking: bool,
-    /// The last run left timers that need ticks (pending retransmission or RNR wait).
-    pub needs_tick: bool,
+    /// The earliest timer this QP registered in the device's timer heap (`ns` since the
+    /// progress epoch), if one is pending. A run that needs a timer registers one only when
+    /// it is due earlier than this: an ACK that moves the retransmission deadline later
+    /// registers nothing (request/response traffic touches the heap once per timeout, not
+    /// per message); the earlier entry then finds the QP, which registers its later deadline.
+    pub timer_at: Option<u64>,
 }
 
 /// A QP as the device keeps it.
@@ -572,7 +571,6 @@ impl QpObject {
         let st = &mut *g;
         if st.destroyed {
             self.inbox.clear();
-            self.note_ticking(ctx, st, false);
             return Vec::new();
         }
         // Swap the inbox with this QP's empty spare (lock order: inner, then inbox): the
@@ -720,17 +718,24 @@ impl QpObject {
         }
         // More READ responses to send: run again soon (not at the next tick).
         let more = st.state != QpState::Err && st.resp.busy();
-        let needs_tick = st.state == QpState::Rts && st.sq.cursor > 0
-            || st.comp.rnr_pending()
-            || (st.state == QpState::Rts && st.sq.cursor < st.sq.q.len());
+        // The next time this QP needs a run without a packet or a post: its retransmission
+        // or RNR timer, or (WQEs not sent yet, nothing outstanding) a look one tick later.
+        let timer = if matches!(st.state, QpState::Rts | QpState::Sqd) {
+            st.comp.next_timer(&st.sq).or_else(|| {
+                (st.state == QpState::Rts && st.sq.cursor < st.sq.q.len())
+                    .then(|| now + crate::progress::TICK_EVERY)
+            })
+        } else {
+            None
+        };
         inbox.clear(); // what an error left unprocessed
         st.inbox_spare = inbox;
-        // Into the ticking set at once; out of it only when a tick finds the QP idle
-        // (`untick_if_idle`): a request/response QP needs ticks again one message later, and
-        // the set's lock per message cost two lock round trips on the latency path.
-        st.needs_tick = needs_tick;
-        if needs_tick {
-            self.note_ticking(ctx, st, true);
+        if let Some(at) = timer {
+            let ns = crate::progress::ns_since_epoch(at);
+            if st.timer_at.map_or(true, |t| ns < t) {
+                st.timer_at = Some(ns);
+                ctx.dev.dp.arm_timer(self.qpn, ns);
+            }
         }
         drop(g);
         if more {
@@ -756,21 +761,15 @@ impl QpObject {
         st.resp.on_request(q, &mut st.rq, p, out);
     }
 
-    /// After a tick ran this QP: leave the ticking set if its timers no longer need ticks.
-    pub(crate) fn untick_if_idle(&self, ctx: &Context) {
+    /// Run this QP for its timer entry due at `at` (`ns_since_epoch`), unless the entry is
+    /// stale (the QP registered another since): then `None`.
+    pub(crate) fn run_timer(&self, ctx: &Context, at: u64, now: Instant) -> Option<Vec<Pkt>> {
         let mut g = self.inner.lock();
-        if !g.needs_tick {
-            self.note_ticking(ctx, &mut g, false);
+        if g.timer_at != Some(at) {
+            return None;
         }
-    }
-
-    /// Put this QP in the device's ticking set or take it out (under the QP lock: lock order
-    /// QP, then the set; nothing takes them the other way round).
-    fn note_ticking(&self, ctx: &Context, st: &mut QpInner, on: bool) {
-        if st.ticking != on {
-            ctx.set_ticking(self.qpn, on);
-            st.ticking = on;
-        }
+        g.timer_at = None;
+        Some(self.run_locked(ctx, now, g))
     }
 }
 
@@ -922,8 +921,7 @@ impl Context {
                 send_wcs: Vec::new(),
                 inbox_spare: Vec::new(),
                 recv_wcs: Vec::new(),
-                ticking: false,
-                needs_tick: false,
+                timer_at: None,
             }),
         });
         dp.qps.write().insert(qpn, obj);
@@ -950,8 +948,8 @@ impl Context {
             g.sq.q.clear();
             g.rq.clear();
             g.resp.reset(0);
-            // Out of the ticking set now (its number may be reused by a new QP).
-            q.note_ticking(self, &mut g, false);
+            // Its timer entries are skipped: the QP is out of the table (and a new QP with
+            // the same number has its own `timer_at`).
         }
         q.inbox.clear();
         q.send_cq.users.fetch_sub(1, Ordering::AcqRel);
