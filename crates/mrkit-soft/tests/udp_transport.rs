@@ -304,6 +304,22 @@ fn exactly_once_under_loss_reordering_duplication() {
     );
 }
 
+/// Drop `h`'s device and wait until it is gone (its UDP address can be bound again): a
+/// progress pass still running for a moment after the drop must not answer the packets of a
+/// test that expects a dead peer (it NAKed a WRITE whose MR was already deregistered).
+fn kill(h: BufHost) {
+    let addr = h.ctx.udp_port().unwrap().local_addr();
+    drop(h);
+    let end = Instant::now() + Duration::from_secs(10);
+    while std::net::UdpSocket::bind(addr).is_err() {
+        assert!(
+            Instant::now() < end,
+            "the peer's socket {addr} was never closed"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 #[test]
 fn peer_death_gives_retry_exc_err() {
     let a = host(DeviceConfig::rxe());
@@ -318,7 +334,7 @@ fn peer_death_gives_retry_exc_err() {
         },
     );
     let w = write(&a, &b, 1, 0, 4096);
-    drop(b); // the peer goes away: nothing answers any more
+    kill(b); // the peer goes away: nothing answers any more
     let t0 = Instant::now();
     a.ctx.post_send(a.qp, &[w]).unwrap();
     let wc = poll_n(&a, 1, Duration::from_secs(10));
@@ -355,7 +371,7 @@ fn dead_peer_retry_cnt_7(timeout: u8) -> Duration {
     assert_eq!(wc.len(), 1);
     assert_eq!(wc[0].status, WcStatus::Success, "{wc:?}");
     let w = write(&a, &b, 2, 0, 4096);
-    drop(b);
+    kill(b);
     let t0 = Instant::now();
     a.ctx.post_send(a.qp, &[w]).unwrap();
     let wc = poll_n(&a, 1, Duration::from_secs(20));
