@@ -40,7 +40,7 @@
 //! [`Context::progress_once`] is the synchronous entry for deterministic tests.
 #![forbid(unsafe_code)]
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
@@ -139,7 +139,7 @@ fn epoch() -> Instant {
     *EPOCH.get_or_init(Instant::now)
 }
 
-fn ns_since_epoch(t: Instant) -> u64 {
+pub(crate) fn ns_since_epoch(t: Instant) -> u64 {
     (t.saturating_duration_since(epoch()).as_nanos() as u64).max(1)
 }
 
@@ -148,8 +148,32 @@ fn ns_since_epoch(t: Instant) -> u64 {
 /// per-poll lookups.
 type NumHash = rustc_hash::FxBuildHasher;
 
-/// How often the QPs with pending timers (retransmission, RNR) are run.
-const TICK_EVERY: Duration = Duration::from_millis(1);
+/// A QP whose send queue holds WQEs not sent yet but no timer (a flow limit, which a
+/// response normally lifts) is run again after this long anyway.
+pub(crate) const TICK_EVERY: Duration = Duration::from_millis(1);
+
+/// Longest a receive backlog defers the QP timers (see `progress_pass`).
+const TIMER_STARVE: Duration = Duration::from_millis(5);
+
+/// Most QP timers a progress pass runs (the others stay due for the next passes).
+const TIMERS_PER_PASS: usize = 64;
+
+/// Most QP timers run per millisecond: paces retransmissions when many QPs time out at once
+/// (thousands of QPs whose first packets a full receive buffer dropped together would
+/// otherwise retransmit in the same instant, overflow it again, and use up their retries).
+pub const TIMERS_PER_MS: u32 = 64;
+
+/// The QPs' timers (retransmission, RNR wait): a heap of (due, QP number), due in
+/// `ns_since_epoch`. A QP keeps at most a few entries (`QpInner::timer_at` is the earliest it
+/// registered; an entry that does not match it when popped is stale and skipped), so a tick
+/// touches only the QPs that are due, not every QP with work in flight.
+#[derive(Debug, Default)]
+struct Timers {
+    heap: std::collections::BinaryHeap<std::cmp::Reverse<(u64, u32)>>,
+    /// Start of the current pacing window and timers run in it (`TIMERS_PER_MS`).
+    window_ns: u64,
+    in_window: u32,
+}
 
 /// Data-path state of one device instance.
 #[derive(Debug)]
@@ -166,14 +190,14 @@ pub(crate) struct DataPath {
     ev_cond: Condvar,
     manual: AtomicBool,
     started: AtomicBool,
-    ticking: Mutex<(HashSet<u32, NumHash>, Option<Instant>)>,
-    /// Whether `ticking` holds any QP (written under its lock): lets a pass skip that lock
-    /// when no QP has timers (the common case of a spinning poll).
-    any_ticking: AtomicBool,
-    /// When the ticking set is next due (`ns_since_epoch`; 0: at once), a copy of the
-    /// `Option<Instant>` in `ticking` written under its lock: lets a pass skip that lock
-    /// between ticks. A stale value only moves a tick to the next pass.
-    tick_due_ns: AtomicU64,
+    timers: Mutex<Timers>,
+    /// When the earliest timer is due (`ns_since_epoch`; `u64::MAX`: none), written under the
+    /// `timers` lock: lets a pass skip that lock until then (the common case of a spinning
+    /// poll). Read without the lock: a stale value only moves a timer to the next pass, or
+    /// costs one look at the heap.
+    timer_due_ns: AtomicU64,
+    /// When a pass last looked at the timers (`ns_since_epoch`); a hint for `TIMER_STARVE`.
+    timers_ran_ns: AtomicU64,
     /// Delayed ACKs allowed (`fastpath::ACK_DELAY_MAX`; `DeviceConfig::delayed_acks`, on by
     /// default).
     pub delayed_acks: bool,
@@ -198,9 +222,9 @@ impl DataPath {
             ev_cond: Condvar::new(),
             manual: AtomicBool::new(false),
             started: AtomicBool::new(false),
-            ticking: Mutex::new((HashSet::default(), None)),
-            any_ticking: AtomicBool::new(false),
-            tick_due_ns: AtomicU64::new(0),
+            timers: Mutex::new(Timers::default()),
+            timer_due_ns: AtomicU64::new(u64::MAX),
+            timers_ran_ns: AtomicU64::new(0),
             delayed_acks,
             answered: AtomicBool::new(false),
         }
@@ -231,6 +255,55 @@ impl DataPath {
             self.sched.cond.notify_one();
             self.sched.kick();
         }
+    }
+
+    /// Register a timer of QP `qpn` due at `due_ns` (`ns_since_epoch`).
+    pub(crate) fn arm_timer(&self, qpn: u32, due_ns: u64) {
+        let mut t = self.timers.lock();
+        t.heap.push(std::cmp::Reverse((due_ns, qpn)));
+        if due_ns < self.timer_due_ns.load(Ordering::Relaxed) {
+            self.timer_due_ns.store(due_ns, Ordering::Relaxed);
+        }
+    }
+
+    /// The timers due at `now_ns`, at most `TIMERS_PER_PASS` and within the
+    /// `TIMERS_PER_MS` pacing.
+    fn take_due_timers(&self, now_ns: u64) -> Vec<(u64, u32)> {
+        if now_ns < self.timer_due_ns.load(Ordering::Relaxed) {
+            return Vec::new();
+        }
+        let mut t = self.timers.lock();
+        if now_ns.saturating_sub(t.window_ns) >= 1_000_000 {
+            t.window_ns = now_ns;
+            t.in_window = 0;
+        }
+        let allowed = (TIMERS_PER_MS - t.in_window).min(TIMERS_PER_PASS as u32) as usize;
+        let mut due = Vec::new();
+        while due.len() < allowed {
+            match t.heap.peek() {
+                Some(std::cmp::Reverse((at, _))) if *at <= now_ns => {
+                    let std::cmp::Reverse(e) = t.heap.pop().expect("peeked");
+                    due.push(e);
+                }
+                _ => break,
+            }
+        }
+        t.in_window += due.len() as u32;
+        let next = t.heap.peek().map_or(u64::MAX, |r| r.0 .0);
+        // Out of budget with timers still due: look again when the window ends.
+        let next = if t.in_window >= TIMERS_PER_MS && next <= now_ns {
+            t.window_ns + 1_000_000
+        } else {
+            next
+        };
+        self.timer_due_ns.store(next, Ordering::Relaxed);
+        due
+    }
+
+    /// Timer entries registered (tests).
+    #[cfg(test)]
+    pub(crate) fn timer_entries(&self) -> usize {
+        self.timers.lock().heap.len()
     }
 
     /// Whether the application drives progress itself ([`Context::set_manual_progress`]).
@@ -618,8 +691,7 @@ impl Context {
         self.dev.dp.manual.store(true, Ordering::Release);
     }
 
-    /// Run every QP that has work once (and, at most every millisecond, the QPs with pending
-    /// timers). Returns the number of QP runs that did something. Sends every ACK an
+    /// Run every QP that has work once (and the QPs whose timers are due, `TIMERS_PER_MS`). Returns the number of QP runs that did something. Sends every ACK an
     /// application pass held back (`fastpath::ACK_DELAY_MAX`).
     pub fn progress_once(&self, now: Instant) -> usize {
         self.progress_pass(now, false)
@@ -639,6 +711,7 @@ impl Context {
         // then up to PASS_QPS in all from the run queue.
         let mut batch: [Option<Arc<QpObject>>; PASS_QPS] = Default::default();
         let mut received = 0;
+        let mut rx_datagrams = 0;
         if let Some(port) = self.dev.udp.get() {
             // One receiver at a time keeps the socket's order (see DeviceInner::rx). A progress
             // thread that finds it taken still runs the run queue (a stream's sends go out
@@ -654,18 +727,19 @@ impl Context {
                 // way. That thread takes full batches. (Always full batches for the progress
                 // thread cost a passive WRITE target ~0.4 µs per round trip.)
                 let one_ok = app || !dp.sched.app_polled_recently(now);
-                crate::net::udp::poll_rx(self, port, &mut bufs, one_ok, |q, pkts| {
-                    q.inbox.append(pkts);
-                    if holds(&batch[..received], &q) {
-                        return;
-                    }
-                    if received < PASS_QPS {
-                        batch[received] = Some(q);
-                        received += 1;
-                    } else {
-                        dp.schedule_obj(&q);
-                    }
-                });
+                rx_datagrams =
+                    crate::net::udp::poll_rx(self, port, &mut bufs, one_ok, |q, pkts| {
+                        q.inbox.append(pkts);
+                        if holds(&batch[..received], &q) {
+                            return;
+                        }
+                        if received < PASS_QPS {
+                            batch[received] = Some(q);
+                            received += 1;
+                        } else {
+                            dp.schedule_obj(&q);
+                        }
+                    });
             }
             let _ = port.tick(now);
         }
@@ -690,23 +764,20 @@ impl Context {
             }
             dp.sched.runq_len.store(g.len(), Ordering::Release);
         }
+        // Timers wait while received datagrams queue up (a full batch this pass): the
+        // responses a timer would give up on may be in that queue. Retransmitting instead of
+        // reading them turned a backlog of 20,000 QPs' ACKs into a retransmission storm that
+        // used up every retry. At most `TIMER_STARVE` without timers, so a QP whose
+        // responses stopped still times out beside a stream.
         let now_ns = ns_since_epoch(now);
-        let tick: Vec<u32> = if !dp.any_ticking.load(Ordering::Acquire)
-            || now_ns < dp.tick_due_ns.load(Ordering::Relaxed)
-        {
+        let rx_backlog = rx_datagrams >= crate::net::udp::RX_SLOTS_PER_PASS
+            && now_ns.saturating_sub(dp.timers_ran_ns.load(Ordering::Relaxed))
+                < TIMER_STARVE.as_nanos() as u64;
+        let due = if rx_backlog {
             Vec::new()
         } else {
-            let mut t = dp.ticking.lock();
-            let due = t.1.map_or(true, |at| now >= at);
-            if due && !t.0.is_empty() {
-                let next = now + TICK_EVERY;
-                t.1 = Some(next);
-                dp.tick_due_ns
-                    .store(ns_since_epoch(next), Ordering::Relaxed);
-                t.0.iter().copied().collect()
-            } else {
-                Vec::new()
-            }
+            dp.timers_ran_ns.store(now_ns, Ordering::Relaxed);
+            dp.take_due_timers(now_ns)
         };
         for (i, q) in batch.into_iter().enumerate() {
             let Some(q) = q else { break };
@@ -716,37 +787,22 @@ impl Context {
             let pkts = q.run(self, now);
             self.deliver_pkts(pkts, hold.filter(|_| q.delay_acks.load(Ordering::Relaxed)));
         }
-        for qpn in tick {
-            let q = dp.qps.read().get(&qpn).cloned();
-            let Some(q) = q else {
-                self.set_ticking(qpn, false);
-                continue;
+        for (at, qpn) in due {
+            let Some(q) = dp.qp_object(qpn) else {
+                continue; // destroyed since
             };
-            let pkts = q.run(self, now);
+            let Some(pkts) = q.run_timer(self, at, now) else {
+                continue; // a stale entry: the QP registered another since
+            };
             if !pkts.is_empty() {
                 work += 1;
             }
-            q.untick_if_idle(self);
             self.deliver_pkts(pkts, hold.filter(|_| q.delay_acks.load(Ordering::Relaxed)));
         }
         if app {
             self.flush_acks(Some(now));
         }
         work
-    }
-
-    pub(crate) fn set_ticking(&self, qpn: u32, on: bool) {
-        let dp = &self.dev.dp;
-        if !on && !dp.any_ticking.load(Ordering::Acquire) {
-            return; // nothing to remove (set only under the lock below)
-        }
-        let mut t = dp.ticking.lock();
-        if on {
-            t.0.insert(qpn);
-        } else {
-            t.0.remove(&qpn);
-        }
-        dp.any_ticking.store(!t.0.is_empty(), Ordering::Release);
     }
 
     /// Next asynchronous event, waiting up to `timeout`.
@@ -926,23 +982,22 @@ mod tests {
     use super::*;
 
     #[test]
-    fn an_idle_qp_leaves_the_ticking_set_at_the_next_tick_not_per_message() {
+    fn request_response_traffic_arms_a_timer_once_per_timeout_not_per_message() {
         use crate::qp::{rc_connect, RecvWr, SendWr, WrOpcode};
         let (c, _, cq, q1) = crate::net::fuzz::manual_rc_host(16, false);
         let (d, _, dcq, q2) = crate::net::fuzz::manual_rc_host(16, false);
         rc_connect(&c, q1, &d, q2, crate::AccessFlags::LOCAL_WRITE, 3).unwrap();
         let dp = &c.dev.dp;
-        let ticking = || dp.any_ticking.load(Ordering::Acquire);
         let t0 = Instant::now();
         let mut out = Vec::new();
-        for (i, now) in [t0, t0 + Duration::from_micros(10)].into_iter().enumerate() {
+        for i in 0..5u64 {
+            let now = t0 + Duration::from_micros(10 * i);
             let recv = RecvWr {
-                wr_id: i as u64,
+                wr_id: i,
                 sg_list: vec![],
             };
             d.post_recv(q2, &[recv]).unwrap();
-            c.post_send(q1, &[SendWr::new(i as u64, WrOpcode::Send)])
-                .unwrap();
+            c.post_send(q1, &[SendWr::new(i, WrOpcode::Send)]).unwrap();
             while c.progress_once(now) + d.progress_once(now) > 0 {}
             out.clear();
             assert_eq!(c.poll_cq(cq, &mut out, 4).unwrap(), 1, "the send completed");
@@ -951,15 +1006,45 @@ mod tests {
                 1,
                 "the receive completed"
             );
-            // Acknowledged, so no timer is pending, but the QP stays in the set until a tick
-            // (the first pass with a ticking QP ticks at once: check the second message).
-            if i == 1 {
-                assert!(ticking(), "still in the ticking set between ticks");
-            }
+            // The first message registered the retransmission timer; later ones only move
+            // the deadline later, which registers nothing.
+            assert_eq!(dp.timer_entries(), 1, "message {i}");
         }
-        // The next tick runs it, finds it idle and takes it out.
-        c.progress_once(t0 + TICK_EVERY * 3);
-        assert!(!ticking(), "an idle QP left the set at its tick");
+        // The entry comes due, finds the QP idle (everything acknowledged) and is gone.
+        let later = t0 + Duration::from_secs(1);
+        c.progress_once(later);
+        assert_eq!(dp.timer_entries(), 0, "an idle QP keeps no timer");
+        assert_eq!(dp.timer_due_ns.load(Ordering::Relaxed), u64::MAX);
+    }
+
+    #[test]
+    fn due_timers_are_paced_per_millisecond() {
+        let dp = DataPath::new(false);
+        let _ = epoch();
+        let now = ns_since_epoch(Instant::now());
+        for q in 0..1000u32 {
+            dp.arm_timer(16 + q, now - 1);
+        }
+        let mut taken = 0;
+        loop {
+            let due = dp.take_due_timers(now);
+            if due.is_empty() {
+                break;
+            }
+            assert!(due.len() <= TIMERS_PER_PASS);
+            taken += due.len();
+        }
+        assert_eq!(taken, TIMERS_PER_MS as usize, "one millisecond's budget");
+        assert_eq!(
+            dp.timer_due_ns.load(Ordering::Relaxed),
+            now + 1_000_000,
+            "the rest waits for the next window"
+        );
+        let mut taken = 0;
+        while !dp.take_due_timers(now + 1_000_000).is_empty() {
+            taken += 1;
+        }
+        assert!(taken > 0, "the next window runs more");
     }
 
     #[test]

@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use common::{all, connect_udp, ctx_with, host_with_cap, poll_n, udp_ip, BufHost};
 use mrkit_soft::cq::{WcOpcode, WcStatus};
+use mrkit_soft::device::StatusModel;
 use mrkit_soft::net::fault::FaultConfig;
 use mrkit_soft::qp::connect::ConnectOpts;
 use mrkit_soft::qp::{send_flags, QpCap, RecvWr, SendWr, Sge, WrOpcode};
@@ -21,6 +22,17 @@ fn host(cfg: DeviceConfig) -> BufHost {
         ..QpCap::default()
     };
     host_with_cap(ctx_with(cfg, false), 4096, cap, false).with_buf(LEN, all())
+}
+
+/// A device for the lossy tests: rxe's status model, whose `retry_cnt` 7 retries forever.
+/// These tests are about exactly-once delivery and recovery, not the retry limit (the
+/// `peer_death_*` tests are): with a ~1 ms timeout, the hardware model's seven retries end a
+/// QP whenever a loaded 2-vCPU machine keeps a progress thread off the CPU for ~10 ms (seen
+/// with a load average of 9: 100+ ms without a run).
+fn lossy(faults: FaultConfig) -> DeviceConfig {
+    DeviceConfig::rxe()
+        .status_model(StatusModel::Rxe)
+        .faults(faults)
 }
 
 fn pattern(seed: u8, n: usize) -> Vec<u8> {
@@ -232,8 +244,8 @@ fn round_trips_then_bulk_then_round_trips() {
 #[test]
 fn exactly_once_under_loss_reordering_duplication() {
     let faults = FaultConfig::parse("loss=10%,reorder=5%,dup=3%,corrupt=1%,seed=11").unwrap();
-    let a = host(DeviceConfig::rxe().faults(faults));
-    let b = host(DeviceConfig::rxe().faults(FaultConfig { seed: 12, ..faults }));
+    let a = host(lossy(faults));
+    let b = host(lossy(FaultConfig { seed: 12, ..faults }));
     connect_udp(
         &a,
         &b,
@@ -369,6 +381,22 @@ fn corrupted_writes_never_land_a_wrong_byte() {
     assert!(dropped <= fb.corrupted, "{na:?} {fb:?}");
 }
 
+/// Drop `h`'s device and wait until it is gone (its UDP address can be bound again): a
+/// progress pass still running for a moment after the drop must not answer the packets of a
+/// test that expects a dead peer (it NAKed a WRITE whose MR was already deregistered).
+fn kill(h: BufHost) {
+    let addr = h.ctx.udp_port().unwrap().local_addr();
+    drop(h);
+    let end = Instant::now() + Duration::from_secs(10);
+    while std::net::UdpSocket::bind(addr).is_err() {
+        assert!(
+            Instant::now() < end,
+            "the peer's socket {addr} was never closed"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 #[test]
 fn peer_death_gives_retry_exc_err() {
     let a = host(DeviceConfig::rxe());
@@ -383,7 +411,7 @@ fn peer_death_gives_retry_exc_err() {
         },
     );
     let w = write(&a, &b, 1, 0, 4096);
-    drop(b); // the peer goes away: nothing answers any more
+    kill(b); // the peer goes away: nothing answers any more
     let t0 = Instant::now();
     a.ctx.post_send(a.qp, &[w]).unwrap();
     let wc = poll_n(&a, 1, Duration::from_secs(10));
@@ -398,12 +426,71 @@ fn peer_death_gives_retry_exc_err() {
     );
 }
 
+/// The peer's device goes away after connecting with `retry_cnt` 7 (what perftest and
+/// `mrkit perf` use) and local ACK timeout `timeout`: a WRITE must end with RETRY_EXC_ERR, the
+/// first send and seven retries later (IBA, mlx5: only the RNR retry count uses 7 for
+/// "forever"). Returns how long it took.
+fn dead_peer_retry_cnt_7(timeout: u8) -> Duration {
+    let a = host(DeviceConfig::default());
+    let b = host(DeviceConfig::default());
+    connect_udp(
+        &a,
+        &b,
+        ConnectOpts {
+            timeout,
+            retry_cnt: 7,
+            ..ConnectOpts::default()
+        },
+    );
+    // One WRITE that completes: the connection works before the peer dies.
+    a.ctx.post_send(a.qp, &[write(&a, &b, 1, 0, 4096)]).unwrap();
+    let wc = poll_n(&a, 1, Duration::from_secs(10));
+    assert_eq!(wc.len(), 1);
+    assert_eq!(wc[0].status, WcStatus::Success, "{wc:?}");
+    let w = write(&a, &b, 2, 0, 4096);
+    kill(b);
+    let t0 = Instant::now();
+    a.ctx.post_send(a.qp, &[w]).unwrap();
+    let wc = poll_n(&a, 1, Duration::from_secs(20));
+    let took = t0.elapsed();
+    assert_eq!(
+        wc.len(),
+        1,
+        "no completion within 20 s: retry_cnt 7 retried forever"
+    );
+    assert_eq!(wc[0].status, WcStatus::RetryExcErr, "{wc:?}");
+    assert_eq!(wc[0].wr_id, 2);
+    took
+}
+
+#[test]
+fn peer_death_with_retry_cnt_7_ends_in_retry_exc_err() {
+    // timeout 10: 4.096 µs × 2^10 ≈ 4.2 ms; 8 × 4.2 ms ≈ 34 ms.
+    let took = dead_peer_retry_cnt_7(10);
+    assert!(
+        took >= Duration::from_millis(30),
+        "gave up too early: {took:?}"
+    );
+    assert!(took < Duration::from_secs(5), "took {took:?}");
+}
+
+#[test]
+fn peer_death_with_perftest_defaults_ends_in_bounded_time() {
+    // perftest's timeout 14 (≈ 67 ms) and retry_cnt 7: 8 × 67 ms ≈ 0.54 s.
+    let took = dead_peer_retry_cnt_7(14);
+    assert!(
+        took >= Duration::from_millis(500),
+        "gave up too early: {took:?}"
+    );
+    assert!(took < Duration::from_secs(10), "took {took:?}");
+}
+
 /// READs and atomics (whose responses carry data, so lost responses must be re-requested,
 /// and duplicated atomics must be answered from the replay cache, never re-executed).
 fn reads_and_atomics(spec: &str, n_ops: u64) {
     let faults = FaultConfig::parse(spec).unwrap();
-    let a = host(DeviceConfig::rxe().faults(faults));
-    let mut b = host(DeviceConfig::rxe().faults(FaultConfig {
+    let a = host(lossy(faults));
+    let mut b = host(lossy(FaultConfig {
         seed: faults.seed + 1000,
         ..faults
     }));
@@ -501,8 +588,8 @@ fn many_sends_under_loss_with_reposted_receives() {
         .flat_map(|spec| (1..=6u64).map(move |seed| (spec, seed)))
     {
         let faults = FaultConfig::parse(&format!("{spec},seed={seed}")).unwrap();
-        let a = host(DeviceConfig::rxe().faults(faults));
-        let b = host(DeviceConfig::rxe().faults(FaultConfig {
+        let a = host(lossy(faults));
+        let b = host(lossy(FaultConfig {
             seed: seed + 100,
             ..faults
         }));
@@ -572,4 +659,64 @@ fn many_sends_under_loss_with_reposted_receives() {
             "{spec} seed {seed}: every message exactly once"
         );
     }
+}
+
+/// READs of 100 KB under 100 µs of delay with as much jitter (the injector delivers datagrams
+/// out of order when their jitter differs): a gap in the READ responses is re-requested at once
+/// (implied NAK), not after a retransmission timeout, so 400 READs finish in bounded time
+/// (before, a gap waited ~67 ms each and 400 READs did not finish in 120 s), every byte intact.
+#[test]
+fn many_reads_under_delay_and_jitter_recover_from_gaps_at_once() {
+    let faults = FaultConfig::parse("delay=100us,jitter=100us,seed=11").unwrap();
+    let a = host(DeviceConfig::default().faults(faults));
+    let mut b = host(DeviceConfig::default().faults(FaultConfig { seed: 12, ..faults }));
+    connect_udp(&a, &b, ConnectOpts::default()); // perftest's timeout 14 (≈ 67 ms)
+    let data = pattern(5, LEN);
+    b.buf.copy_from_slice(&data);
+    const READ: usize = 100_000;
+    const N: usize = 400;
+    let t0 = Instant::now();
+    let mut done = 0;
+    while done < N {
+        // Eight READs at a time (a's buffer holds eight 100 KB destinations + margin).
+        let batch = (N - done).min(8);
+        let wrs: Vec<SendWr> = (0..batch)
+            .map(|i| {
+                let src = ((done + i) * 7919 % (LEN - READ)) as u64;
+                let mut r = SendWr::new((done + i) as u64, WrOpcode::RdmaRead);
+                r.sg_list = vec![Sge {
+                    addr: a.mr.iova + (i * (READ + 4096)) as u64,
+                    length: READ as u32,
+                    lkey: a.mr.lkey,
+                }];
+                r.remote_addr = b.mr.iova + src;
+                r.rkey = b.mr.rkey;
+                r
+            })
+            .collect();
+        a.ctx.post_send(a.qp, &wrs).unwrap();
+        let wcs = poll_n(&a, batch, Duration::from_secs(60));
+        assert_eq!(
+            wcs.len(),
+            batch,
+            "READs {done}..: {:?}",
+            a.ctx.fault_stats()
+        );
+        assert!(wcs.iter().all(|w| w.status == WcStatus::Success), "{wcs:?}");
+        for i in 0..batch {
+            let src = (done + i) * 7919 % (LEN - READ);
+            let dst = i * (READ + 4096);
+            assert!(
+                a.buf[dst..dst + READ] == data[src..src + READ],
+                "READ {} intact",
+                done + i
+            );
+        }
+        done += batch;
+    }
+    let took = t0.elapsed();
+    let fb = b.ctx.fault_stats().unwrap();
+    assert!(fb.offered > 0, "{fb:?}");
+    eprintln!("{N} READs of {READ} B under delay+jitter: {took:?} ({fb:?})");
+    assert!(took < Duration::from_secs(60), "took {took:?}");
 }

@@ -5,8 +5,9 @@
 //!   127.0.0.0/8 address per process and instance, so several processes on one host coexist)
 //!   on port 4791; that address is its GID (IPv4-mapped, or IPv6).
 //! * Sends leave from a socket bound to `(address, sport)` where `sport` is the QP's RoCEv2 UDP
-//!   source port (`0xC000 | hash(qpn)`), unconnected with `IP_PMTUDISC_PROBE`, so the kernel
-//!   writes IP ID 0 with DF and the ICRC computed in advance is right (roce.md §2.3).
+//!   source port (`0xC000 | hash(qpn)`; beyond [`MAX_TX_SOCKETS`] distinct ports, QPs share
+//!   existing ones), unconnected with `IP_PMTUDISC_PROBE`, so the kernel writes IP ID 0 with
+//!   DF and the ICRC computed in advance is right (roce.md §2.3).
 //! * Runs of equally sized packets (the middle packets of a message) go out as one GSO send
 //!   (`UDP_SEGMENT`); the kernel segments them. Receives use `recvmmsg` with `UDP_GRO`; a GRO
 //!   batch is split back into datagrams by its stride.
@@ -92,6 +93,9 @@ pub fn parse_addr(s: &str) -> Result<SocketAddr, String> {
         .map_err(|_| format!("`{s}` is not an IP address (or ip:port)"))
 }
 
+/// Most send sockets (distinct UDP source ports) one device opens (`UdpPort::sport_for`).
+pub const MAX_TX_SOCKETS: usize = 256;
+
 /// One device's UDP endpoint.
 pub struct UdpPort {
     local: SocketAddr,
@@ -111,6 +115,9 @@ pub struct UdpPort {
     gro_forced_on: AtomicBool,
     /// Send sockets by UDP source port (FxHash: the key is a port number we chose).
     tx: Mutex<HashMap<u16, UdpSocket, rustc_hash::FxBuildHasher>>,
+    /// Once `MAX_TX_SOCKETS` send sockets exist: their ports, sorted, and no new ones
+    /// ([`UdpPort::sport_for`]).
+    tx_frozen: std::sync::OnceLock<Vec<u16>>,
     faults: Option<Mutex<FaultInjector<Outgoing>>>,
 }
 
@@ -187,10 +194,30 @@ impl UdpPort {
             gro_is_off: AtomicBool::new(false),
             gro_forced_on: AtomicBool::new(false),
             tx: Mutex::new(HashMap::default()),
+            tx_frozen: std::sync::OnceLock::new(),
             faults: faults
                 .filter(|f| !f.is_clean())
                 .map(|f| Mutex::new(FaultInjector::new(f))),
         })
+    }
+
+    /// The UDP source port of QP `qpn`'s packets: rxe's `0xC000 | hash(qpn)` (flow entropy
+    /// for ECMP; receivers do not check it), each with its own unconnected send socket, for up
+    /// to [`MAX_TX_SOCKETS`] distinct ports. Beyond that, a QP whose port has no socket shares
+    /// one of the existing ports (the same one every time): 20,000 QPs used ~11,500 sockets per
+    /// device before, and ran out of file descriptors.
+    pub(crate) fn sport_for(&self, qpn: u32) -> u16 {
+        let want = crate::wire::udp_sport_for_qpn(qpn);
+        match self.tx_frozen.get() {
+            None => want,
+            Some(ports) if ports.binary_search(&want).is_ok() => want,
+            Some(ports) => ports[usize::from(want) % ports.len()],
+        }
+    }
+
+    /// Send sockets open (tests).
+    pub fn tx_sockets(&self) -> usize {
+        self.tx.lock().len()
     }
 
     /// The bound address (the device's GID and port).
@@ -258,15 +285,20 @@ impl UdpPort {
     /// [`send_msgs`](Self::send_msgs) past the fault injector.
     fn send_msgs_now(&self, sport: u16, msgs: &[OutMsg<'_>]) -> (usize, Option<io::Error>) {
         let mut tx = self.tx.lock();
-        let sock = match tx.entry(sport) {
-            std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
-            std::collections::hash_map::Entry::Vacant(v) => {
-                match bind(SocketAddr::new(self.local.ip(), sport), false) {
-                    Ok(s) => v.insert(s),
-                    Err(e) => return (0, Some(e)),
+        if let std::collections::hash_map::Entry::Vacant(v) = tx.entry(sport) {
+            match bind(SocketAddr::new(self.local.ip(), sport), false) {
+                Ok(sock) => {
+                    v.insert(sock);
                 }
+                Err(e) => return (0, Some(e)),
             }
-        };
+            if tx.len() >= MAX_TX_SOCKETS && self.tx_frozen.get().is_none() {
+                let mut ports: Vec<u16> = tx.keys().copied().collect();
+                ports.sort_unstable();
+                let _ = self.tx_frozen.set(ports);
+            }
+        }
+        let sock = tx.get(&sport).expect("just found or inserted");
         let (mut at, mut sent, mut err) = (0, 0, None);
         while at < msgs.len() {
             match sockio::send_batch(sock, &msgs[at..]) {
@@ -805,7 +837,7 @@ fn send_runs(
             continue;
         };
         let dst = SocketAddr::new(dst_ip, ROCE_PORT);
-        let sport = crate::wire::udp_sport_for_qpn(first.src_qpn);
+        let sport = port.sport_for(first.src_qpn);
         let src = SocketAddr::new(local.ip(), sport);
         let base = crate::wire::IcrcInputs::from_socket_addrs(src, dst);
         if runs.len() == sockio::MAX_BATCH
@@ -921,7 +953,7 @@ fn flush_runs(dev: &crate::DeviceInner, port: &UdpPort, runs: &[Run], buf: &[u8]
 
 /// `recvmmsg` slots one progress pass receives (each a datagram or a GRO batch of up to
 /// 64 KiB).
-const RX_SLOTS_PER_PASS: usize = 4;
+pub(crate) const RX_SLOTS_PER_PASS: usize = 4;
 
 /// Receive ready datagrams (one bounded batch) on the device's port and hand the packets to
 /// their QPs: `deliver(qp, packets)` for each run of consecutive packets for one QP (it

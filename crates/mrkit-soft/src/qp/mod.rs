@@ -490,13 +490,12 @@ pub(crate) struct QpInner {
     pub recv_wcs: Vec<(Wc, bool)>,
     /// Empty buffer swapped with `QpObject::inbox` by a run (no allocation per run).
     pub inbox_spare: Vec<Pkt>,
-    /// This QP is in the device's set of QPs whose timers need ticks (`DataPath::ticking`).
-    /// Set by a run that leaves timers pending, cleared by a tick that finds the QP idle
-    /// (`untick_if_idle`) or by destroy, always under this lock, so that two threads cannot
-    /// apply their answers out of order, and the set's lock is taken only on a change.
-    pub ticking: bool,
-    /// The last run left timers that need ticks (pending retransmission or RNR wait).
-    pub needs_tick: bool,
+    /// The earliest timer this QP registered in the device's timer heap (`ns` since the
+    /// progress epoch), if one is pending. A run that needs a timer registers one only when
+    /// it is due earlier than this: an ACK that moves the retransmission deadline later
+    /// registers nothing (request/response traffic touches the heap once per timeout, not
+    /// per message); the earlier entry then finds the QP, which registers its later deadline.
+    pub timer_at: Option<u64>,
 }
 
 /// A QP as the device keeps it.
@@ -630,7 +629,6 @@ impl QpObject {
         let st = &mut *g;
         if st.destroyed {
             self.inbox.clear();
-            self.note_ticking(ctx, st, false);
             return Vec::new();
         }
         // Swap the inbox with this QP's empty spare (lock order: inner, then inbox): the
@@ -659,6 +657,7 @@ impl QpObject {
             recv_wcs: std::mem::take(&mut st.recv_wcs),
             ..Out::default()
         };
+        st.resp.begin_run();
         for p in inbox.drain(..) {
             let response = p.bth.opcode.info().is_response();
             // A QP in ERR (or one an earlier packet of this run put there) drops everything.
@@ -674,15 +673,17 @@ impl QpObject {
                 st.comp
                     .on_response(&q, &mut st.sq, &mut st.req, p, now, &mut out);
             } else {
-                if let Some(srq) = &self.srq {
-                    if st.rq.is_empty() && st.resp.needs_wqe(&p) {
-                        if let Some((w, ev)) = srq.take() {
-                            st.rq.push_back(w);
-                            out.events.extend(ev);
-                        }
-                    }
-                }
-                st.resp.on_request(&q, &mut st.rq, p, &mut out);
+                self.request(st, &q, p, &mut out);
+            }
+        }
+        // READ responses under way (bounded per run, `resp::READ_BURST`), then the requests
+        // that waited behind them.
+        while !out.error && matches!(st.state, QpState::Rtr | QpState::Rts | QpState::Sqd) {
+            out.flush_copies();
+            st.resp.pump(&q, &mut out);
+            match st.resp.next_backlog() {
+                Some(p) => self.request(st, &q, p, &mut out),
+                None => break,
             }
         }
         out.flush_copies();
@@ -775,40 +776,60 @@ impl QpObject {
                 out.events.push(AsyncEvent::SqDrained { qpn: self.qpn });
             }
         }
-        let needs_tick = st.state == QpState::Rts && st.sq.cursor > 0
-            || st.comp.rnr_pending()
-            || (st.state == QpState::Rts && st.sq.cursor < st.sq.q.len());
+        // More READ responses to send: run again soon (not at the next tick).
+        let more = st.state != QpState::Err && st.resp.busy();
+        // The next time this QP needs a run without a packet or a post: its retransmission
+        // or RNR timer, or (WQEs not sent yet, nothing outstanding) a look one tick later.
+        let timer = if matches!(st.state, QpState::Rts | QpState::Sqd) {
+            st.comp.next_timer(&st.sq).or_else(|| {
+                (st.state == QpState::Rts && st.sq.cursor < st.sq.q.len())
+                    .then(|| now + crate::progress::TICK_EVERY)
+            })
+        } else {
+            None
+        };
         inbox.clear(); // what an error left unprocessed
         st.inbox_spare = inbox;
-        // Into the ticking set at once; out of it only when a tick finds the QP idle
-        // (`untick_if_idle`): a request/response QP needs ticks again one message later, and
-        // the set's lock per message cost two lock round trips on the latency path.
-        st.needs_tick = needs_tick;
-        if needs_tick {
-            self.note_ticking(ctx, st, true);
+        if let Some(at) = timer {
+            let ns = crate::progress::ns_since_epoch(at);
+            if st.timer_at.map_or(true, |t| ns < t) {
+                st.timer_at = Some(ns);
+                ctx.dev.dp.arm_timer(self.qpn, ns);
+            }
         }
         drop(g);
+        if more {
+            ctx.dev.dp.schedule(self.qpn);
+        }
         for e in out.events {
             ctx.raise_async_event(e);
         }
         out.pkts
     }
 
-    /// After a tick ran this QP: leave the ticking set if its timers no longer need ticks.
-    pub(crate) fn untick_if_idle(&self, ctx: &Context) {
-        let mut g = self.inner.lock();
-        if !g.needs_tick {
-            self.note_ticking(ctx, &mut g, false);
+    /// Hand one request packet to the responder (taking a receive WQE from the SRQ first when
+    /// the packet consumes one).
+    fn request(&self, st: &mut QpInner, q: &QpCtx<'_>, p: Pkt, out: &mut Out) {
+        if let Some(srq) = &self.srq {
+            if st.rq.is_empty() && st.resp.needs_wqe(&p) {
+                if let Some((w, ev)) = srq.take() {
+                    st.rq.push_back(w);
+                    out.events.extend(ev);
+                }
+            }
         }
+        st.resp.on_request(q, &mut st.rq, p, out);
     }
 
-    /// Put this QP in the device's ticking set or take it out (under the QP lock: lock order
-    /// QP, then the set; nothing takes them the other way round).
-    fn note_ticking(&self, ctx: &Context, st: &mut QpInner, on: bool) {
-        if st.ticking != on {
-            ctx.set_ticking(self.qpn, on);
-            st.ticking = on;
+    /// Run this QP for its timer entry due at `at` (`ns_since_epoch`), unless the entry is
+    /// stale (the QP registered another since): then `None`.
+    pub(crate) fn run_timer(&self, ctx: &Context, at: u64, now: Instant) -> Option<Vec<Pkt>> {
+        let mut g = self.inner.lock();
+        if g.timer_at != Some(at) {
+            return None;
         }
+        g.timer_at = None;
+        Some(self.run_locked(ctx, now, g))
     }
 }
 
@@ -960,8 +981,7 @@ impl Context {
                 send_wcs: Vec::new(),
                 inbox_spare: Vec::new(),
                 recv_wcs: Vec::new(),
-                ticking: false,
-                needs_tick: false,
+                timer_at: None,
             }),
         });
         dp.qps.write().insert(qpn, obj);
@@ -988,8 +1008,8 @@ impl Context {
             g.sq.q.clear();
             g.rq.clear();
             g.resp.reset(0);
-            // Out of the ticking set now (its number may be reused by a new QP).
-            q.note_ticking(self, &mut g, false);
+            // Its timer entries are skipped: the QP is out of the table (and a new QP with
+            // the same number has its own `timer_at`).
         }
         q.inbox.clear();
         q.send_cq.users.fetch_sub(1, Ordering::AcqRel);

@@ -50,9 +50,44 @@ pub(crate) struct Wqe {
     /// acknowledge it and a later rewind can still find it.
     pub psn_valid: bool,
     pub npkts: u32,
-    /// SEND/WRITE: packets sent. READ: response packets received.
+    /// SEND/WRITE: packets sent. READ: response packets received in order (the next one
+    /// expected is `sent`).
     pub sent: u32,
     pub st: WqeSt,
+    /// READ: responses that arrived ahead of `sent` and were placed already
+    /// ([`ReadWindow`]); allocated at the first such response.
+    pub ahead: Option<Box<ReadWindow>>,
+}
+
+/// Response packets of a READ that arrived ahead of the next expected one (reordered on the
+/// way) and were placed in the destination already, by packet index: bit `k % BITS` stands
+/// for packet `k` in `sent + 1 .. sent + BITS`. Their bytes are final (a READ response
+/// carries the bytes of its own offset), so they need not be requested again.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct ReadWindow([u64; ReadWindow::WORDS]);
+
+impl ReadWindow {
+    const WORDS: usize = 16;
+    /// Packets the window reaches past the next expected one.
+    pub(crate) const BITS: u32 = 64 * Self::WORDS as u32;
+
+    pub(crate) fn set(&mut self, k: u32) {
+        let b = (k % Self::BITS) as usize;
+        self.0[b / 64] |= 1 << (b % 64);
+    }
+
+    /// Whether packet `k` is here, clearing its bit.
+    pub(crate) fn take(&mut self, k: u32) -> bool {
+        let b = (k % Self::BITS) as usize;
+        let had = self.0[b / 64] & (1 << (b % 64)) != 0;
+        self.0[b / 64] &= !(1 << (b % 64));
+        had
+    }
+
+    pub(crate) fn has(&self, k: u32) -> bool {
+        let b = (k % Self::BITS) as usize;
+        self.0[b / 64] & (1 << (b % 64)) != 0
+    }
 }
 
 impl Wqe {
@@ -97,6 +132,7 @@ impl Wqe {
             npkts: 0,
             sent: 0,
             st: WqeSt::Pending,
+            ahead: None,
         }
     }
     pub(crate) fn wc(&self, qpn: u32, status: WcStatus) -> Wc {
@@ -245,13 +281,18 @@ impl Requester {
         let k = psn_diff(psn, sq.q[idx].first_psn).max(0) as u32;
         {
             let w = &mut sq.q[idx];
-            w.sent = if w.wr.opcode.is_atomic() { 0 } else { k };
+            let sent = if w.wr.opcode.is_atomic() { 0 } else { k };
+            if sent != w.sent {
+                w.ahead = None; // its bits are relative to the old `sent`
+            }
+            w.sent = sent;
             w.st = WqeSt::Sending;
         }
         for w in sq.q.iter_mut().skip(idx + 1) {
             if !matches!(w.st, WqeSt::Done(_)) {
                 w.st = WqeSt::Pending;
                 w.sent = 0;
+                w.ahead = None;
             }
         }
         sq.cursor = idx;
@@ -347,6 +388,7 @@ impl Requester {
                 };
                 w.last_psn = psn_add(w.first_psn, w.npkts - 1);
                 w.sent = 0;
+                w.ahead = None;
                 w.st = WqeSt::Sending;
             }
             if op.is_rd_atomic() {

@@ -52,6 +52,28 @@ enum Res {
     },
 }
 
+/// A READ response stream being sent: packets `k..npkts` of `len` bytes at `va`, PSNs from
+/// `psn` (packet `k` has PSN `psn + k`).
+#[derive(Debug, Clone, Copy)]
+struct ReadJob {
+    psn: u32,
+    va: u64,
+    rkey: u32,
+    len: u64,
+    k: u32,
+    npkts: u32,
+}
+
+/// READ response packets one QP run sends at most; the rest follow in the next runs (the QP
+/// is scheduled again). Bounds what a READ of any size (or a flood of duplicate READs of a
+/// large region) makes the responder hold at once: 64 packets, 256 KiB at MTU 4096.
+pub(crate) const READ_BURST: u32 = 64;
+
+/// Requests that arrive while a READ response stream is under way wait in order behind it
+/// (responses must leave in PSN order); at most this many, later ones are dropped as if lost
+/// (the requester retransmits them). The requester's window is 128 PSNs.
+pub(crate) const BACKLOG_MAX: usize = 256;
+
 /// Responder state.
 #[derive(Debug, Default)]
 pub(crate) struct Responder {
@@ -59,7 +81,15 @@ pub(crate) struct Responder {
     msn: u32,
     sent_psn_nak: bool,
     cur: Cur,
+    /// Responder resources: the last `max_dest_rd_atomic` READ/atomic requests, the only ones
+    /// a duplicate is answered for.
     res: VecDeque<Res>,
+    /// The READ response stream being sent.
+    job: Option<ReadJob>,
+    /// Requests waiting behind `job`.
+    backlog: VecDeque<Pkt>,
+    /// READ response packets this run may still send (`begin_run`).
+    budget: u32,
 }
 
 /// How a failed request ends on the responder side.
@@ -102,6 +132,50 @@ impl Responder {
             epsn,
             ..Responder::default()
         };
+    }
+
+    /// Start a QP run: the READ response budget is refilled.
+    pub(crate) fn begin_run(&mut self) {
+        self.budget = READ_BURST;
+    }
+
+    /// A READ response stream is under way or requests wait behind one: the QP must run
+    /// again soon.
+    pub(crate) fn busy(&self) -> bool {
+        self.job.is_some() || !self.backlog.is_empty()
+    }
+
+    /// READ response packets still to send and requests waiting (tests: what the responder
+    /// holds).
+    #[cfg(test)]
+    pub(crate) fn pending(&self) -> (u32, usize) {
+        (self.job.map_or(0, |j| j.npkts - j.k), self.backlog.len())
+    }
+
+    /// The next request that waited behind a READ response stream, once the stream is done.
+    pub(crate) fn next_backlog(&mut self) -> Option<Pkt> {
+        if self.job.is_some() {
+            return None;
+        }
+        let p = self.backlog.pop_front();
+        if self.backlog.is_empty() && self.backlog.capacity() > 64 {
+            self.backlog = VecDeque::new(); // memory returns after a burst
+        }
+        p
+    }
+
+    /// Send what the budget allows of the READ response stream under way.
+    pub(crate) fn pump(&mut self, q: &QpCtx<'_>, out: &mut Out) {
+        let Some(mut j) = self.job else { return };
+        let n = (j.npkts - j.k).min(self.budget);
+        self.budget -= n;
+        let end = j.k + n;
+        let r = self.read_responses(q, j.psn, j.va, j.rkey, j.len, j.k, end, out);
+        j.k = end;
+        self.job = (j.k < j.npkts).then_some(j);
+        if let Err(bad) = r {
+            self.error(q, bad, fail(NakCode::RemoteAccessError, None), None, out);
+        }
     }
 
     /// Whether `p` is the in-sequence packet of a message that consumes a receive WQE (the
@@ -171,6 +245,8 @@ impl Responder {
     /// Error: NAK with the packet's PSN, complete the receive WQE in use with its status,
     /// QP → ERR.
     fn error(&mut self, q: &QpCtx<'_>, psn: u32, f: Fail, taken: Option<RecvWqe>, out: &mut Out) {
+        self.job = None;
+        self.backlog = VecDeque::new();
         self.ack(q, psn, Aeth::nak(f.nak, self.msn), out);
         let recv = match std::mem::take(&mut self.cur) {
             Cur::Send { recv, .. } => Some(recv),
@@ -205,6 +281,14 @@ impl Responder {
         use Opcode::*;
         let psn = p.bth.psn;
         let d = psn_diff(psn, self.epsn);
+        if self.job.is_some() && !(d < 0 && p.bth.opcode == RdmaReadRequest) {
+            // Responses leave in PSN order: everything but a duplicate READ (which replaces
+            // the stream, `duplicate`) waits for the READ responses under way.
+            if self.backlog.len() < BACKLOG_MAX {
+                self.backlog.push_back(p);
+            }
+            return;
+        }
         if d > 0 {
             if !self.sent_psn_nak {
                 self.sent_psn_nak = true;
@@ -540,9 +624,15 @@ impl Responder {
         );
         self.msn = (self.msn + 1) & MSN_MASK;
         self.epsn = psn_add(last, 1);
-        if let Err(bad) = self.read_responses(q, psn, reth.va, reth.rkey, len, 0, out) {
-            self.error(q, bad, fail(NakCode::RemoteAccessError, None), None, out);
-        }
+        self.job = Some(ReadJob {
+            psn,
+            va: reth.va,
+            rkey: reth.rkey,
+            len,
+            k: 0,
+            npkts,
+        });
+        self.pump(q, out);
     }
 
     fn push_res(&mut self, q: &QpCtx<'_>, r: Res) {
@@ -553,8 +643,9 @@ impl Responder {
         self.res.push_back(r);
     }
 
-    /// Emit READ responses for packets `k0..` of a READ starting at `first`. Each packet
-    /// re-checks the rkey for its own bytes; on failure returns that packet's PSN.
+    /// Emit READ responses for packets `k0..end` of a READ of `len` bytes at `va` whose
+    /// packet 0 has PSN `first` (packet 0 is FIRST or ONLY). Each packet re-checks the rkey
+    /// for its own bytes; on failure returns that packet's PSN.
     #[allow(clippy::too_many_arguments)]
     fn read_responses(
         &self,
@@ -564,16 +655,17 @@ impl Responder {
         rkey: u32,
         len: u64,
         k0: u32,
+        end: u32,
         out: &mut Out,
     ) -> Result<(), u32> {
         use Opcode::*;
         let mtu = q.mtu as u64;
         let npkts = len.div_ceil(mtu).max(1) as u32;
-        for k in k0..npkts {
+        for k in k0..end.min(npkts) {
             let psn = psn_add(first, k);
             let off = u64::from(k) * mtu;
             let n = (len - off.min(len)).min(mtu);
-            let opcode = match (k == k0, k + 1 == npkts) {
+            let opcode = match (k == 0, k + 1 == npkts) {
                 (true, true) => RdmaReadResponseOnly,
                 (true, false) => RdmaReadResponseFirst,
                 (false, false) => RdmaReadResponseMiddle,
@@ -656,6 +748,11 @@ impl Responder {
         let psn = p.bth.psn;
         match p.bth.opcode {
             Opcode::RdmaReadRequest => {
+                // Answered only from a responder resource (the last `max_dest_rd_atomic`
+                // READ/atomic requests), and only for the bytes the duplicate asks for, which
+                // must lie within that READ (same rkey, its range, its PSNs): a retry asks for
+                // what it still misses. Anything else is dropped silently (IBA class D; rxe).
+                let Some(reth) = p.ext.reth else { return };
                 let found = self.res.iter().rev().find_map(|r| match *r {
                     Res::Read {
                         first,
@@ -664,18 +761,40 @@ impl Responder {
                         rkey,
                         len,
                     } if psn_cmp(psn, first).is_ge() && psn_cmp(psn, last).is_le() => {
-                        Some((first, va, rkey, len))
+                        Some((last, va, rkey, len))
                     }
                     _ => None,
                 });
-                if let Some((first, va, rkey, len)) = found {
-                    if p.ext.reth.is_some_and(|r| r.rkey == rkey) {
-                        let k = psn_diff(psn, first) as u32;
-                        if let Err(bad) = self.read_responses(q, first, va, rkey, len, k, out) {
-                            self.error(q, bad, fail(NakCode::RemoteAccessError, None), None, out);
-                        }
-                    }
+                let Some((last, va, rkey, len)) = found else {
+                    return;
+                };
+                let dlen = u64::from(reth.dma_len);
+                let dpkts = dlen.div_ceil(q.mtu as u64).max(1) as u32;
+                let within = reth.rkey == rkey
+                    && reth.va >= va
+                    && reth
+                        .va
+                        .checked_add(dlen)
+                        .is_some_and(|e| e <= va.saturating_add(len))
+                    && psn_diff(last, psn) >= i32::try_from(dpkts - 1).unwrap_or(i32::MAX);
+                if !within {
+                    return;
                 }
+                // It replaces the stream under way (a requester that retries wants this one
+                // first; it re-requests whatever else it misses), so duplicates of one READ
+                // never add up: each restarts the same stream.
+                self.job = Some(ReadJob {
+                    psn,
+                    va: reth.va,
+                    rkey,
+                    len: dlen,
+                    k: 0,
+                    npkts: dpkts,
+                });
+                self.backlog.retain(|b| {
+                    b.bth.opcode != Opcode::RdmaReadRequest || psn_diff(b.bth.psn, self.epsn) >= 0
+                });
+                self.pump(q, out);
             }
             Opcode::CompareSwap | Opcode::FetchAdd => {
                 let found = self.res.iter().rev().find_map(|r| match *r {
@@ -691,5 +810,242 @@ impl Responder {
                 self.ack(q, last, Aeth::ack(self.msn), out);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Bounded responder resources: duplicate READs answered within the resources and the
+    //! range they were given, and READ responses streamed in bounded bursts.
+    use std::time::Instant;
+
+    use super::{BACKLOG_MAX, READ_BURST};
+    use crate::net::loopback::drive_until_idle;
+    use crate::net::{Payload, Pkt};
+    use crate::qp::{rc_connect, QpState, SendWr, WrOpcode};
+    use crate::wire::{Bth, ExtHeaders, Opcode, Reth};
+    use crate::{AccessFlags as A, Context};
+
+    const MTU: u64 = 1024; // rc_connect with IBV_MTU_1024
+
+    struct Pair {
+        a: Context,
+        aqp: u32,
+        acq: u32,
+        b: Context,
+        bqp: u32,
+        src: std::sync::Arc<Vec<u8>>,
+        dst: std::sync::Arc<Vec<u8>>,
+        rkey: u32,
+        lkey: u32,
+    }
+
+    /// Two manual hosts, `b` exposing `len` bytes for READ, `a` a `len`-byte destination.
+    fn pair(len: usize) -> Pair {
+        let all = A::LOCAL_WRITE | A::REMOTE_WRITE | A::REMOTE_READ | A::REMOTE_ATOMIC;
+        let (a, apd, acq, aqp) = crate::net::fuzz::manual_rc_host(256, true);
+        let (b, bpd, _, bqp) = crate::net::fuzz::manual_rc_host(256, true);
+        rc_connect(&a, aqp, &b, bqp, all, 3).unwrap();
+        let src = std::sync::Arc::new((0..len).map(|i| (i * 7 + 3) as u8).collect::<Vec<u8>>());
+        let dst = std::sync::Arc::new(vec![0u8; len]);
+        let sm = b
+            .reg_mr_va(bpd, crate::UserMemory::owned(src.clone()), all)
+            .unwrap();
+        let dm = a
+            .reg_mr_va(apd, crate::UserMemory::owned(dst.clone()), all)
+            .unwrap();
+        Pair {
+            a,
+            aqp,
+            acq,
+            b,
+            bqp,
+            src,
+            dst,
+            rkey: sm.rkey,
+            lkey: dm.lkey,
+        }
+    }
+
+    impl Pair {
+        /// A READ of `len` bytes at offset `off`, run to completion.
+        fn read(&mut self, wr_id: u64, off: u64, len: u32) {
+            let wr = SendWr::new(wr_id, WrOpcode::RdmaRead)
+                .sge(self.dst.as_ptr() as u64 + off, len, self.lkey)
+                .remote(self.src.as_ptr() as u64 + off, self.rkey);
+            self.a.post_send(self.aqp, &[wr]).unwrap();
+            drive_until_idle(&[&self.a, &self.b]);
+            let mut wcs = Vec::new();
+            self.a.poll_cq(self.acq, &mut wcs, 16).unwrap();
+            assert_eq!(wcs.len(), 1, "{wcs:?}");
+            assert_eq!(wcs[0].status, crate::cq::WcStatus::Success);
+        }
+
+        /// A crafted READ request from `a`'s QP to `b` (a duplicate when `psn` was used).
+        fn read_request(&self, psn: u32, off: u64, len: u32) -> Pkt {
+            let mut bth = Bth::new(Opcode::RdmaReadRequest, self.bqp, psn);
+            bth.ack_req = true;
+            Pkt {
+                dst_node: self.b.node_id(),
+                dst_ip: None,
+                src_ip: None,
+                src_node: self.a.node_id(),
+                src_qpn: self.aqp,
+                bth,
+                ext: ExtHeaders {
+                    reth: Some(Reth {
+                        va: self.src.as_ptr() as u64 + off,
+                        rkey: self.rkey,
+                        dma_len: len,
+                    }),
+                    ..ExtHeaders::default()
+                },
+                payload: Payload::Empty,
+            }
+        }
+
+        /// Run `b`'s QP until it has nothing left to send; (packets, payload bytes) per run.
+        fn drain_b(&self) -> Vec<(usize, u64)> {
+            let q = self.b.dev.dp.qp_object(self.bqp).unwrap();
+            let mut runs = Vec::new();
+            loop {
+                let pkts = q.run(&self.b, Instant::now());
+                if pkts.is_empty() {
+                    return runs;
+                }
+                let bytes = pkts.iter().map(|p| p.payload.len() as u64).sum();
+                runs.push((pkts.len(), bytes));
+                assert!(runs.len() < 100_000, "the responder never stops sending");
+            }
+        }
+
+        fn pending(&self) -> (u32, usize) {
+            let q = self.b.dev.dp.qp_object(self.bqp).unwrap();
+            let g = q.inner.lock();
+            g.resp.pending()
+        }
+    }
+
+    #[test]
+    fn duplicate_reads_restart_one_stream_instead_of_adding_up() {
+        // The report: 200 duplicate READ requests (28-byte packets) of a 330 KB READ produced
+        // 66 MB of responses (each replayed the whole READ). Now each duplicate restarts the
+        // one stream of that READ: the burst costs about one READ.
+        const LEN: u32 = 330_000;
+        let mut p = pair(LEN as usize);
+        p.read(1, 0, LEN);
+        assert!(p.dst == p.src);
+        for _ in 0..200 {
+            p.b.dev.dp.enqueue_packet(p.read_request(0, 0, LEN));
+        }
+        let runs = p.drain_b();
+        let total: u64 = runs.iter().map(|r| r.1).sum();
+        // At most the burst cut short by the restarts plus one whole READ (66 MB before).
+        assert!(
+            total <= 2 * u64::from(LEN),
+            "{total} bytes of responses for 200 duplicates of a {LEN}-byte READ"
+        );
+        assert!(
+            total >= u64::from(LEN),
+            "the last duplicate is answered in full"
+        );
+        assert!(
+            runs.iter().all(|&(n, _)| n <= READ_BURST as usize + 1),
+            "bounded per run: {runs:?}"
+        );
+        assert_eq!(p.pending(), (0, 0), "nothing held after the burst");
+    }
+
+    #[test]
+    fn a_duplicate_read_gets_only_the_range_it_asks_for_and_only_within_the_original() {
+        const LEN: u32 = 64 * 1024;
+        let mut p = pair(LEN as usize);
+        p.read(1, 0, LEN);
+        // A retry from packet 60 (the last 4 KiB): 4 packets, not the whole READ again.
+        p.b.dev
+            .dp
+            .enqueue_packet(p.read_request(60, 60 * MTU, 4 * MTU as u32));
+        let bytes: u64 = p.drain_b().iter().map(|r| r.1).sum();
+        assert_eq!(bytes, 4 * MTU);
+        // Beyond the original READ's range, longer than it, another rkey, or PSNs past its
+        // last: dropped, nothing sent.
+        for bad in [
+            p.read_request(0, 0, LEN + 1),
+            p.read_request(60, 60 * MTU, 8 * MTU as u32),
+            {
+                let mut r = p.read_request(0, 0, 16);
+                r.ext.reth.as_mut().unwrap().rkey ^= 0x100;
+                r
+            },
+            {
+                let mut r = p.read_request(0, 0, 16);
+                r.ext.reth.as_mut().unwrap().va -= 1;
+                r
+            },
+        ] {
+            p.b.dev.dp.enqueue_packet(bad);
+            assert!(
+                p.drain_b().is_empty(),
+                "a duplicate outside the READ is dropped"
+            );
+        }
+        assert_eq!(p.b.qp_state(p.bqp).unwrap(), QpState::Rts);
+    }
+
+    #[test]
+    fn duplicates_are_answered_only_within_the_responder_resources() {
+        // max_dest_rd_atomic 16 (rc_connect): after 16 newer READs the first one's resource
+        // is gone and its duplicate is dropped, as hardware drops it.
+        let mut p = pair(64 * 1024);
+        for i in 0..17u64 {
+            p.read(i, i * 1024, 1024);
+        }
+        p.b.dev.dp.enqueue_packet(p.read_request(0, 0, 1024));
+        assert!(p.drain_b().is_empty(), "evicted: not answered");
+        p.b.dev
+            .dp
+            .enqueue_packet(p.read_request(16, 16 * 1024, 1024));
+        assert_eq!(p.drain_b().iter().map(|r| r.1).sum::<u64>(), 1024);
+    }
+
+    #[test]
+    fn a_large_read_streams_in_bounded_bursts_and_requests_behind_it_wait_in_order() {
+        const LEN: u32 = 4 << 20; // 4096 packets at MTU 1024
+        let p = pair(LEN as usize);
+        let wr = SendWr::new(1, WrOpcode::RdmaRead)
+            .sge(p.dst.as_ptr() as u64, LEN, p.lkey)
+            .remote(p.src.as_ptr() as u64, p.rkey);
+        p.a.post_send(p.aqp, &[wr]).unwrap();
+        // Move the request to b without running b, then run b's QP by hand.
+        p.a.progress_once(Instant::now());
+        let q = p.b.dev.dp.qp_object(p.bqp).unwrap();
+        let first = q.run(&p.b, Instant::now());
+        assert_eq!(first.len(), READ_BURST as usize, "one burst per run");
+        let (left, backlog) = p.pending();
+        assert_eq!(left, 4096 - READ_BURST, "the rest waits for the next runs");
+        assert_eq!(backlog, 0);
+        // Requests arriving meanwhile wait (bounded) behind the stream.
+        for i in 0..(BACKLOG_MAX as u32 + 50) {
+            p.b.dev.dp.enqueue_packet(p.read_request(4096 + i, 0, 8));
+        }
+        let q2 = q.clone();
+        drop(first);
+        let pkts = q2.run(&p.b, Instant::now());
+        assert!(pkts.len() <= READ_BURST as usize);
+        assert_eq!(p.pending().1, BACKLOG_MAX, "the backlog is bounded");
+        drop(pkts);
+        // Delivering everything completes the READ with the right bytes.
+        drive_until_idle(&[&p.a, &p.b]);
+        let mut wcs = Vec::new();
+        p.a.poll_cq(p.acq, &mut wcs, 16).unwrap();
+        assert_eq!(wcs.len(), 1, "{wcs:?}");
+        assert_eq!(wcs[0].status, crate::cq::WcStatus::Success);
+        assert!(p.dst == p.src);
+        let g = q.inner.lock();
+        assert_eq!(g.resp.pending(), (0, 0));
+        assert!(
+            g.resp.backlog.capacity() <= 64,
+            "the backlog's memory was returned"
+        );
     }
 }

@@ -182,9 +182,12 @@ impl Host {
 }
 
 impl Drop for BufHost {
+    /// Deregister the MR before its buffer is freed: `dereg_mr` waits until no packet uses the
+    /// memory any more. Without it a progress pass still running (the peer retransmitting a
+    /// READ, a WRITE arriving late) read or wrote the freed buffer: a crash seen in the UDP
+    /// tests once peers kept retrying after the end of a test. If deregistration fails the
+    /// buffer is leaked, never freed under a live MR.
     fn drop(&mut self) {
-        // Deregister before the buffer is freed; if that fails the buffer is leaked, never
-        // freed under a live MR.
         if self.ctx.dereg_mr(self.mr.lkey).is_err() {
             std::mem::forget(std::mem::take(&mut self.buf));
         }
