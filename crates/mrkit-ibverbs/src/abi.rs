@@ -1,7 +1,7 @@
 //! `#[repr(C)]` mirrors of rdma-core v44's `<infiniband/verbs.h>` structures (x86-64/aarch64
 //! LP64), for what the library fills or reads. Field names follow the C headers. Checked
 //! against the system headers by `tests/layout.rs` (a C program printing `offsetof`/`sizeof`)
-//! and against `ibverbs-layout.txt` by the compile-time assertions at the end of this file.
+//! and against `docs/cabi.md` Appendix A by the compile-time assertions at the end of this file.
 #![allow(non_camel_case_types, non_upper_case_globals, non_snake_case)]
 
 use std::ffi::{c_char, c_int, c_uint, c_void};
@@ -658,7 +658,7 @@ pub fn layout_table() -> Vec<(String, usize, usize)> {
     t
 }
 
-// The numbers of rdma-core v44 (`ibverbs-layout.txt`), checked at compile time.
+// The numbers of rdma-core v44 (`docs/cabi.md` Appendix A), checked at compile time.
 const _: () = {
     use std::mem::{offset_of, size_of};
     assert!(size_of::<ibv_device>() == 664);

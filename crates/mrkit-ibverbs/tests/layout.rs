@@ -44,7 +44,7 @@ fn rust_layout_matches_system_headers() {
 
 #[test]
 fn layout_matches_the_v44_reference_numbers() {
-    // A few anchors from ibverbs-layout.txt (cabi.md §2.2), independent of the local headers.
+    // A few anchors from docs/cabi.md Appendix A (docs/cabi.md §2.2), independent of the local headers.
     let t: BTreeMap<String, (usize, usize)> = ibverbs::abi::layout_table()
         .into_iter()
         .map(|(n, a, b)| (n, (a, b)))

@@ -1,6 +1,6 @@
 //! rdma-core v44's own Python test suite (python3-pyverbs ships it, partly gzipped, under
 //! `/usr/share/doc/rdma-core/tests`) against the library: copied and unpacked into the scratch
-//! directory, run with the system `/usr/bin/python3` (`run_tests.py`, cabi.md §6.1), module by
+//! directory, run with the system `/usr/bin/python3` (`run_tests.py`, docs/cabi.md §6.1), module by
 //! module with a time limit. Every listed module must pass (skips allowed: UD/UC/XRC/raw QPs,
 //! device memory, dmabuf, huge pages, ...); the pass/fail/skip counts are printed.
 

@@ -7,7 +7,7 @@
 //!
 //! # Who drives progress: one mechanism, chosen per workload
 //!
-//! On a 2-vCPU machine a blocking cross-CPU wake-up costs ~45 µs (reference/perf.md §0), so a
+//! On a 2-vCPU machine a blocking cross-CPU wake-up costs ~45 µs (docs/floors.md §0), so a
 //! latency path must *poll*; but every spinning thread beyond the core count steals a CPU from
 //! someone. Exactly one party should poll the device at a time, and which one depends on the
 //! workload. The progress thread decides at every idle moment (`progress_thread`):

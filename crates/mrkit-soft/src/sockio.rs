@@ -6,7 +6,7 @@
 //! enables `SO_TIMESTAMPNS`, `IP_PKTINFO` and `IP_RECVTOS` (three control messages the kernel
 //! builds for every datagram, none of which the device uses), zeroes its headers on every
 //! call and goes through glibc's cancellation-point wrappers. On this link every microsecond
-//! of a round trip counts (perf.md §2: the spinning UDP round trip is ~5 µs), so the device
+//! of a round trip counts (docs/floors.md §2: the spinning UDP round trip is ~5 µs), so the device
 //! talks to the kernel directly; rustix has no `UDP_SEGMENT` / `UDP_GRO` control messages.
 //!
 //! Every `unsafe` block below passes pointers to buffers that live across the call (stack
@@ -16,7 +16,7 @@
 //!
 //! The send sockets are deliberately **unconnected** with `IP_PMTUDISC_PROBE`: the kernel
 //! then writes IPv4 identification 0 with DF (GSO segment `k` gets identification `k`), which
-//! the ICRC covers and the device computes in advance (roce.md §2.3). A connected socket
+//! the ICRC covers and the device computes in advance (docs/roce.md §2.3). A connected socket
 //! would number datagrams from a per-socket counter the device cannot know.
 
 use std::io;

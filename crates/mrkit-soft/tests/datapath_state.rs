@@ -3,7 +3,7 @@ use mrkit_soft::qp::state::{check_modify, rc_transition};
 use mrkit_soft::qp::{attr_mask as m, QpAttr, QpCap, QpInitAttr, QpState};
 use mrkit_soft::{Context, DeviceConfig, Errno};
 
-/// The table transcribed independently from semantics.md §8.1: (from, to, required, optional).
+/// The table transcribed independently from docs/semantics.md §8.1: (from, to, required, optional).
 fn expected(from: QpState, to: QpState) -> Option<(u32, u32)> {
     use QpState::*;
     let rows: &[(QpState, QpState, u32, u32)] = &[

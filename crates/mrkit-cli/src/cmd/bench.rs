@@ -1126,7 +1126,7 @@ fn data_path_report(s: &mut String, dp: &Value) {
     }
     let dpt = &dp["two_process"];
     let _ = writeln!(s, "\n### Two processes (RoCEv2 over UDP)\n");
-    let _ = writeln!(s, "`mrkit perf --server` in a child process, the client in another process, on loopback addresses; data verified; RTT columns are the one-message-outstanding round trips of each point. Full run (`mrkit bench transport`): floors from the same run, raw UDP streams of 4 KiB datagrams in 60 KiB GSO sends received one datagram per slot (perf.md §2) and with GRO, the GRO stream with the payload copies and ICRC a RoCE stream must do (a ceiling), a raw 8-byte UDP ping-pong, and UCX when installed.\n");
+    let _ = writeln!(s, "`mrkit perf --server` in a child process, the client in another process, on loopback addresses; data verified; RTT columns are the one-message-outstanding round trips of each point. Full run (`mrkit bench transport`): floors from the same run, raw UDP streams of 4 KiB datagrams in 60 KiB GSO sends received one datagram per slot (docs/floors.md §2) and with GRO, the GRO stream with the payload copies and ICRC a RoCE stream must do (a ceiling), a raw 8-byte UDP ping-pong, and UCX when installed.\n");
     let r = &dpt["result"];
     if r.is_null() {
         let _ = writeln!(

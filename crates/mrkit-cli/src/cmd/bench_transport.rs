@@ -2,7 +2,7 @@
 //!
 //! * floors: raw UDP streams between two threads with segmentation offload (60 KiB
 //!   `UDP_SEGMENT` sends of 4 KiB datagrams), received **without** receive offload (one 4 KiB
-//!   datagram per `recvmmsg` slot: the perf.md §2 anchor, ~3.3 GB/s there, and the floor the
+//!   datagram per `recvmmsg` slot: the docs/floors.md §2 anchor, ~3.3 GB/s there, and the floor the
 //!   issue's "with segmentation offload" names) and **with** `UDP_GRO` (the whole 60 KiB in one
 //!   slot: no per-datagram work at all on loopback, so roughly twice as fast; the device's own
 //!   receiver uses GRO); the GRO stream again with the least work a faithful RoCE stream adds
@@ -94,7 +94,7 @@ fn raw_stream(seg: usize, gro: bool, work: StreamWork, dur: Duration) -> std::io
             }
         }
     });
-    // 64 slots of one GRO batch each, or of one datagram each (as perf.md's udp.c).
+    // 64 slots of one GRO batch each, or of one datagram each (as docs/floors.md's udp.c).
     let slot = if gro { 64 * 1024 } else { seg };
     let mut storage: Vec<Vec<u8>> = (0..64).map(|_| vec![0u8; slot]).collect();
     let mut slices: Vec<&mut [u8]> = storage.iter_mut().map(|b| &mut b[..]).collect();
@@ -413,7 +413,7 @@ fn print_table(v: &serde_json::Value) {
         .unwrap_or(0.0);
     println!(
         "floors: raw UDP stream, 4 KiB datagrams in 60 KiB GSO sends: {gso:.0} MB/s received one \
-         datagram per slot (perf.md §2), {gro:.0} MB/s with UDP_GRO, {work:.0} MB/s with UDP_GRO \
+         datagram per slot (docs/floors.md §2), {gro:.0} MB/s with UDP_GRO, {work:.0} MB/s with UDP_GRO \
          plus the payload copies and ICRC of RoCE (a ceiling); raw UDP ping-pong 8 B RTT \
          {pp:.1} µs ({ppc:.1} µs over connected sockets, a path RoCE's ICRC rules out)"
     );

@@ -7,7 +7,7 @@
 //! * Sends leave from a socket bound to `(address, sport)` where `sport` is the QP's RoCEv2 UDP
 //!   source port (`0xC000 | hash(qpn)`; beyond [`MAX_TX_SOCKETS`] distinct ports, QPs share
 //!   existing ones), unconnected with `IP_PMTUDISC_PROBE`, so the kernel writes IP ID 0 with
-//!   DF and the ICRC computed in advance is right (roce.md §2.3).
+//!   DF and the ICRC computed in advance is right (docs/roce.md §2.3).
 //! * Runs of equally sized packets (the middle packets of a message) go out as one GSO send
 //!   (`UDP_SEGMENT`); the kernel segments them. Receives use `recvmmsg` with `UDP_GRO`; a GRO
 //!   batch is split back into datagrams by its stride.

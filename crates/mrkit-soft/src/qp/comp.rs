@@ -2,7 +2,7 @@
 //! (sans-IO). Handles coalesced ACKs, RNR back-off, PSN-sequence NAK and timeout retries
 //! (go-back-N through `Requester::rewind`), scatters READ
 //! data and atomic results into local SGEs (LOCAL_WRITE required) and maps NAK codes to
-//! completion statuses (roce.md §3.8).
+//! completion statuses (docs/roce.md §3.8).
 #![forbid(unsafe_code)]
 
 use std::time::{Duration, Instant};

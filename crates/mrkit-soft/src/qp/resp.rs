@@ -1,6 +1,6 @@
 //! Responder: request packets → memory, ACK/NAK, read responses, atomic results (sans-IO).
 //!
-//! Order of checks (semantics.md §6.4, roce.md §3.4): PSN (ahead → one PSN-sequence NAK;
+//! Order of checks (docs/semantics.md §6.4, docs/roce.md §3.4): PSN (ahead → one PSN-sequence NAK;
 //! behind → duplicate: re-ACK, replay a READ from its resource, or resend a saved atomic
 //! result), opcode sequence, QP access flags, responder resources, receive WQE (RNR NAK),
 //! lengths, rkey through the access predicate (once for the whole RETH range, then again for

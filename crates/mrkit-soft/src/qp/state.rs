@@ -181,7 +181,7 @@ pub fn check_modify(cur: QpState, mask: u32, target: u32) -> Result<QpState, Err
     let (req, opt) = rc_transition(cur, to).ok_or_else(|| {
         err!(
             EINVAL,
-            "{cur:?} -> {to:?} is not a legal RC transition (IBA table, semantics.md §8)"
+            "{cur:?} -> {to:?} is not a legal RC transition (IBA table, docs/semantics.md §8)"
         )
     })?;
     let given = mask & !m::STATE;

@@ -1,4 +1,4 @@
-//! The Base Transport Header (roce.md §1.2).
+//! The Base Transport Header (docs/roce.md §1.2).
 
 use super::error::WireError;
 use super::opcode::Opcode;

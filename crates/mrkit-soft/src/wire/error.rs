@@ -53,7 +53,7 @@ pub enum WireError {
         /// The payload length found.
         len: usize,
     },
-    /// The payload length breaks the per-opcode MTU rules (roce.md §1.5).
+    /// The payload length breaks the per-opcode MTU rules (docs/roce.md §1.5).
     #[error("payload of {len} bytes is invalid for {opcode:?} at MTU {mtu}")]
     PayloadLength {
         /// The packet's opcode.

@@ -1,4 +1,4 @@
-//! Extension transport headers (roce.md §1.3, §1.4).
+//! Extension transport headers (docs/roce.md §1.3, §1.4).
 
 use super::bth::write_bytes;
 use super::error::WireError;
@@ -112,7 +112,7 @@ impl NakCode {
     }
 }
 
-/// Decoded AETH syndrome (roce.md §1.4).
+/// Decoded AETH syndrome (docs/roce.md §1.4).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Syndrome {
     /// ACK with a 5-bit credit code (31 = no credit information).

@@ -1,4 +1,4 @@
-//! The RoCEv2 invariant CRC (roce.md §2).
+//! The RoCEv2 invariant CRC (docs/roce.md §2).
 //!
 //! The ICRC is the zlib/Ethernet CRC-32 over a pseudo-packet:
 //! 8 bytes `0xFF` (stand-in for the IB LRH) ‖ IP header with TOS/TTL/checksum (IPv4) or
@@ -9,8 +9,8 @@
 //! A UDP socket does not see the IP header, so the covered IP fields are rebuilt from the
 //! addresses and the datagram length ([`IcrcInputs`]). For IPv4 the identification and
 //! flags/fragment fields are covered too; our own sender uses an unconnected socket with
-//! `IP_PMTUDISC_DO`, which makes the kernel send ID 0 with DF (roce.md §2.3), and that is what
-//! [`IcrcInputs::ipv4`] assumes. [`Ipv4IdSolver`] recovers an unknown ID (roce.md §2.4).
+//! `IP_PMTUDISC_DO`, which makes the kernel send ID 0 with DF (docs/roce.md §2.3), and that is what
+//! [`IcrcInputs::ipv4`] assumes. [`Ipv4IdSolver`] recovers an unknown ID (docs/roce.md §2.4).
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
@@ -54,7 +54,7 @@ pub enum IpInfo {
 /// ```
 /// use mrkit_soft::wire::IcrcInputs;
 /// use std::net::Ipv4Addr;
-/// // ACKNOWLEDGE from roce.md §2.2 vector 3 (UDP payload only).
+/// // ACKNOWLEDGE from docs/roce.md §2.2 vector 3 (UDP payload only).
 /// let payload = [0x11, 0x00, 0xff, 0xff, 0, 0, 0, 0x12, 0x00, 0x0a, 0xbc, 0xde,
 ///                0x1f, 0x00, 0x00, 0x01, 0x13, 0x28, 0x3c, 0xd5];
 /// let lo = Ipv4Addr::LOCALHOST;
@@ -478,7 +478,7 @@ pub fn split_ip_packet(pkt: &[u8]) -> Result<(IcrcInputs, &[u8]), WireError> {
 ///
 /// ```
 /// use mrkit_soft::wire::check_icrc_ip_packet;
-/// // ConnectX-4 Lx CNP (roce.md §2.2 vector 1), IP ID 0x718c.
+/// // ConnectX-4 Lx CNP (docs/roce.md §2.2 vector 1), IP ID 0x718c.
 /// let hex = "45c2003c718c4000401191610a0011010a001201000012b7002800008100ffff40000118000000000000000000000000000000000000000082fd002a";
 /// let pkt: Vec<u8> = (0..hex.len()).step_by(2).map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap()).collect();
 /// assert!(check_icrc_ip_packet(&pkt).is_ok());
@@ -525,7 +525,7 @@ pub fn fill_icrc_ip_packet(pkt: &mut [u8]) -> Result<u32, WireError> {
 }
 
 /// Recovers the unknown IPv4 identification and DF bit of a received packet from its ICRC
-/// (roce.md §2.4, option 1).
+/// (docs/roce.md §2.4, option 1).
 ///
 /// The ICRC is affine in the covered bits, so the 16 ID bits and the DF bit act on it through a
 /// fixed 32×17 linear map that depends only on the datagram length. Build one solver per length

@@ -1,6 +1,6 @@
 //! RoCEv2 wire format: headers, opcode table, ICRC (sans-IO, no allocation in the parse path).
 //!
-//! Everything here follows the project's RoCEv2 research note `roce.md` (section numbers refer to it):
+//! Everything here follows the project's RoCEv2 research note `docs/roce.md` (section numbers refer to it):
 //!
 //! * [`Opcode`] / [`OPCODE_TABLE`]: the RC opcodes (§1.5) plus CNP, with their headers and flags.
 //! * Headers: [`Bth`] (§1.2), [`Reth`], [`Aeth`] (+ [`Syndrome`], [`NakCode`], §1.4),

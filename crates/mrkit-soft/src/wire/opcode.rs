@@ -1,4 +1,4 @@
-//! The RC opcode table (roce.md §1.5).
+//! The RC opcode table (docs/roce.md §1.5).
 
 use super::error::WireError;
 use super::{
@@ -67,7 +67,7 @@ bitflags::bitflags! {
     }
 }
 
-/// Every opcode mrkit understands: the RC opcodes of roce.md §1.5 plus the CNP (0x81).
+/// Every opcode mrkit understands: the RC opcodes of docs/roce.md §1.5 plus the CNP (0x81).
 ///
 /// ```
 /// use mrkit_soft::wire::Opcode;

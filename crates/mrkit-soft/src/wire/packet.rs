@@ -53,7 +53,7 @@ impl ExtHeaders {
 /// ```
 /// use mrkit_soft::wire::{Packet, Opcode, IcrcInputs};
 /// use std::net::Ipv4Addr;
-/// // RDMA WRITE ONLY "hello RoCE!" from roce.md §2.2 vector 2 (UDP payload).
+/// // RDMA WRITE ONLY "hello RoCE!" from docs/roce.md §2.2 vector 2 (UDP payload).
 /// let hex = "0a10ffff00000011800abcde00007f0012345000000012340000000b68656c6c6f20526f43452100f64ef899";
 /// let dgram: Vec<u8> = (0..hex.len()).step_by(2).map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap()).collect();
 /// let pkt = Packet::parse(&dgram).unwrap();
@@ -213,7 +213,7 @@ impl<'a> PacketView<'a> {
         inputs.verify(self.datagram)
     }
 
-    /// Checks the payload length against the per-opcode rules of roce.md §1.5 for path MTU
+    /// Checks the payload length against the per-opcode rules of docs/roce.md §1.5 for path MTU
     /// `mtu`: FIRST/MIDDLE carry exactly `mtu` bytes, LAST `1..=mtu`, ONLY `0..=mtu`, the others
     /// none. (Violations deserve a NAK invalid request, so [`PacketView::parse`] does not drop them.)
     pub fn check_payload_len(&self, mtu: Mtu) -> Result<(), WireError> {
@@ -395,7 +395,7 @@ pub fn build(
 ///     .reth(Reth { va: 0x7f00_1234_5000, rkey: 0x1234, dma_len: 11 })
 ///     .to_vec(b"hello RoCE!", &inputs)
 ///     .unwrap();
-/// // Byte-identical to roce.md §2.2 vector 2, ICRC included.
+/// // Byte-identical to docs/roce.md §2.2 vector 2, ICRC included.
 /// assert_eq!(&dgram[dgram.len() - 4..], &[0xf6, 0x4e, 0xf8, 0x99]);
 /// let p = Packet::parse_verified(&dgram, &inputs).unwrap();
 /// assert_eq!(p.bth.pad_count, 1);

@@ -1,4 +1,4 @@
-//! Path MTU, timers and UDP source-port selection (roce.md §3.5, §3.7, §4).
+//! Path MTU, timers and UDP source-port selection (docs/roce.md §3.5, §3.7, §4).
 
 use core::time::Duration;
 
@@ -104,7 +104,7 @@ impl Mtu {
 /// rxe's worst-case header overhead used to derive the MTU from the netdev MTU.
 pub const RXE_MAX_HDR_LENGTH: usize = 80;
 
-/// RNR timer table (roce.md §3.7), in microseconds, indexed by the 5-bit code.
+/// RNR timer table (docs/roce.md §3.7), in microseconds, indexed by the 5-bit code.
 pub const RNR_TIMER_US: [u32; 32] = [
     655_360, 10, 20, 30, 40, 60, 80, 120, 160, 240, 320, 480, 640, 960, 1_280, 1_920, 2_560, 3_840,
     5_120, 7_680, 10_240, 15_360, 20_480, 30_720, 40_960, 61_440, 81_920, 122_880, 163_840,

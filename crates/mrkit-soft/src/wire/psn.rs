@@ -1,4 +1,4 @@
-//! 24-bit PSN arithmetic (roce.md §3.1).
+//! 24-bit PSN arithmetic (docs/roce.md §3.1).
 
 use core::cmp::Ordering;
 

@@ -15,7 +15,7 @@ fn hex(s: &str) -> Vec<u8> {
         .collect()
 }
 
-// roce.md §2.2 test vectors (whole IP packets).
+// docs/roce.md §2.2 test vectors (whole IP packets).
 const V1_CNP_CX4: &str = "45c2003c718c400040119161 0a001101 0a001201 000012b700280000 8100ffff4000011800000000 00000000000000000000000000000000 82fd002a";
 const V2_WRITE_ONLY_V4: &str = "450000480000400040113ca37f0000017f000001c12412b70034fe470a10ffff00000011800abcde00007f0012345000000012340000000b68656c6c6f20526f43452100f64ef899";
 const V3_ACK_V4: &str = "450000300000400040113cbb7f0000017f000001c12412b7001cfe2f1100ffff00000012000abcde1f00000113283cd5";
@@ -170,7 +170,7 @@ fn icrc_vectors_check() {
 
 #[test]
 fn icrc_wire_bytes_and_values() {
-    // CRC value 0x99F84EF6 is sent as f6 4e f8 99 (roce.md §2.2).
+    // CRC value 0x99F84EF6 is sent as f6 4e f8 99 (docs/roce.md §2.2).
     let pkt = hex(V2_WRITE_ONLY_V4);
     let (inputs, payload) = split_ip_packet(&pkt).unwrap();
     let p = Packet::parse(payload).unwrap();
@@ -931,7 +931,7 @@ proptest! {
     }
 
     /// The cached-prefix ICRC equals a one-pass CRC over the pseudo-packet written out from
-    /// roce.md §2 (independently of `IcrcInputs::compute`), for both families, any length,
+    /// docs/roce.md §2 (independently of `IcrcInputs::compute`), for both families, any length,
     /// and three flows taking turns (the per-thread cache holds two).
     #[test]
     fn prop_icrc_matches_one_pass_reference(flows in prop::collection::vec(arb_inputs(), 3),
@@ -985,7 +985,7 @@ proptest! {
     }
 }
 
-/// The ICRC over the whole pseudo-packet in one pass, written out field by field (roce.md §2).
+/// The ICRC over the whole pseudo-packet in one pass, written out field by field (docs/roce.md §2).
 fn reference_icrc(inputs: &IcrcInputs, body: &[u8]) -> u32 {
     let udp_len = (8 + body.len() + 4) as u16;
     let mut m = vec![0xFFu8; 8];
