@@ -328,8 +328,8 @@ fn exactly_once_under_loss_reordering_duplication() {
 #[test]
 fn corrupted_writes_never_land_a_wrong_byte() {
     let faults = FaultConfig::parse("corrupt=20%,seed=21").unwrap();
-    let mut a = host(DeviceConfig::rxe().faults(faults));
-    let b = host(DeviceConfig::rxe().faults(FaultConfig { seed: 22, ..faults }));
+    let mut a = host(lossy(faults));
+    let b = host(lossy(FaultConfig { seed: 22, ..faults }));
     connect_udp(
         &a,
         &b,
