@@ -60,13 +60,15 @@
 //! VMAs the same way and is likewise reference counted and undone at deregistration.
 
 pub mod index;
+pub mod lease;
 pub mod monitor;
+mod sync;
 
 use std::cell::RefCell;
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
-
-use crossbeam_utils::CachePadded;
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex, RwLock};
@@ -75,6 +77,7 @@ use crate::pool::{MrPool, OwnedSlot};
 use crate::verbs::{LocalSlice, ProtectionDomain, RemoteSlice};
 use crate::{AccessFlags, Errno, Error, Result};
 use index::IntervalIndex;
+use lease::{Handle, Hold, LeaseSet, Retire};
 use monitor::{Monitor, Pending};
 
 /// How a miss decides what to register.
@@ -242,15 +245,11 @@ struct Shared {
 }
 
 /// A registration. Its memory is the `Arc` (index, leases, waiters); its MR is deregistered
-/// by [`Entry::retire`] when it is dead and unused (or, at the latest, in `Drop`). Hot
-/// fields first (`repr(C)`).
+/// by [`Entry::retire`] when it is dead and unused (or, at the latest, in `Drop`).
 #[derive(Debug)]
-#[repr(C)]
 struct Entry {
-    /// Set by every handle drop (CLOCK bit for LRU / idle scan).
-    touched: AtomicBool,
     /// Invalidated, evicted or superseded: never handed out again. Set under the index
-    /// write lock; checked by hits after taking their reference.
+    /// write lock (with the lease set's kill, which hits check).
     dead: AtomicBool,
     start: u64,
     end: u64,
@@ -273,52 +272,19 @@ struct Entry {
     wait_mx: Mutex<()>,
     wait_cv: Condvar,
     shared: Arc<Shared>,
-    /// One counter per [`Lease`] (per thread, cache-line padded): the number of handles
-    /// taken through it. The sum is the number of users. Pushed under this lock (cold path);
-    /// counters whose lease is gone are pruned there.
-    counts: Mutex<Vec<Arc<CachePadded<AtomicU64>>>>,
+    /// The per-thread leases handles are counted on (see [`lease`]).
+    leases: LeaseSet<Entry>,
     /// The monitor attach has been released (once, by [`Entry::retire`]; keys are taken
     /// and deregistered at every call).
     retired: AtomicBool,
 }
 
-/// One thread's hold on an entry: handles taken by that thread count on `n`, a cache line
-/// only that thread writes (except for a handle dropped on another thread). The thread
-/// cache keeps the lease, so a hit writes only thread-private lines. A lease keeps the
-/// entry's *memory* alive, never its registration: that is retired (deregistered) as soon
-/// as the entry is dead and the sum of its lease counters is 0.
-#[derive(Debug)]
-struct Lease {
-    n: Arc<CachePadded<AtomicU64>>,
-    entry: Arc<Entry>,
-}
-
-impl Lease {
-    /// A new lease on `e` holding one handle's count. Callers guarantee `e` cannot be
-    /// retired meanwhile (index lock held and `e` not dead, or `e` private to the caller).
-    fn new(e: &Arc<Entry>) -> Arc<Lease> {
-        let n = Arc::new(CachePadded::new(AtomicU64::new(1)));
-        {
-            let mut v = e.counts.lock();
-            // A counter only the entry still references belongs to a dropped lease (count 0).
-            v.retain(|c| Arc::strong_count(c) > 1);
-            v.push(n.clone());
-        }
-        Arc::new(Lease {
-            n,
-            entry: e.clone(),
-        })
+impl Retire for Entry {
+    fn leases(&self) -> &LeaseSet<Entry> {
+        &self.leases
     }
-
-    /// Give back one handle's count; retire the entry if it is dead and this was the last.
-    #[inline]
-    fn release(&self) {
-        self.n.fetch_sub(1, Ordering::SeqCst);
-        // SeqCst against `kill`: either the killer sees our decrement in its sum, or we
-        // see it dead here and retire it ourselves.
-        if self.entry.is_dead_sc() {
-            self.entry.try_retire();
-        }
+    fn retire(&self) {
+        Entry::retire(self);
     }
 }
 
@@ -347,48 +313,29 @@ impl Entry {
         self.dead.load(Ordering::Acquire)
     }
 
-    /// Dead, or private to its handles (uncached: no index, no thread cache can hand it
-    /// out again). SeqCst: pairs with the counter updates (see [`Lease::release`]).
-    #[inline]
-    fn is_dead_sc(&self) -> bool {
-        self.dead.load(Ordering::SeqCst) || !self.cached.load(Ordering::SeqCst)
-    }
-
-    /// Handles alive (sum of the lease counters).
+    /// Handles alive (sum over the leases).
     fn users(&self) -> u64 {
-        self.counts
-            .lock()
-            .iter()
-            .map(|c| c.load(Ordering::SeqCst))
-            .sum()
+        self.leases.users()
     }
 
     /// Idle: no handle (callers hold the index lock).
-    fn idle_in_index(self: &Arc<Self>) -> bool {
+    fn idle_in_index(&self) -> bool {
         self.users() == 0
     }
 
-    /// Mark dead (SeqCst; callers hold the index write lock or own the entry). Follow with
+    /// Mark dead (callers hold the index write lock or own the entry): no handle can be
+    /// taken any more. Returns the handles alive. Follow with
     /// [`try_retire`](Self::try_retire) once the lock is released.
-    fn kill(&self) {
-        self.cached.store(false, Ordering::SeqCst);
-        self.dead.store(true, Ordering::SeqCst);
+    fn kill(&self) -> u64 {
+        self.cached.store(false, Ordering::Release);
+        self.dead.store(true, Ordering::Release);
+        self.leases.kill()
     }
 
     /// Deregister now if the entry is dead and has no user. Safe to call any number of times
-    /// from any thread: a hit increments its counter *before* checking `dead` and a release
-    /// decrements *before* checking it (all SeqCst), so a sum of 0 seen after `dead` was set
-    /// means no handle exists and none can be taken any more.
+    /// from any thread (see [`lease`]).
     fn try_retire(&self) {
-        if !self.is_dead_sc() {
-            return;
-        }
-        // Cold path: an explicit fence between reading `dead` and the counters (the loom
-        // model states the SeqCst handshake with fences; this keeps code and model alike).
-        std::sync::atomic::fence(Ordering::SeqCst);
-        if self.users() == 0 {
-            self.retire();
-        }
+        LeaseSet::try_retire(self);
     }
 
     /// Deregister the MR and detach the monitor, exactly once.
@@ -437,13 +384,13 @@ impl Drop for Entry {
 /// its range is invalidated meanwhile: it is then deregistered at the last drop).
 #[derive(Debug)]
 pub struct RegHandle {
-    lease: Arc<Lease>,
+    h: Handle<Entry>,
 }
 
 impl RegHandle {
     #[inline]
     fn e(&self) -> &Entry {
-        &self.lease.entry
+        self.h.entry()
     }
     /// The MRs, in address order (one unless the range was split).
     pub fn pieces(&self) -> &[Piece] {
@@ -520,27 +467,13 @@ impl RegHandle {
 
 impl Clone for RegHandle {
     fn clone(&self) -> Self {
-        // Same lease (same counter): a live handle keeps its counter above 0 throughout.
-        self.lease.n.fetch_add(1, Ordering::SeqCst);
-        RegHandle {
-            lease: self.lease.clone(),
-        }
+        // Same lease: a live handle keeps its count above 0 throughout.
+        RegHandle { h: self.h.clone() }
     }
 }
 
-impl Drop for RegHandle {
-    #[inline]
-    fn drop(&mut self) {
-        // CLOCK bit: written only when clear (once per scan period), so a steady stream of
-        // hits only reads the entry's line.
-        let t = &self.e().touched;
-        if !t.load(Ordering::Relaxed) {
-            t.store(true, Ordering::Relaxed);
-        }
-        // The last release of a dead entry deregisters it (Entry::try_retire).
-        self.lease.release();
-    }
-}
+// Dropping the `Handle` gives its count back; the last release of a dead entry deregisters
+// it (see [`lease`]).
 
 /// A registration or, when registration was impossible, a bounce buffer from the pool.
 #[derive(Debug)]
@@ -605,25 +538,66 @@ struct ThreadStats {
     hits: AtomicU64,
 }
 
+/// One memoized lookup of a thread: an entry and this thread's hold on its lease.
+#[derive(Clone)]
 struct TlsSlot {
     start: u64,
     end: u64,
     access: AccessFlags,
-    /// This thread's lease: keeps the entry's memory, never its registration, alive.
-    lease: Arc<Lease>,
+    /// Keeps the lease (and the entry's memory), never the registration.
+    hold: Hold<Entry>,
 }
 
+/// Hash of a request address: the high half of a 128-bit product (addresses are aligned, so
+/// their low bits carry no information and a plain multiply would keep them zero).
+#[derive(Default)]
+struct AddrHasher(u64);
+
+impl Hasher for AddrHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(self.0 ^ u64::from(b));
+        }
+    }
+    #[inline]
+    fn write_u64(&mut self, x: u64) {
+        let m = u128::from(x ^ self.0) * u128::from(0x9e37_79b9_7f4a_7c15_u64);
+        self.0 = (m >> 64) as u64 ^ m as u64;
+    }
+}
+
+/// One thread's table for one cache: the 4 KiB page of a request address -> slot, and a
+/// ring of the last few entries matched by range (lookups anywhere inside a large entry).
+/// Validated as a whole by the monitor sequence (a caught-up table has seen every queued
+/// invalidation applied), and slot by slot by the lease's dead bit.
 struct TlsCache {
     cache_id: u64,
     alive: Weak<Inner>,
-    gen: u64,
     mseq: u64,
-    slots: [Option<TlsSlot>; TLS_SLOTS],
+    map: HashMap<u64, TlsSlot, BuildHasherDefault<AddrHasher>>,
+    ring: [Option<TlsSlot>; RING],
     next: usize,
     stats: Arc<ThreadStats>,
 }
 
-const TLS_SLOTS: usize = 4;
+/// Range-matched slots per thread table.
+const RING: usize = 4;
+
+/// Key of the thread table.
+#[inline]
+fn page_key(addr: u64) -> u64 {
+    addr >> 12
+}
+
+impl TlsSlot {
+    #[inline]
+    fn covers(&self, addr: u64, end: u64, access: AccessFlags) -> bool {
+        self.start <= addr && end <= self.end && self.access.contains(access)
+    }
+}
 
 thread_local! {
     static TLS: RefCell<Vec<TlsCache>> = const { RefCell::new(Vec::new()) };
@@ -638,10 +612,8 @@ struct Inner {
     cfg: CacheConfig,
     max_chunk: u64,
     page: u64,
-    /// Bumped by 2 (stays even) after every removal from the index, under the write lock.
-    /// Guards the per-thread caches: a thread's cached entries are valid only while the
-    /// generation it recorded is current.
-    gen: AtomicU64,
+    /// Most slots of one thread's table (see [`TlsCache`]).
+    tls_cap: usize,
     index: RwLock<IntervalIndex<Arc<Entry>>>,
     pending: Arc<Pending>,
     next_id: AtomicU64,
@@ -660,7 +632,7 @@ fn page_span(page: u64, a: u64, b: u64) -> (u64, u64) {
 }
 
 enum Lookup {
-    Hit(RegHandle),
+    Hit(RegHandle, Hold<Entry>),
     Wait(Arc<Entry>),
     Miss,
 }
@@ -686,6 +658,8 @@ impl RegCache {
         let max_mr = pd.context().query_device().max_mr_size;
         let max_chunk = (cfg.max_chunk.min(max_mr) & !(page - 1)).max(page);
         let pending = Arc::new(Pending::new(cfg.pending_capacity));
+        // Room for every entry looked up at a few addresses, bounded.
+        let cfg_tls_cap = cfg.max_entries.saturating_mul(4).clamp(1024, 1 << 20);
         if let Some(m) = monitor {
             m.subscribe(pending.clone());
         }
@@ -700,7 +674,7 @@ impl RegCache {
                 cfg,
                 max_chunk,
                 page,
-                gen: AtomicU64::new(0),
+                tls_cap: cfg_tls_cap,
                 index: RwLock::new(IntervalIndex::default()),
                 pending,
                 next_id: AtomicU64::new(1),
@@ -754,6 +728,10 @@ impl RegCache {
         }
     }
 
+    /// The per-thread path: the thread's table slot for `addr`, checked for coverage and
+    /// rights, then a handle through the slot's lease (no lock, no shared write; see
+    /// [`lease`]). The table is valid only while no monitor event arrived since it caught up
+    /// (`mseq`): queued invalidations are applied by the slow path first.
     #[inline]
     fn fast_hit(&self, addr: u64, len: u64, access: AccessFlags) -> Option<RegHandle> {
         let inner = &*self.inner;
@@ -761,36 +739,39 @@ impl RegCache {
         TLS.try_with(|t| {
             let t = t.borrow();
             let rec = t.iter().rev().find(|r| r.cache_id == inner.id)?;
-            if rec.gen != inner.gen.load(Ordering::Acquire) || rec.mseq != monitor::seq() {
+            if inner.shared.monitor.is_some() && rec.mseq != monitor::seq() {
                 return None;
             }
-            for s in rec.slots.iter().flatten() {
-                if s.start <= addr && end <= s.end && s.access.contains(access) {
-                    // Count on this thread's own line, then check death (SeqCst, see
-                    // Entry::try_retire). Dead: miss (a count taken before the kill is a
-                    // handle obtained before it, which is allowed).
-                    s.lease.n.fetch_add(1, Ordering::SeqCst);
-                    if s.lease.entry.is_dead_sc() {
-                        s.lease.release();
-                        return None;
-                    }
-                    let h = &rec.stats.hits;
-                    h.store(h.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
-                    // Refcount of the lease: thread-private too.
-                    return Some(RegHandle {
-                        lease: s.lease.clone(),
-                    });
-                }
-            }
-            None
+            let s = match rec.map.get(&page_key(addr)) {
+                Some(s) if s.covers(addr, end, access) => s,
+                _ => rec
+                    .ring
+                    .iter()
+                    .flatten()
+                    .find(|s| s.covers(addr, end, access))?,
+            };
+            // Dead (invalidated, evicted, superseded): miss; the slow path replaces the slot.
+            let h = s.hold.get()?;
+            let n = &rec.stats.hits;
+            n.store(n.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+            Some(RegHandle { h })
         })
         .ok()
         .flatten()
     }
 
-    fn tls_insert(&self, lease: &Arc<Lease>, gen: u64, mseq: u64) {
-        let e = &lease.entry;
+    /// Remember `hold` for lookups at `addr` in this thread's table; `mseq` is the monitor
+    /// sequence read *before* the pending invalidations were applied (so every event it
+    /// counts has killed its entries by now).
+    fn tls_insert(&self, addr: u64, hold: Hold<Entry>, mseq: u64) {
         let inner = &self.inner;
+        let e = hold.entry();
+        let slot = TlsSlot {
+            start: e.start,
+            end: e.end,
+            access: e.access,
+            hold,
+        };
         let dropped = TLS.try_with(|t| {
             let mut t = t.borrow_mut();
             let pos = match t.iter().rposition(|r| r.cache_id == inner.id) {
@@ -802,9 +783,9 @@ impl RegCache {
                     t.push(TlsCache {
                         cache_id: inner.id,
                         alive: Arc::downgrade(inner),
-                        gen,
                         mseq,
-                        slots: Default::default(),
+                        map: HashMap::default(),
+                        ring: Default::default(),
                         next: 0,
                         stats,
                     });
@@ -812,41 +793,70 @@ impl RegCache {
                 }
             };
             let rec = &mut t[pos];
+            rec.mseq = mseq;
+            let key = page_key(addr);
             let mut old: Vec<TlsSlot> = Vec::new();
-            if rec.gen != gen || rec.mseq != mseq {
-                old.extend(rec.slots.iter_mut().filter_map(Option::take));
-                rec.gen = gen;
-                rec.mseq = mseq;
+            if !rec.ring.iter().flatten().any(|r| r.hold.same(&slot.hold)) {
+                let i = rec.next % RING;
+                rec.next = rec.next.wrapping_add(1);
+                old.extend(rec.ring[i].replace(slot.clone()));
             }
-            let i = rec.next % TLS_SLOTS;
-            rec.next = rec.next.wrapping_add(1);
-            if let Some(o) = rec.slots[i].replace(TlsSlot {
-                start: e.start,
-                end: e.end,
-                access: e.access,
-                lease: lease.clone(),
-            }) {
-                old.push(o);
+            if rec.map.len() >= inner.tls_cap && !rec.map.contains_key(&key) {
+                // Full: drop the slots of dead entries, and everything if that is not enough.
+                let dead: Vec<u64> = rec
+                    .map
+                    .iter()
+                    .filter(|(_, s)| s.hold.is_dead())
+                    .map(|(k, _)| *k)
+                    .collect();
+                old.extend(dead.iter().filter_map(|k| rec.map.remove(k)));
+                if rec.map.len() >= inner.tls_cap / 2 {
+                    old.extend(rec.map.drain().map(|(_, s)| s));
+                }
             }
+            old.extend(rec.map.insert(key, slot));
             old
         });
-        // Entry references released outside the thread-local borrow.
+        // Leases released outside the thread-local borrow.
         drop(dropped);
+    }
+
+    /// A handle and a hold through this thread's ring slot on `e`, if any and alive.
+    fn tls_reuse(&self, e: &Arc<Entry>) -> Option<(Handle<Entry>, Hold<Entry>)> {
+        let id = self.inner.id;
+        TLS.try_with(|t| {
+            let t = t.borrow();
+            let rec = t.iter().rev().find(|r| r.cache_id == id)?;
+            let s = rec
+                .ring
+                .iter()
+                .flatten()
+                .find(|s| std::ptr::eq(s.hold.entry(), &**e))?;
+            let h = s.hold.get()?;
+            Some((h, s.hold.clone()))
+        })
+        .ok()
+        .flatten()
     }
 
     fn tick(&self, now: Instant) -> u64 {
         now.saturating_duration_since(self.inner.epoch).as_millis() as u64
     }
 
-    /// Apply queued monitor invalidations; wait out an event being delivered.
-    fn sync_monitor(&self) {
+    /// Apply queued monitor invalidations; wait out an event being delivered. Returns the
+    /// monitor sequence read before the queue was drained: every event it counts has had
+    /// its entries killed once the index lock has been taken after this call (a drain by
+    /// another thread applies under the write lock). Odd: an event was being delivered (do
+    /// not let a thread table catch up to it).
+    fn sync_monitor(&self) -> u64 {
         if self.inner.shared.monitor.is_none() {
-            return;
+            return 0;
         }
         if !monitor::wait_quiescent(Duration::from_secs(1)) {
             tracing::warn!("userfaultfd monitor stalled for 1 s; dropping every cached entry");
             self.invalidate(0, u64::MAX);
         }
+        let mseq = monitor::seq();
         if self.inner.pending.is_nonempty() {
             // Drain and apply under one write lock (see `invalidate_locked`).
             let dead = {
@@ -856,6 +866,7 @@ impl RegCache {
             };
             self.finish_invalidation(dead);
         }
+        mseq
     }
 
     fn lookup(&self, addr: u64, end: u64, access: AccessFlags) -> Lookup {
@@ -867,9 +878,10 @@ impl RegCache {
             }
             if e.ready().is_some() {
                 // In the index under the read lock: not dead (death is set under the write lock).
-                return Lookup::Hit(RegHandle {
-                    lease: Lease::new(e),
-                });
+                // This thread's lease on the entry if its ring has one (one lease per thread
+                // and entry for lookups all over a large entry), else a new one.
+                let (h, hold) = self.tls_reuse(e).unwrap_or_else(|| lease::lease(e));
+                return Lookup::Hit(RegHandle { h }, hold);
             } else if wait.is_none() {
                 wait = Some(e.clone());
             }
@@ -907,14 +919,12 @@ impl RegCache {
             })?;
         let mut evicted_for_enomem = false;
         for _attempt in 0..64 {
-            self.sync_monitor();
-            let gen = inner.gen.load(Ordering::Acquire);
-            let mseq = monitor::seq();
+            let mseq = self.sync_monitor();
             match self.lookup(addr, end, access) {
-                Lookup::Hit(h) => {
+                Lookup::Hit(h, hold) => {
                     inc(&c.hits_slow);
                     if mseq & 1 == 0 {
-                        self.tls_insert(&h.lease, gen, mseq);
+                        self.tls_insert(addr, hold, mseq);
                     }
                     return Ok(h);
                 }
@@ -987,21 +997,19 @@ impl RegCache {
                     regs: Mutex::new(Vec::new()),
                     cached: AtomicBool::new(fits),
                     monitored: AtomicBool::new(false),
-                    touched: AtomicBool::new(false),
                     idle_since: AtomicU64::new(self.tick(Instant::now())),
                     wait_mx: Mutex::new(()),
                     wait_cv: Condvar::new(),
                     shared: inner.shared.clone(),
-                    counts: Mutex::new(Vec::new()),
+                    leases: LeaseSet::new(),
                     retired: AtomicBool::new(false),
                 });
                 if fits {
                     ix.insert(s, e, placeholder.id, placeholder.clone());
                 } else {
+                    // Private to its handles: leases are born dead, the last release retires.
+                    placeholder.leases.kill();
                     inc(&c.uncached);
-                }
-                if !superseded.is_empty() || !victims.is_empty() {
-                    inner.gen.fetch_add(2, Ordering::AcqRel);
                 }
             }
             inc(&c.misses);
@@ -1019,6 +1027,7 @@ impl RegCache {
                             tracing::debug!(error = %err, "monitor cannot attach; registration uncached");
                             self.unindex(&placeholder);
                             placeholder.cached.store(false, Ordering::Release);
+                            placeholder.leases.kill();
                             inc(&c.uncached);
                             inc(&c.unmonitored);
                         }
@@ -1037,7 +1046,7 @@ impl RegCache {
                         .lock()
                         .extend(pieces.iter().map(|p| p.lkey));
                     // Publish: first apply invalidations that arrived while we registered.
-                    self.sync_monitor();
+                    let mseq = self.sync_monitor();
                     // The handle's lease is counted under the same lock: an invalidation after
                     // publication then finds a user and leaves the MR to our last release.
                     let published = {
@@ -1046,23 +1055,21 @@ impl RegCache {
                             None
                         } else {
                             let _ = placeholder.pieces.set(pieces);
-                            Some(Lease::new(&placeholder))
+                            Some(lease::lease(&placeholder))
                         }
                     };
                     placeholder.wake();
-                    let Some(lease) = published else {
+                    let Some((h, hold)) = published else {
                         // Invalidated while we pinned: the pages may be those of the old mapping.
                         inc(&c.stale_rejects);
                         placeholder.failed.store(true, Ordering::Release);
                         self.unindex(&placeholder);
                         continue;
                     };
-                    let mseq2 = monitor::seq();
-                    if placeholder.cached.load(Ordering::Acquire) && mseq2 & 1 == 0 {
-                        self.tls_insert(&lease, inner.gen.load(Ordering::Acquire), mseq2);
+                    if placeholder.cached.load(Ordering::Acquire) && mseq & 1 == 0 {
+                        self.tls_insert(addr, hold, mseq);
                     }
-                    let h = RegHandle { lease };
-                    return Ok(h);
+                    return Ok(RegHandle { h });
                 }
                 Err(err) => {
                     placeholder.failed.store(true, Ordering::Release);
@@ -1098,9 +1105,7 @@ impl RegCache {
 
     fn unindex(&self, e: &Arc<Entry>) {
         let mut ix = self.inner.index.write();
-        if ix.remove(e.start, e.id).is_some() {
-            self.inner.gen.fetch_add(2, Ordering::AcqRel);
-        }
+        ix.remove(e.start, e.id);
     }
 
     fn shape(&self, addr: u64, end: u64, no_widen: bool) -> (u64, u64) {
@@ -1174,7 +1179,7 @@ impl RegCache {
             .iter()
             .filter(|(_, _, _, x)| x.ready().is_some() && x.idle_in_index() && !x.is_dead())
             .map(|(s, _, id, x)| {
-                if x.touched.swap(false, Ordering::Relaxed) {
+                if x.leases.take_touched() {
                     x.idle_since.store(now, Ordering::Relaxed);
                 }
                 (x.idle_since.load(Ordering::Relaxed), s, id)
@@ -1211,9 +1216,6 @@ impl RegCache {
                 .collect();
             for (s, id) in cand {
                 victims.extend(take_if_idle(&mut ix, s, id));
-            }
-            if !victims.is_empty() {
-                self.inner.gen.fetch_add(2, Ordering::AcqRel);
             }
         }
         let n = victims.len();
@@ -1256,16 +1258,12 @@ impl RegCache {
                 if let Some(x) = ix.remove(s, id) {
                     // Dead under the lock: a publisher (which checks under the lock) and every
                     // hit (which checks after taking its count) see it.
-                    x.kill();
-                    if x.users() > 0 {
+                    if x.kill() > 0 {
                         inc(&self.inner.shared.c.invalidated_in_use);
                     }
                     dead.push(x);
                 }
             }
-        }
-        if !dead.is_empty() {
-            self.inner.gen.fetch_add(2, Ordering::AcqRel);
         }
         dead
     }
@@ -1293,7 +1291,7 @@ impl RegCache {
         {
             let ix = self.inner.index.read();
             for (_, _, _, x) in ix.iter() {
-                if x.touched.swap(false, Ordering::Relaxed) {
+                if x.leases.take_touched() {
                     x.idle_since.store(t, Ordering::Relaxed);
                 }
             }
