@@ -7,7 +7,8 @@
 //!   (mean of the two threads' medians): the case where a cache line written by every hit
 //!   (a shared reference count) bounces between the cores.
 //! * Working-set sweep (`ExplicitOnly` monitor, page-rounded entries, room for every buffer):
-//!   N registered 4 KiB buffers (N = 1, 16, 64, 1,024, 4,096, 65,536), warmed up, then
+//!   N registered 4 KiB buffers (N = 1, 16, 64, 1,024, 4,096, 65,536), warmed up (each
+//!   thread looks up every buffer once, then 4,000 in its random order), then
 //!   200,000 lookups (`get` + drop) in a random order, timed in batches of 1,000; the key is
 //!   the median of the batch means.
 //!   * `cache_hit_ns_p50_n{N}`: one thread; `cache_hit_ns_p50_n{N}_2threads`: two threads
@@ -100,11 +101,17 @@ fn random_order(n: usize, len: usize, mut seed: u64) -> Vec<u32> {
         .collect()
 }
 
-/// Median of the batch means of `get` + drop over `order` (indices of 4 KiB buffers at
-/// `base`), after one warm-up pass.
-fn hit_random(cache: &RegCache, base: u64, order: &[u32], go: Option<&std::sync::Barrier>) -> f64 {
+/// Median of the batch means of `get` + drop over `order` (indices of the `n` 4 KiB buffers
+/// at `base`), after a warm-up (every buffer once, then the first batches of the order).
+fn hit_random(
+    cache: &RegCache,
+    base: u64,
+    n: usize,
+    order: &[u32],
+    go: Option<&std::sync::Barrier>,
+) -> f64 {
     let acc = AccessFlags::LOCAL_WRITE;
-    for &i in order.iter().take(order.len().min(4 * BATCH)) {
+    for i in (0..n as u32).chain(order.iter().take(4 * BATCH).copied()) {
         drop(
             cache
                 .get(base + u64::from(i) * 4096, 4096, acc)
@@ -188,7 +195,7 @@ pub fn hit_sweep(
         };
         let order = random_order(n, lookups, 0x9e37_79b9_7f4a_7c15);
         let s0 = cache.stats();
-        let one = hit_random(&cache, base, &order, None);
+        let one = hit_random(&cache, base, n, &order, None);
         let s1 = cache.stats();
         let fast_share = (s1.fast_hits - s0.fast_hits) as f64 / ((s1.hits - s0.hits).max(1)) as f64;
         let go = std::sync::Barrier::new(2);
@@ -199,7 +206,7 @@ pub fn hit_sweep(
                 .map(|seed| {
                     s.spawn(move || {
                         let order = random_order(n, lookups, seed);
-                        hit_random(c, base, &order, Some(g))
+                        hit_random(c, base, n, &order, Some(g))
                     })
                 })
                 .collect();
@@ -347,6 +354,7 @@ static void *run(void *p)
     for (i = 0; i < lookups; i++) {
         s ^= s << 13; s ^= s >> 7; s ^= s << 17; order[i] = (uint32_t)(s % j->n);
     }
+    for (i = 0; i < j->n; i++) one_get(j->rc, j->base + i * 4096);
     for (i = 0; i < lookups && i < 4 * batch; i++) one_get(j->rc, j->base + (size_t)order[i] * 4096);
     if (j->bar) pthread_barrier_wait(j->bar);
     for (b = 0; b < nb; b++) {
