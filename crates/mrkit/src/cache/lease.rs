@@ -49,6 +49,11 @@ const HANDLES: u64 = HOLD - 1;
 
 /// What the lease core needs from an entry.
 pub trait Retire: Send + Sync + Sized + 'static {
+    /// Immutable facts of the entry a hit checks (copied into each lease, so a hit reads
+    /// the lease's line only).
+    type Meta: Copy + Send + Sync + 'static;
+    /// The entry's facts.
+    fn meta(&self) -> Self::Meta;
     /// The entry's lease set.
     fn leases(&self) -> &LeaseSet<Self>;
     /// Release the registration. Called once the entry is dead and unused, possibly more
@@ -62,6 +67,7 @@ struct Lease<T: Retire> {
     n: AtomicU64,
     /// CLOCK bit: set by a handle drop when clear.
     touched: AtomicBool,
+    meta: T::Meta,
     entry: Arc<T>,
 }
 
@@ -182,6 +188,7 @@ pub fn lease<T: Retire>(entry: &Arc<T>) -> (Handle<T>, Hold<T>) {
     let p = NonNull::from(Box::leak(Box::new(Lease {
         n: AtomicU64::new(1 | HOLD),
         touched: AtomicBool::new(false),
+        meta: entry.meta(),
         entry: entry.clone(),
     })));
     {
@@ -210,8 +217,9 @@ unsafe fn free<T: Retire>(p: NonNull<Lease<T>>) {
         if l.touched.load(Ordering::Relaxed) {
             st.touched = true;
         }
+        // Cold path: a hard check that the count protocol frees each lease once.
         let i = st.leases.iter().position(|q| q.0 == p);
-        debug_assert!(i.is_some(), "lease freed twice");
+        assert!(i.is_some(), "lease freed twice");
         if let Some(i) = i {
             st.leases.swap_remove(i);
         }
@@ -348,6 +356,12 @@ impl<T: Retire> Hold<T> {
     /// The entry.
     pub fn entry(&self) -> &T {
         &self.lease().entry
+    }
+
+    /// The entry's facts (from the lease's own line).
+    #[inline]
+    pub fn meta(&self) -> &T::Meta {
+        &self.lease().meta
     }
 }
 

@@ -65,8 +65,6 @@ pub mod monitor;
 mod sync;
 
 use std::cell::RefCell;
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
@@ -279,7 +277,30 @@ struct Entry {
     retired: AtomicBool,
 }
 
+/// What a hit checks: `(start, end, access)`.
+#[derive(Debug, Clone, Copy)]
+struct Meta {
+    start: u64,
+    end: u64,
+    access: AccessFlags,
+}
+
+impl Meta {
+    #[inline]
+    fn covers(&self, addr: u64, end: u64, access: AccessFlags) -> bool {
+        self.start <= addr && end <= self.end && self.access.contains(access)
+    }
+}
+
 impl Retire for Entry {
+    type Meta = Meta;
+    fn meta(&self) -> Meta {
+        Meta {
+            start: self.start,
+            end: self.end,
+            access: self.access,
+        }
+    }
     fn leases(&self) -> &LeaseSet<Entry> {
         &self.leases
     }
@@ -538,65 +559,121 @@ struct ThreadStats {
     hits: AtomicU64,
 }
 
-/// One memoized lookup of a thread: an entry and this thread's hold on its lease.
-#[derive(Clone)]
-struct TlsSlot {
-    start: u64,
-    end: u64,
-    access: AccessFlags,
-    /// Keeps the lease (and the entry's memory), never the registration.
-    hold: Hold<Entry>,
+/// A thread's holds by the 4 KiB page of request addresses: open addressing with linear
+/// probing in a power-of-two array kept at most half full, 16 bytes a slot, so a lookup
+/// reads one line of the table and then the lease's line. No deletion: a key's slot is
+/// overwritten, and the table is rebuilt when it has to shrink.
+#[derive(Default)]
+struct PageTable {
+    slots: Vec<(u64, Option<Hold<Entry>>)>,
+    len: usize,
+    /// 64 - log2(slots.len()).
+    shift: u32,
 }
 
-/// Hash of a request address: the high half of a 128-bit product (addresses are aligned, so
-/// their low bits carry no information and a plain multiply would keep them zero).
-#[derive(Default)]
-struct AddrHasher(u64);
-
-impl Hasher for AddrHasher {
-    fn finish(&self) -> u64 {
-        self.0
+impl PageTable {
+    #[inline]
+    fn home(&self, key: u64) -> usize {
+        // Fibonacci hashing: the top bits of the product.
+        (key.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> self.shift) as usize
     }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.write_u64(self.0 ^ u64::from(b));
+
+    #[inline]
+    fn get(&self, key: u64) -> Option<&Hold<Entry>> {
+        if self.slots.is_empty() {
+            return None;
+        }
+        let mask = self.slots.len() - 1;
+        let mut i = self.home(key);
+        // At most half full: an empty slot ends every probe.
+        loop {
+            match &self.slots[i] {
+                (k, Some(h)) if *k == key => return Some(h),
+                (_, None) => return None,
+                _ => i = (i + 1) & mask,
+            }
         }
     }
-    #[inline]
-    fn write_u64(&mut self, x: u64) {
-        let m = u128::from(x ^ self.0) * u128::from(0x9e37_79b9_7f4a_7c15_u64);
-        self.0 = (m >> 64) as u64 ^ m as u64;
+
+    /// Insert or replace; returns the replaced hold.
+    fn insert(&mut self, key: u64, hold: Hold<Entry>) -> Option<Hold<Entry>> {
+        if (self.len + 1) * 2 > self.slots.len() {
+            self.rebuild((self.slots.len() * 2).max(16));
+        }
+        let mask = self.slots.len() - 1;
+        let mut i = self.home(key);
+        loop {
+            match &mut self.slots[i] {
+                (k, Some(h)) if *k == key => return Some(std::mem::replace(h, hold)),
+                (k, slot @ None) => {
+                    *k = key;
+                    *slot = Some(hold);
+                    self.len += 1;
+                    return None;
+                }
+                _ => i = (i + 1) & mask,
+            }
+        }
+    }
+
+    /// Re-create (same size) keeping the holds `keep` accepts; the others are pushed to
+    /// `out` (released by the caller outside the thread-local borrow).
+    fn retain(&mut self, keep: impl Fn(&Hold<Entry>) -> bool, out: &mut Vec<Hold<Entry>>) {
+        let size = self.slots.len();
+        let old = std::mem::take(&mut self.slots);
+        self.len = 0;
+        self.alloc(size);
+        for (k, h) in old {
+            if let Some(h) = h {
+                if keep(&h) {
+                    self.insert(k, h);
+                } else {
+                    out.push(h);
+                }
+            }
+        }
+    }
+
+    /// Re-create with `size` slots (a power of two), keeping every hold.
+    fn rebuild(&mut self, size: usize) {
+        let old = std::mem::take(&mut self.slots);
+        self.len = 0;
+        self.alloc(size);
+        for (k, h) in old {
+            if let Some(h) = h {
+                self.insert(k, h);
+            }
+        }
+    }
+
+    fn alloc(&mut self, size: usize) {
+        debug_assert!(size.is_power_of_two() && size >= 16);
+        self.slots = (0..size).map(|_| (0, None)).collect();
+        self.shift = 64 - size.trailing_zeros();
     }
 }
 
-/// One thread's table for one cache: the 4 KiB page of a request address -> slot, and a
-/// ring of the last few entries matched by range (lookups anywhere inside a large entry).
+/// One thread's table for one cache: holds by the page of a request address, and a ring of
+/// the last few entries matched by range (lookups anywhere inside a large entry).
 /// Validated as a whole by the monitor sequence (a caught-up table has seen every queued
-/// invalidation applied), and slot by slot by the lease's dead bit.
+/// invalidation applied), and hold by hold by the lease's dead bit.
 struct TlsCache {
     cache_id: u64,
     alive: Weak<Inner>,
     mseq: u64,
-    map: HashMap<u64, TlsSlot, BuildHasherDefault<AddrHasher>>,
-    ring: [Option<TlsSlot>; RING],
+    map: PageTable,
+    ring: [Option<Hold<Entry>>; RING],
     next: usize,
     stats: Arc<ThreadStats>,
 }
 
-/// Range-matched slots per thread table.
+/// Range-matched holds per thread table.
 const RING: usize = 4;
 
 /// Key of the thread table.
 #[inline]
 fn page_key(addr: u64) -> u64 {
     addr >> 12
-}
-
-impl TlsSlot {
-    #[inline]
-    fn covers(&self, addr: u64, end: u64, access: AccessFlags) -> bool {
-        self.start <= addr && end <= self.end && self.access.contains(access)
-    }
 }
 
 thread_local! {
@@ -742,16 +819,16 @@ impl RegCache {
             if inner.shared.monitor.is_some() && rec.mseq != monitor::seq() {
                 return None;
             }
-            let s = match rec.map.get(&page_key(addr)) {
-                Some(s) if s.covers(addr, end, access) => s,
+            let hold = match rec.map.get(page_key(addr)) {
+                Some(h) if h.meta().covers(addr, end, access) => h,
                 _ => rec
                     .ring
                     .iter()
                     .flatten()
-                    .find(|s| s.covers(addr, end, access))?,
+                    .find(|h| h.meta().covers(addr, end, access))?,
             };
-            // Dead (invalidated, evicted, superseded): miss; the slow path replaces the slot.
-            let h = s.hold.get()?;
+            // Dead (invalidated, evicted, superseded): miss; the slow path replaces the hold.
+            let h = hold.get()?;
             let n = &rec.stats.hits;
             n.store(n.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
             Some(RegHandle { h })
@@ -765,13 +842,6 @@ impl RegCache {
     /// counts has killed its entries by now).
     fn tls_insert(&self, addr: u64, hold: Hold<Entry>, mseq: u64) {
         let inner = &self.inner;
-        let e = hold.entry();
-        let slot = TlsSlot {
-            start: e.start,
-            end: e.end,
-            access: e.access,
-            hold,
-        };
         let dropped = TLS.try_with(|t| {
             let mut t = t.borrow_mut();
             let pos = match t.iter().rposition(|r| r.cache_id == inner.id) {
@@ -784,7 +854,7 @@ impl RegCache {
                         cache_id: inner.id,
                         alive: Arc::downgrade(inner),
                         mseq,
-                        map: HashMap::default(),
+                        map: PageTable::default(),
                         ring: Default::default(),
                         next: 0,
                         stats,
@@ -795,26 +865,20 @@ impl RegCache {
             let rec = &mut t[pos];
             rec.mseq = mseq;
             let key = page_key(addr);
-            let mut old: Vec<TlsSlot> = Vec::new();
-            if !rec.ring.iter().flatten().any(|r| r.hold.same(&slot.hold)) {
+            let mut old: Vec<Hold<Entry>> = Vec::new();
+            if !rec.ring.iter().flatten().any(|r| r.same(&hold)) {
                 let i = rec.next % RING;
                 rec.next = rec.next.wrapping_add(1);
-                old.extend(rec.ring[i].replace(slot.clone()));
+                old.extend(rec.ring[i].replace(hold.clone()));
             }
-            if rec.map.len() >= inner.tls_cap && !rec.map.contains_key(&key) {
-                // Full: drop the slots of dead entries, and everything if that is not enough.
-                let dead: Vec<u64> = rec
-                    .map
-                    .iter()
-                    .filter(|(_, s)| s.hold.is_dead())
-                    .map(|(k, _)| *k)
-                    .collect();
-                old.extend(dead.iter().filter_map(|k| rec.map.remove(k)));
-                if rec.map.len() >= inner.tls_cap / 2 {
-                    old.extend(rec.map.drain().map(|(_, s)| s));
+            if rec.map.len >= inner.tls_cap && rec.map.get(key).is_none() {
+                // Full: drop the holds of dead entries, and everything if that is not enough.
+                rec.map.retain(|h| !h.is_dead(), &mut old);
+                if rec.map.len >= inner.tls_cap / 2 {
+                    rec.map.retain(|_| false, &mut old);
                 }
             }
-            old.extend(rec.map.insert(key, slot));
+            old.extend(rec.map.insert(key, hold));
             old
         });
         // Leases released outside the thread-local borrow.
@@ -827,13 +891,12 @@ impl RegCache {
         TLS.try_with(|t| {
             let t = t.borrow();
             let rec = t.iter().rev().find(|r| r.cache_id == id)?;
-            let s = rec
+            let hold = rec
                 .ring
                 .iter()
                 .flatten()
-                .find(|s| std::ptr::eq(s.hold.entry(), &**e))?;
-            let h = s.hold.get()?;
-            Some((h, s.hold.clone()))
+                .find(|h| std::ptr::eq(h.entry(), &**e))?;
+            Some((hold.get()?, hold.clone()))
         })
         .ok()
         .flatten()
