@@ -525,6 +525,52 @@ pub fn sweep_rows(
     Ok((rows, ucx.err()))
 }
 
+/// The hit sweep for `mrkit bench`'s raw.json (`"cache_hits"`): every size, `lookups` per
+/// point and thread, UCX beside it when installed.
+pub fn sweep_json(lookups: usize) -> serde_json::Value {
+    use serde_json::json;
+    let ctx = Context::open(DeviceConfig::rxe());
+    let pts = match ctx
+        .alloc_pd()
+        .map_err(|e| e.to_string())
+        .and_then(|pd| hit_sweep(&pd, &SWEEP_SIZES, lookups))
+    {
+        Ok(p) => p,
+        Err(e) => return json!({ "lookups": lookups, "points": [], "error": e }),
+    };
+    let ucx = ucx_sweep(&SWEEP_SIZES, lookups);
+    let ucx_at = |n: usize| {
+        ucx.as_ref()
+            .ok()
+            .and_then(|u| u.iter().find(|u| u.buffers == n))
+    };
+    let points: Vec<_> = pts
+        .iter()
+        .map(|p| {
+            let u = ucx_at(p.buffers);
+            json!({
+                "buffers": p.buffers,
+                "ns": p.one,
+                "ns_2threads": p.two,
+                "fast_share": p.fast_share,
+                "ucx_ns": u.map(|u| u.one),
+                "ucx_ns_2threads": u.map(|u| u.two),
+                "over_ucx": u.map(|u| p.one / u.one),
+                "over_ucx_2threads": u.map(|u| p.two / u.two),
+            })
+        })
+        .collect();
+    let last = pts.last();
+    json!({
+        "lookups": lookups,
+        "points": points,
+        "bytes_per_entry": last.and_then(|p| p.bytes_per_entry),
+        "ucx_bytes_per_entry": last.and_then(|p| ucx_at(p.buffers)).map(|u| u.bytes_per_entry),
+        "ucx_error": ucx.as_ref().err(),
+        "error": null,
+    })
+}
+
 fn measure() -> Result<(Rows, Rows, Option<String>), String> {
     let ctx = Context::open(DeviceConfig::rxe());
     let pd = ctx.alloc_pd().map_err(|e| e.to_string())?;
