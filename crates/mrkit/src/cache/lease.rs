@@ -32,7 +32,8 @@
 //!
 //! Hit and release of a live entry write only the lease's line, which belongs to one thread
 //! (a handle dropped on another thread writes it once). Model-checked, as written here, by
-//! `tests/loom_cache.rs` (atomics and mutex come from [`super::sync`]).
+//! `tests/loom_cache.rs` (atomics and mutex come from the cache's sync shim, loom's under
+//! `--cfg loom`).
 
 use std::fmt;
 use std::ptr::NonNull;

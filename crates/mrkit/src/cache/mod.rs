@@ -5,24 +5,30 @@
 //!
 //! * **Index**: an interval index of live entries ([`index::IntervalIndex`]) under a
 //!   `RwLock` that is **never held across a device call**.
-//! * **Hit path**: a per-thread last-hit cache (4 entries per cache and thread, each holding
-//!   the thread's *lease* on the entry) validated by one load of the cache generation and one
-//!   of the monitor sequence (DPDK's scheme). A hit increments the lease's counter — a
-//!   cache line (padded) only this thread writes — then checks the entry's `dead` flag
-//!   (read-only), and clones the lease `Arc` (also thread-private). It takes no lock and
-//!   writes **no shared cache line**: two threads hitting the same entry never bounce a
-//!   line. The handle drop decrements the same counter and sets the CLOCK bit only when it
-//!   is clear. Hit counters are per-thread, single-writer.
+//! * **Hit path** (its cost does not grow with the number of entries): each thread keeps,
+//!   per cache, a table of *holds* on its own *leases* ([`lease`]): an open-addressing table
+//!   keyed by the 4 KiB page of the request address (16-byte slots, sized to the cache's
+//!   `max_entries`) plus a ring of the last 4 entries matched by range (lookups anywhere in a
+//!   large entry). A hit reads the table slot, checks range and rights in the lease's own
+//!   line, and takes a handle with one read-modify-write on the lease's count word; the
+//!   handle drop is one compare-exchange on the same word. The lease's line belongs to the
+//!   thread: a hit takes **no lock and writes no shared cache line**, so threads hitting the
+//!   same entries never bounce a line. With the userfaultfd monitor, the table is valid only
+//!   while the monitor's event sequence equals the one it caught up to (one load of a line
+//!   written only by events); after an event the next lookup applies the queued
+//!   invalidations on the slow path and the table catches up *without* being cleared (dead
+//!   entries are refused hold by hold). Hit counters are per-thread, single-writer.
 //! * **Life cycle**: an entry's *memory* is an `Arc` (index, leases, waiters); its
 //!   *registration* is retired (`Entry::try_retire`) once it is dead (invalidated,
-//!   evicted, superseded, cache dropped) and the sum of its lease counters is 0. Protocol
-//!   (all SeqCst, Dekker-style): a hit increments its counter, then checks `dead`; a release
-//!   decrements, then checks `dead` and retires if the sum is 0; a killer sets `dead`, then
-//!   retires if the sum is 0. Either the killer sees the count or the hitter sees `dead`,
-//!   so the MR is deregistered exactly once, and never while a handle exists; an entry
-//!   invalidated while in use leaves the index at once and is retired by its last handle.
-//!   Thread caches keep an entry's memory until their next lookup, never its registration.
-//!   Model-checked in `tests/loom_cache.rs`.
+//!   evicted, superseded, cache dropped) and no lease counts a handle. A kill sets a dead
+//!   bit in every lease's count word under the entry's lease-list mutex; hits and releases
+//!   are read-modify-writes of the same word, so either the kill counts a hit's handle or
+//!   the hit sees the bit and backs out (no fences, no Dekker pairs; see [`lease`]). The MR is
+//!   deregistered exactly once, and never while a handle exists; an entry invalidated while
+//!   in use leaves the index at once and is retired by its last handle. Thread tables keep
+//!   an entry's memory (not its registration) until the slot is replaced, the table is
+//!   rebuilt, or the thread exits. Model-checked on the lease code itself in
+//!   `tests/loom_cache.rs`.
 //! * **Miss path**: shape the range ([`Shape`]), insert a *placeholder* entry under the
 //!   write lock (concurrent misses of the same range find it and wait: single flight),
 //!   register **outside any lock**, then publish under the write lock. A placeholder that was
