@@ -850,10 +850,20 @@ impl RegCache {
         let inner = &self.inner;
         let dropped = TLS.try_with(|t| {
             let mut t = t.borrow_mut();
+            // Tables of dropped caches hold entry memory (never registrations): let go of
+            // them at this thread's next slow path.
+            let gone: Vec<TlsCache> = if t.iter().any(|r| r.alive.strong_count() == 0) {
+                let (live, gone) = std::mem::take(&mut *t)
+                    .into_iter()
+                    .partition(|r| r.alive.strong_count() > 0);
+                *t = live;
+                gone
+            } else {
+                Vec::new()
+            };
             let pos = match t.iter().rposition(|r| r.cache_id == inner.id) {
                 Some(p) => p,
                 None => {
-                    t.retain(|r| r.alive.strong_count() > 0);
                     let stats = Arc::new(ThreadStats::default());
                     inner.threads.lock().push(stats.clone());
                     t.push(TlsCache {
@@ -885,7 +895,7 @@ impl RegCache {
                 }
             }
             old.extend(rec.map.insert(key, hold));
-            old
+            (old, gone)
         });
         // Leases released outside the thread-local borrow.
         drop(dropped);
@@ -1463,8 +1473,8 @@ impl Drop for Inner {
             m.unsubscribe(&self.pending);
         }
         // This thread's cache records: their leases hold entry memory (and, through it, the
-        // PD). Other threads' records go at their next lookup or exit (never registrations:
-        // those are retired below or at their last handle drop).
+        // PD). Other threads' records go at their next slow-path lookup or exit (never
+        // registrations: those are retired below or at their last handle drop).
         let id = self.id;
         let mine = TLS
             .try_with(|t| {
