@@ -525,20 +525,20 @@ pub fn sweep_rows(
     Ok((rows, ucx.err()))
 }
 
-/// The hit sweep for `mrkit bench`'s raw.json (`"cache_hits"`): every size, `lookups` per
+/// The hit sweep for `mrkit bench`'s raw.json (`"cache_hits"`): `sizes`, `lookups` per
 /// point and thread, UCX beside it when installed.
-pub fn sweep_json(lookups: usize) -> serde_json::Value {
+pub fn sweep_json(sizes: &[usize], lookups: usize) -> serde_json::Value {
     use serde_json::json;
     let ctx = Context::open(DeviceConfig::rxe());
     let pts = match ctx
         .alloc_pd()
         .map_err(|e| e.to_string())
-        .and_then(|pd| hit_sweep(&pd, &SWEEP_SIZES, lookups))
+        .and_then(|pd| hit_sweep(&pd, sizes, lookups))
     {
         Ok(p) => p,
         Err(e) => return json!({ "lookups": lookups, "points": [], "error": e }),
     };
-    let ucx = ucx_sweep(&SWEEP_SIZES, lookups);
+    let ucx = ucx_sweep(sizes, lookups);
     let ucx_at = |n: usize| {
         ucx.as_ref()
             .ok()
