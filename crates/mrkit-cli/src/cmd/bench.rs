@@ -445,8 +445,12 @@ pub fn run(a: BenchArgs) -> u8 {
     pb.set_message("registration cache: working set twice the cache");
     let cache_thrash = cache_scenario(32, 16, messages);
     pb.inc(1);
-    pb.set_message("registration cache: hits over 1 to 65,536 buffers");
-    let cache_hits = super::bench_pool_cache::sweep_json(if a.quick { 20_000 } else { 200_000 });
+    pb.set_message("registration cache: hits by working-set size");
+    let cache_hits = if a.quick {
+        super::bench_pool_cache::sweep_json(&[1, 64, 4096], 20_000)
+    } else {
+        super::bench_pool_cache::sweep_json(&super::bench_pool_cache::SWEEP_SIZES, 200_000)
+    };
     pb.inc(1);
     pb.set_message("data path in process: WRITE/READ over the loopback link");
     let dp_in = data_path_in_process(a.quick);
@@ -783,7 +787,16 @@ fn cache_hits_report(s: &mut String, c: &Value) {
                 .map_or("—".to_string(), |x| format!("{x:.2}")),
         );
     }
-    let _ = writeln!(s, "\nMemory per entry at 65,536 entries (resident bytes, cache and device state): {} (UCX: {}).", f(&c["bytes_per_entry"]), f(&c["ucx_bytes_per_entry"]));
+    let n = c["points"]
+        .as_array()
+        .and_then(|p| p.last())
+        .map_or(Value::Null, |p| p["buffers"].clone());
+    let _ = writeln!(
+        s,
+        "\nMemory per entry at {n} entries (resident bytes, cache and device state): {} (UCX: {}).",
+        f(&c["bytes_per_entry"]),
+        f(&c["ucx_bytes_per_entry"])
+    );
     if let Some(e) = c["ucx_error"].as_str() {
         let _ = writeln!(s, "\nUCX not measured: {e}");
     }
