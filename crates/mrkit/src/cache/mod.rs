@@ -626,6 +626,9 @@ impl PageTable {
     /// `out` (released by the caller outside the thread-local borrow).
     fn retain(&mut self, keep: impl Fn(&Hold<Entry>) -> bool, out: &mut Vec<Hold<Entry>>) {
         let size = self.slots.len();
+        if size == 0 {
+            return;
+        }
         let old = std::mem::take(&mut self.slots);
         self.len = 0;
         self.alloc(size);
