@@ -334,9 +334,14 @@ impl<T: Retire> Hold<T> {
     /// A hit: a handle, or `None` when the entry is dead.
     #[inline]
     pub fn get(&self) -> Option<Handle<T>> {
+        let n = &self.lease().n;
+        // Already dead: miss without writing (the bit is never cleared).
+        if n.load(Ordering::Relaxed) & DEAD != 0 {
+            return None;
+        }
         // AcqRel: ordered with the kill's fetch_or on the same word (one of the two sees
         // the other).
-        let old = self.lease().n.fetch_add(1, Ordering::AcqRel);
+        let old = n.fetch_add(1, Ordering::AcqRel);
         if old & DEAD != 0 {
             release_dead(self.p);
             return None;

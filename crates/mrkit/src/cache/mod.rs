@@ -569,15 +569,24 @@ struct ThreadStats {
 /// probing in a power-of-two array kept at most half full, 16 bytes a slot, so a lookup
 /// reads one line of the table and then the lease's line. No deletion: a key's slot is
 /// overwritten, and the table is rebuilt when it has to shrink.
-#[derive(Default)]
-struct PageTable {
-    slots: Vec<(u64, Option<Hold<Entry>>)>,
+struct PageTable<V> {
+    slots: Vec<(u64, Option<V>)>,
     len: usize,
     /// 64 - log2(slots.len()).
     shift: u32,
 }
 
-impl PageTable {
+impl<V> Default for PageTable<V> {
+    fn default() -> Self {
+        PageTable {
+            slots: Vec::new(),
+            len: 0,
+            shift: 0,
+        }
+    }
+}
+
+impl<V> PageTable<V> {
     #[inline]
     fn home(&self, key: u64) -> usize {
         // Fibonacci hashing: the top bits of the product.
@@ -585,7 +594,7 @@ impl PageTable {
     }
 
     #[inline]
-    fn get(&self, key: u64) -> Option<&Hold<Entry>> {
+    fn get(&self, key: u64) -> Option<&V> {
         if self.slots.is_empty() {
             return None;
         }
@@ -601,8 +610,47 @@ impl PageTable {
         }
     }
 
+    /// Remove `key` (backward-shift deletion: no tombstones, probes stay short).
+    fn remove(&mut self, key: u64) -> Option<V> {
+        if self.slots.is_empty() {
+            return None;
+        }
+        let mask = self.slots.len() - 1;
+        let mut i = self.home(key);
+        loop {
+            match &self.slots[i] {
+                (k, Some(_)) if *k == key => break,
+                (_, None) => return None,
+                _ => i = (i + 1) & mask,
+            }
+        }
+        let out = self.slots[i].1.take();
+        self.len -= 1;
+        // Shift later members of the probe run back into the hole when their home is not
+        // in the cyclic range (hole, j].
+        let mut hole = i;
+        let mut j = i;
+        loop {
+            j = (j + 1) & mask;
+            let h = match &self.slots[j] {
+                (_, None) => break,
+                (k, Some(_)) => self.home(*k),
+            };
+            let stays = if hole <= j {
+                hole < h && h <= j
+            } else {
+                hole < h || h <= j
+            };
+            if !stays {
+                self.slots.swap(hole, j);
+                hole = j;
+            }
+        }
+        out
+    }
+
     /// Insert or replace; returns the replaced hold.
-    fn insert(&mut self, key: u64, hold: Hold<Entry>) -> Option<Hold<Entry>> {
+    fn insert(&mut self, key: u64, hold: V) -> Option<V> {
         if (self.len + 1) * 2 > self.slots.len() {
             self.rebuild((self.slots.len() * 2).max(16));
         }
@@ -624,7 +672,7 @@ impl PageTable {
 
     /// Re-create (same size) keeping the holds `keep` accepts; the others are pushed to
     /// `out` (released by the caller outside the thread-local borrow).
-    fn retain(&mut self, keep: impl Fn(&Hold<Entry>) -> bool, out: &mut Vec<Hold<Entry>>) {
+    fn retain(&mut self, keep: impl Fn(&V) -> bool, out: &mut Vec<V>) {
         let size = self.slots.len();
         if size == 0 {
             return;
@@ -670,7 +718,7 @@ struct TlsCache {
     cache_id: u64,
     alive: Weak<Inner>,
     mseq: u64,
-    map: PageTable,
+    map: PageTable<Hold<Entry>>,
     ring: [Option<Hold<Entry>>; RING],
     next: usize,
     stats: Arc<ThreadStats>,
@@ -678,6 +726,10 @@ struct TlsCache {
 
 /// Range-matched holds per thread table.
 const RING: usize = 4;
+
+/// Entries of at most this many pages have their slots dropped from the invalidating
+/// thread's table at once ([`RegCache::tls_forget`]).
+const FORGET_PAGES: u64 = 64;
 
 /// Key of the thread table.
 #[inline]
@@ -1362,8 +1414,45 @@ impl RegCache {
         for x in &dead {
             x.wake();
         }
+        self.tls_forget(&dead);
         retire_all(dead);
         n
+    }
+
+    /// Drop this thread's holds on `dead` entries now, while their memory is warm (other
+    /// threads' tables let go when they look the address up again or rebuild).
+    fn tls_forget(&self, dead: &[Arc<Entry>]) {
+        let id = self.inner.id;
+        let gone = TLS.try_with(|t| {
+            let mut t = t.borrow_mut();
+            let mut gone: Vec<Hold<Entry>> = Vec::new();
+            let Some(rec) = t.iter_mut().rev().find(|r| r.cache_id == id) else {
+                return gone;
+            };
+            for e in dead {
+                for slot in &mut rec.ring {
+                    if slot.as_ref().is_some_and(|h| std::ptr::eq(h.entry(), &**e)) {
+                        gone.extend(slot.take());
+                    }
+                }
+                // Small entries: their pages are the likely keys.
+                let (first, last) = (page_key(e.start), page_key(e.end - 1));
+                if last - first < FORGET_PAGES {
+                    for k in first..=last {
+                        if rec
+                            .map
+                            .get(k)
+                            .is_some_and(|h| std::ptr::eq(h.entry(), &**e))
+                        {
+                            gone.extend(rec.map.remove(k));
+                        }
+                    }
+                }
+            }
+            gone
+        });
+        // Leases released outside the thread-local borrow.
+        drop(gone);
     }
 
     /// Release entries idle for longer than the configured `idle_timeout` at `now`
@@ -1632,4 +1721,43 @@ fn take_if_idle(ix: &mut IntervalIndex<Arc<Entry>>, s: u64, id: u64) -> Option<A
     let x = ix.remove(s, id)?;
     x.kill();
     Some(x)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::PageTable;
+    use std::collections::HashMap;
+
+    /// The thread table against a `HashMap`: inserts, replacements, backward-shift
+    /// removals and rebuilds over colliding keys.
+    #[test]
+    fn page_table_matches_a_map() {
+        let mut t: PageTable<u64> = PageTable::default();
+        let mut m: HashMap<u64, u64> = HashMap::new();
+        let mut x = 0x2545_f491_4f6c_dd1d_u64;
+        for step in 0..200_000u64 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            // Few distinct keys (long probe runs, many replacements and removals).
+            let key = x % 3000;
+            match (x >> 32) % 8 {
+                0..=3 => assert_eq!(t.insert(key, step), m.insert(key, step)),
+                4..=5 => assert_eq!(t.remove(key), m.remove(&key)),
+                6 if step % 512 == 0 => {
+                    let mut out = Vec::new();
+                    t.retain(|v| v % 2 == 0, &mut out);
+                    let before = m.len();
+                    m.retain(|_, v| *v % 2 == 0);
+                    assert_eq!(out.len(), before - m.len());
+                }
+                _ => {}
+            }
+            assert_eq!(t.get(key), m.get(&key));
+            assert_eq!(t.len, m.len());
+        }
+        for (k, v) in &m {
+            assert_eq!(t.get(*k), Some(v));
+        }
+    }
 }
