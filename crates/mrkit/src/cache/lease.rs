@@ -11,9 +11,10 @@
 //! entry was killed). Every step of the protocol is a read-modify-write of that one word, so the
 //! steps of a hit and of a kill are totally ordered without fences:
 //!
-//! * **hit** ([`Hold::get`]): `fetch_add(1)`; if the old value has `DEAD`, back out (a
-//!   release) and miss. Otherwise the handle counts *before* the kill's `fetch_or`, which
-//!   therefore sees it.
+//! * **hit** ([`Hold::get`]): miss at once if `DEAD` is already visible (a plain load; the
+//!   bit is never cleared); else `fetch_add(1)`, and if the old value has `DEAD`, back out
+//!   (a release) and miss. Otherwise the handle counts *before* the kill's `fetch_or`,
+//!   which therefore sees it.
 //! * **kill** ([`LeaseSet::kill`], under the entry's lease-list mutex): mark the set dead
 //!   (leases created later are born `DEAD`), `fetch_or(DEAD)` on every lease, sum the
 //!   handles.
