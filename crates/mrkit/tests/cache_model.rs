@@ -7,9 +7,13 @@
 //! * every held handle's keys stay valid on the device until the handle drops;
 //! * the cache never holds more than `max_entries` entries or `max_bytes` bytes;
 //! * at the end, no MR is left on the device (no leak, in-use invalidated entries included).
+//!
+//! Some lookups and drops run on a helper thread (its own per-thread table and leases;
+//! handles cross threads both ways).
 
 mod cache_util;
 
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use cache_util::*;
@@ -28,8 +32,12 @@ enum Op {
         npages: u64,
         off: u64,
         rights: u8,
+        /// Looked up on the helper thread (its own thread table and leases); the handle is
+        /// kept here.
+        other: bool,
     },
-    Put(usize),
+    /// Drop a held handle (on the helper thread when the flag is set).
+    Put(usize, bool),
     Invalidate {
         b: usize,
         page: u64,
@@ -42,9 +50,9 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        6 => (0..3usize, 0..PAGES, 1..=3u64, 0..PS, 0..3u8)
-            .prop_map(|(b, page, npages, off, rights)| Op::Get { b, page, npages, off, rights }),
-        3 => (0..64usize).prop_map(Op::Put),
+        6 => (0..3usize, 0..PAGES, 1..=3u64, 0..PS, 0..3u8, proptest::bool::weighted(0.3))
+            .prop_map(|(b, page, npages, off, rights, other)| Op::Get { b, page, npages, off, rights, other }),
+        3 => (0..64usize, proptest::bool::weighted(0.3)).prop_map(|(i, other)| Op::Put(i, other)),
         1 => (0..3usize, 0..PAGES, 1..=4u64).prop_map(|(b, page, npages)| Op::Invalidate { b, page, npages }),
         1 => (0..3usize).prop_map(Op::Remap),
         1 => (0..3usize).prop_map(Op::DontNeed),
@@ -68,6 +76,63 @@ fn shape(s: u8) -> Shape {
     }
 }
 
+enum Req {
+    Get(u64, u64, AccessFlags),
+    Drop(RegHandle),
+}
+
+/// A second thread doing lookups and drops on request, one at a time (so the model stays
+/// sequential): handles taken there count on its own leases, handles dropped there give
+/// back counts of another thread's leases.
+struct Helper {
+    tx: Option<mpsc::Sender<Req>>,
+    rx: mpsc::Receiver<Option<RegHandle>>,
+    th: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Helper {
+    fn start(cache: &RegCache) -> Helper {
+        let (tx, req) = mpsc::channel::<Req>();
+        let (ret, rx) = mpsc::channel();
+        let cache = cache.clone();
+        let th = std::thread::spawn(move || {
+            for r in req {
+                let out = match r {
+                    Req::Get(a, l, acc) => Some(cache.get(a, l, acc).unwrap()),
+                    Req::Drop(h) => {
+                        drop(h);
+                        None
+                    }
+                };
+                if ret.send(out).is_err() {
+                    return;
+                }
+            }
+        });
+        Helper {
+            tx: Some(tx),
+            rx,
+            th: Some(th),
+        }
+    }
+    fn call(&self, r: Req) -> Option<RegHandle> {
+        self.tx.as_ref().unwrap().send(r).unwrap();
+        self.rx.recv().unwrap()
+    }
+    fn get(&self, a: u64, l: u64, acc: AccessFlags) -> RegHandle {
+        self.call(Req::Get(a, l, acc)).unwrap()
+    }
+    fn drop_there(&self, h: RegHandle) {
+        self.call(Req::Drop(h));
+    }
+    fn stop(mut self) {
+        drop(self.tx.take());
+        if let Some(t) = self.th.take() {
+            t.join().unwrap();
+        }
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 48, failure_persistence: None, ..ProptestConfig::default() })]
 
@@ -87,16 +152,21 @@ proptest! {
         let cache = RegCache::new(&pd, cfg).unwrap();
         let mut maps: Vec<Map> = (0..3).map(|_| Map::new((PAGES * PS) as usize)).collect();
         let mut held: Vec<RegHandle> = Vec::new();
+        let helper = Helper::start(&cache);
         let t0 = Instant::now();
         let mut scans = 0u64;
         for op in ops {
             match op {
-                Op::Get { b, page, npages, off, rights: r } => {
+                Op::Get { b, page, npages, off, rights: r, other } => {
                     let npages = npages.min(PAGES - page);
                     let addr = maps[b].addr + page * PS + off.min(PS - 1);
                     let len = (npages * PS - off.min(PS - 1)).max(1);
                     let acc = rights(r);
-                    let h = cache.get(addr, len, acc).unwrap();
+                    let h = if other {
+                        helper.get(addr, len, acc)
+                    } else {
+                        cache.get(addr, len, acc).unwrap()
+                    };
                     let (s, e) = h.range();
                     prop_assert!(s <= addr && addr + len <= e, "range {s:#x}..{e:#x} misses request");
                     prop_assert!(h.access().contains(acc));
@@ -106,10 +176,12 @@ proptest! {
                     assert_translates(&ctx, &pd, &h, addr, len);
                     held.push(h);
                 }
-                Op::Put(i) => {
+                Op::Put(i, other) => {
                     if !held.is_empty() {
-                        let i = i % held.len();
-                        drop(held.swap_remove(i));
+                        let h = held.swap_remove(i % held.len());
+                        if other {
+                            helper.drop_there(h);
+                        }
                     }
                 }
                 Op::Invalidate { b, page, npages } => {
@@ -145,6 +217,8 @@ proptest! {
             prop_assert!(bytes <= max_bytes);
         }
         held.clear();
+        // The helper's table goes with its thread.
+        helper.stop();
         cache.flush_idle();
         prop_assert_eq!(cache.len(), 0);
         drop(cache);

@@ -398,7 +398,7 @@ pub fn run(a: BenchArgs) -> u8 {
         .collect();
     let messages: u64 = if a.quick { 2000 } else { 20000 };
     let io_uring = pin::io_uring_available();
-    let steps = sizes.len() as u64 * 2 + 5;
+    let steps = sizes.len() as u64 * 2 + 6;
     let pb = ProgressBar::new(steps);
     pb.set_style(
         ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} {msg}")
@@ -448,6 +448,13 @@ pub fn run(a: BenchArgs) -> u8 {
     pb.inc(1);
     pb.set_message("registration cache: working set twice the cache");
     let cache_thrash = cache_scenario(32, 16, messages);
+    pb.inc(1);
+    pb.set_message("registration cache: hits by working-set size");
+    let cache_hits = if a.quick {
+        super::bench_pool_cache::sweep_json(&[1, 64, 4096], 20_000)
+    } else {
+        super::bench_pool_cache::sweep_json(&super::bench_pool_cache::SWEEP_SIZES, 200_000)
+    };
     pb.inc(1);
     pb.set_message("data path in process: WRITE/READ over the loopback link");
     let dp_in = data_path_in_process(a.quick);
@@ -590,6 +597,7 @@ pub fn run(a: BenchArgs) -> u8 {
         },
         "pool": Value::Null,
         "cache": [cache_fit, cache_thrash],
+        "cache_hits": cache_hits,
         "data_path": {
             "in_process": dp_in,
             "two_process": dp_two,
@@ -741,6 +749,7 @@ fn report(raw: &Value, points: &[Point], floors: &[Floor], pm: &PerMessage) -> S
             c["ns_per_lookup"].as_f64().unwrap_or(0.0)
         );
     }
+    cache_hits_report(&mut s, &raw["cache_hits"]);
     data_path_report(&mut s, &raw["data_path"]);
     let _ = writeln!(s, "\n## Not measured\n");
     let notes = raw["notes"].as_array().cloned().unwrap_or_default();
@@ -755,6 +764,46 @@ fn report(raw: &Value, points: &[Point], floors: &[Floor], pm: &PerMessage) -> S
         "\nRaw figures: `raw.json` (schema `{SCHEMA}`, see docs/cli.md)."
     );
     s
+}
+
+/// The hit sweep's table (see `bench_pool_cache::sweep_json`).
+fn cache_hits_report(s: &mut String, c: &Value) {
+    use std::fmt::Write as _;
+    let _ = writeln!(s, "\nHits by working set: N cached 4 KiB buffers, warmed up, then {} lookups (`get` + drop) per thread in a random order, median of 1,000-lookup batches (ns); UCX's `ucs_rcache` in the same shape and run (no-op registration callback).\n", c["lookups"]);
+    if let Some(e) = c["error"].as_str() {
+        let _ = writeln!(s, "Not measured: {e}");
+        return;
+    }
+    let f = |v: &Value| v.as_f64().map_or("—".to_string(), |x| format!("{x:.1}"));
+    let _ = writeln!(s, "| buffers | mrkit | 2 threads | thread-path share | UCX | UCX 2 threads | mrkit ÷ UCX |\n|---:|---:|---:|---:|---:|---:|---:|");
+    for p in c["points"].as_array().into_iter().flatten() {
+        let _ = writeln!(
+            s,
+            "| {} | {} | {} | {:.1} % | {} | {} | {} |",
+            p["buffers"],
+            f(&p["ns"]),
+            f(&p["ns_2threads"]),
+            p["fast_share"].as_f64().unwrap_or(0.0) * 100.0,
+            f(&p["ucx_ns"]),
+            f(&p["ucx_ns_2threads"]),
+            p["over_ucx"]
+                .as_f64()
+                .map_or("—".to_string(), |x| format!("{x:.2}")),
+        );
+    }
+    let n = c["points"]
+        .as_array()
+        .and_then(|p| p.last())
+        .map_or(Value::Null, |p| p["buffers"].clone());
+    let _ = writeln!(
+        s,
+        "\nMemory per entry at {n} entries (resident bytes, cache and device state): {} (UCX: {}).",
+        f(&c["bytes_per_entry"]),
+        f(&c["ucx_bytes_per_entry"])
+    );
+    if let Some(e) = c["ucx_error"].as_str() {
+        let _ = writeln!(s, "\nUCX not measured: {e}");
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

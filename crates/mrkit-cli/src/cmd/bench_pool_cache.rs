@@ -2,10 +2,26 @@
 //!
 //! * `pool_alloc_free_ns`: one `MrPool::alloc` + drop of a 4 KiB slot, one thread.
 //! * `pool_alloc_free_ns_2threads`: the same, two threads at once (ns per pair per thread).
-//! * `cache_hit_ns_p50`: median of `RegCache::get` + drop on a cached range (per-thread hit).
+//! * `cache_hit_ns_p50`: median of `RegCache::get` + drop on one cached range, one thread.
 //! * `cache_hit_ns_p50_2threads`: the same, two threads hitting the *same* entry at once
 //!   (mean of the two threads' medians): the case where a cache line written by every hit
 //!   (a shared reference count) bounces between the cores.
+//! * Working-set sweep (`ExplicitOnly` monitor, page-rounded entries, room for every buffer):
+//!   N registered 4 KiB buffers (N = 1, 16, 64, 1,024, 4,096, 65,536), warmed up (each
+//!   thread looks up every buffer once, then 4,000 in its random order), then
+//!   200,000 lookups (`get` + drop) in a random order, timed in batches of 1,000; the key is
+//!   the median of the batch means.
+//!   * `cache_hit_ns_p50_n{N}`: one thread; `cache_hit_ns_p50_n{N}_2threads`: two threads
+//!     at once over the same N buffers (each its own random order; mean of the two medians);
+//!   * `cache_fast_share_n{N}`: share of the one-thread lookups served by the per-thread
+//!     path;
+//!   * `ucx_rcache_hit_ns_p50_n{N}` (and `_2threads`): UCX's `ucs_rcache` in the same shape
+//!     and the same run, with a no-op registration callback and no memory events, when
+//!     `libucx-dev` and a C compiler are installed (a small C program built at run time);
+//!     `cache_over_ucx_n{N}` (and `_2threads`): the mrkit figure divided by UCX's.
+//! * `cache_bytes_per_entry`: resident memory the process gains per entry while 65,536
+//!   entries are created (cache and device state: index, per-thread table, MR), and
+//!   `ucx_rcache_bytes_per_entry` for UCX's cache (no device behind it).
 //! * `cache_miss_overhead_ns`: a miss (get + drop + invalidate, i.e. register + deregister
 //!   through the cache) minus a bare `reg_mr` + `dereg_mr` of the same range (medians).
 //! * `per_message_reg_ns` / `pooled_ns`: the seed scenario, 16384 messages of 4 KiB: one
@@ -26,6 +42,13 @@ use mrkit_soft::UserMemory;
 
 const MSGS: usize = 16384;
 const MSG: usize = 4096;
+
+/// Working-set sizes of the hit sweep.
+pub const SWEEP_SIZES: [usize; 6] = [1, 16, 64, 1024, 4096, 65536];
+/// Lookups per sweep point and thread.
+const SWEEP_LOOKUPS: usize = 200_000;
+/// Lookups per timed batch.
+const BATCH: usize = 1000;
 
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
@@ -67,6 +90,336 @@ fn cache_hit(cache: &RegCache, addr: u64) -> f64 {
     }
     median(&mut per_batch)
 }
+
+/// xorshift64: a reproducible random order without a dependency.
+fn random_order(n: usize, len: usize, mut seed: u64) -> Vec<u32> {
+    (0..len)
+        .map(|_| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed % n as u64) as u32
+        })
+        .collect()
+}
+
+/// Median of the batch means of `get` + drop over `order` (indices of the `n` 4 KiB buffers
+/// at `base`), after a warm-up (every buffer once, then the first batches of the order).
+fn hit_random(
+    cache: &RegCache,
+    base: u64,
+    n: usize,
+    order: &[u32],
+    go: Option<&std::sync::Barrier>,
+) -> f64 {
+    let acc = AccessFlags::LOCAL_WRITE;
+    for i in (0..n as u32).chain(order.iter().take(4 * BATCH).copied()) {
+        drop(
+            cache
+                .get(base + u64::from(i) * 4096, 4096, acc)
+                .expect("cache get"),
+        );
+    }
+    if let Some(g) = go {
+        g.wait();
+    }
+    let mut per_batch = Vec::with_capacity(order.len() / BATCH);
+    for chunk in order.chunks_exact(BATCH) {
+        let t0 = Instant::now();
+        for &i in chunk {
+            let h = cache
+                .get(black_box(base + u64::from(i) * 4096), 4096, acc)
+                .expect("cache get");
+            black_box(&h);
+            drop(h);
+        }
+        per_batch.push(t0.elapsed().as_nanos() as f64 / BATCH as f64);
+    }
+    median(&mut per_batch)
+}
+
+/// Resident bytes of this process (`/proc/self/statm`).
+fn rss_bytes() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/statm").ok()?;
+    let pages: u64 = s.split_whitespace().nth(1)?.parse().ok()?;
+    Some(pages * rustix::param::page_size() as u64)
+}
+
+/// One point of the hit sweep.
+#[derive(Debug, Clone, Copy)]
+pub struct SweepPoint {
+    /// Registered buffers (4 KiB each).
+    pub buffers: usize,
+    /// ns per hit, one thread.
+    pub one: f64,
+    /// ns per hit, two threads at once.
+    pub two: f64,
+    /// Share of the one-thread lookups served by the per-thread path.
+    pub fast_share: f64,
+    /// Resident bytes gained per entry while the entries were created.
+    pub bytes_per_entry: Option<f64>,
+}
+
+/// The mrkit hit sweep: `lookups` per point and thread, at each of `sizes`.
+pub fn hit_sweep(
+    pd: &ProtectionDomain,
+    sizes: &[usize],
+    lookups: usize,
+) -> Result<Vec<SweepPoint>, String> {
+    let mut out = Vec::new();
+    for &n in sizes {
+        let cache = RegCache::new(
+            pd,
+            CacheConfig {
+                monitor: MonitorMode::ExplicitOnly,
+                max_entries: n.max(1024),
+                ..CacheConfig::default()
+            },
+        )
+        .map_err(|e| e.to_string())?;
+        let mut buf = Buffer::new(n * 4096).map_err(|e| e.to_string())?;
+        buf.as_mut_slice().fill(1);
+        let base = buf.addr();
+        let acc = AccessFlags::LOCAL_WRITE;
+        let rss0 = rss_bytes();
+        let mut warm = Vec::with_capacity(n);
+        for i in 0..n as u64 {
+            warm.push(
+                cache
+                    .get(base + i * 4096, 4096, acc)
+                    .map_err(|e| e.to_string())?,
+            );
+        }
+        drop(warm);
+        let bytes_per_entry = match (rss0, rss_bytes()) {
+            (Some(a), Some(b)) => Some(b.saturating_sub(a) as f64 / n as f64),
+            _ => None,
+        };
+        let order = random_order(n, lookups, 0x9e37_79b9_7f4a_7c15);
+        let s0 = cache.stats();
+        let one = hit_random(&cache, base, n, &order, None);
+        let s1 = cache.stats();
+        let fast_share = (s1.fast_hits - s0.fast_hits) as f64 / ((s1.hits - s0.hits).max(1)) as f64;
+        let go = std::sync::Barrier::new(2);
+        let two = std::thread::scope(|s| {
+            let (c, g) = (&cache, &go);
+            let ts: Vec<_> = [0x2545_f491_4f6c_dd1d_u64, 0x1405_7b7e_f767_814f]
+                .into_iter()
+                .map(|seed| {
+                    s.spawn(move || {
+                        let order = random_order(n, lookups, seed);
+                        hit_random(c, base, n, &order, Some(g))
+                    })
+                })
+                .collect();
+            ts.into_iter()
+                .map(|t| t.join().unwrap_or(f64::NAN))
+                .sum::<f64>()
+                / 2.0
+        });
+        out.push(SweepPoint {
+            buffers: n,
+            one,
+            two,
+            fast_share,
+            bytes_per_entry,
+        });
+        drop(cache);
+        drop(buf);
+    }
+    Ok(out)
+}
+
+/// UCX's figures at one size: one thread, two threads, bytes per entry.
+#[derive(Debug, Clone, Copy)]
+pub struct UcxPoint {
+    /// Regions in the cache.
+    pub buffers: usize,
+    /// ns per hit, one thread.
+    pub one: f64,
+    /// ns per hit, two threads.
+    pub two: f64,
+    /// Resident bytes per region.
+    pub bytes_per_entry: f64,
+}
+
+/// The same sweep against UCX's `ucs_rcache` (no-op registration callback, no memory events):
+/// a C program built with `cc ... -lucs` at run time. `Err` says why it could not run.
+pub fn ucx_sweep(sizes: &[usize], lookups: usize) -> Result<Vec<UcxPoint>, String> {
+    if !std::path::Path::new("/usr/include/ucs/memory/rcache.h").exists() {
+        return Err("UCX not installed (libucx-dev): no ucs/memory/rcache.h".into());
+    }
+    let dir = std::env::temp_dir().join(format!("mrkit-ucx-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    let res = (|| {
+        let src = dir.join("rcache_bench.c");
+        let exe = dir.join("rcache_bench");
+        std::fs::write(&src, UCX_BENCH_C).map_err(|e| e.to_string())?;
+        let cc = std::process::Command::new("cc")
+            .args(["-O2", "-pthread", "-o"])
+            .arg(&exe)
+            .arg(&src)
+            .arg("-lucs")
+            .output()
+            .map_err(|e| format!("cannot run cc: {e}"))?;
+        if !cc.status.success() {
+            return Err(format!(
+                "building the UCX rcache benchmark failed: {}",
+                String::from_utf8_lossy(&cc.stderr).trim()
+            ));
+        }
+        let mut args = vec![lookups.to_string(), BATCH.to_string()];
+        args.extend(sizes.iter().map(ToString::to_string));
+        let run = std::process::Command::new(&exe)
+            .args(&args)
+            .output()
+            .map_err(|e| e.to_string())?;
+        if !run.status.success() {
+            return Err(format!(
+                "the UCX rcache benchmark failed: {}",
+                String::from_utf8_lossy(&run.stderr).trim()
+            ));
+        }
+        let text = String::from_utf8_lossy(&run.stdout);
+        let pts: Vec<UcxPoint> = text
+            .lines()
+            .filter_map(|l| {
+                let v: Vec<f64> = l
+                    .split_whitespace()
+                    .filter_map(|x| x.parse().ok())
+                    .collect();
+                (v.len() == 4).then(|| UcxPoint {
+                    buffers: v[0] as usize,
+                    one: v[1],
+                    two: v[2],
+                    bytes_per_entry: v[3],
+                })
+            })
+            .collect();
+        if pts.len() != sizes.len() {
+            return Err(format!(
+                "unexpected output of the UCX rcache benchmark: {text}"
+            ));
+        }
+        Ok(pts)
+    })();
+    let _ = std::fs::remove_dir_all(&dir);
+    res
+}
+
+/// The UCX side of the sweep, in the same shape as [`hit_random`].
+const UCX_BENCH_C: &str = r#"
+#include <ucs/memory/rcache.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+
+static ucs_status_t reg(void *c, ucs_rcache_t *r, void *a, ucs_rcache_region_t *g, uint16_t f)
+{ (void)c; (void)r; (void)a; (void)g; (void)f; return UCS_OK; }
+static void dereg(void *c, ucs_rcache_t *r, ucs_rcache_region_t *g) { (void)c; (void)r; (void)g; }
+static void dump(void *c, ucs_rcache_t *r, ucs_rcache_region_t *g, char *b, size_t m)
+{ (void)c; (void)r; (void)g; if (m) b[0] = 0; }
+static const ucs_rcache_ops_t ops = { reg, dereg, dump };
+
+static size_t lookups, batch;
+static double now_ns(void)
+{ struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec * 1e9 + t.tv_nsec; }
+static int cmp(const void *a, const void *b)
+{ double x = *(const double *)a, y = *(const double *)b; return (x > y) - (x < y); }
+static long rss(void)
+{ long a = 0, b = 0; FILE *f = fopen("/proc/self/statm", "r");
+  if (f) { if (fscanf(f, "%ld %ld", &a, &b) != 2) b = 0; fclose(f); } return b * sysconf(_SC_PAGESIZE); }
+
+struct job { ucs_rcache_t *rc; char *base; size_t n; uint64_t seed; pthread_barrier_t *bar; double res; };
+
+static void one_get(ucs_rcache_t *rc, void *addr)
+{
+    ucs_rcache_region_t *r;
+    if (ucs_rcache_get(rc, addr, 4096, PROT_READ | PROT_WRITE, NULL, &r) != UCS_OK) {
+        fprintf(stderr, "ucs_rcache_get failed\n"); exit(1);
+    }
+    ucs_rcache_region_put(rc, r);
+}
+
+static void *run(void *p)
+{
+    struct job *j = p;
+    uint32_t *order = malloc(lookups * sizeof(*order));
+    double *v = malloc((lookups / batch + 1) * sizeof(*v));
+    uint64_t s = j->seed;
+    size_t i, b, nb = lookups / batch;
+    for (i = 0; i < lookups; i++) {
+        s ^= s << 13; s ^= s >> 7; s ^= s << 17; order[i] = (uint32_t)(s % j->n);
+    }
+    for (i = 0; i < j->n; i++) one_get(j->rc, j->base + i * 4096);
+    for (i = 0; i < lookups && i < 4 * batch; i++) one_get(j->rc, j->base + (size_t)order[i] * 4096);
+    if (j->bar) pthread_barrier_wait(j->bar);
+    for (b = 0; b < nb; b++) {
+        double t0 = now_ns();
+        for (i = b * batch; i < (b + 1) * batch; i++)
+            one_get(j->rc, j->base + (size_t)order[i] * 4096);
+        v[b] = (now_ns() - t0) / batch;
+    }
+    qsort(v, nb, sizeof(*v), cmp);
+    j->res = v[nb / 2];
+    free(order); free(v);
+    return NULL;
+}
+
+int main(int argc, char **argv)
+{
+    int k;
+    if (argc < 4) return 2;
+    lookups = strtoul(argv[1], NULL, 0); batch = strtoul(argv[2], NULL, 0);
+    for (k = 3; k < argc; k++) {
+        size_t n = strtoul(argv[k], NULL, 0), i;
+        ucs_rcache_params_t prm;
+        ucs_rcache_t *rc;
+        char *base = mmap(NULL, n * 4096, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        long r0;
+        if (base == MAP_FAILED) return 1;
+        memset(base, 1, n * 4096);
+        memset(&prm, 0, sizeof(prm));
+        prm.region_struct_size = sizeof(ucs_rcache_region_t);
+        prm.alignment = 16;
+        prm.max_alignment = 4096;
+        prm.ucm_events = 0;
+        prm.ucm_event_priority = 1000;
+        prm.ops = &ops;
+        prm.flags = UCS_RCACHE_FLAG_NO_PFN_CHECK;
+        prm.max_regions = (unsigned long)-1;
+        prm.max_size = (size_t)-1;
+        prm.max_unreleased = (size_t)-1;
+        if (ucs_rcache_create(&prm, "bench", NULL, &rc) != UCS_OK) {
+            fprintf(stderr, "ucs_rcache_create failed\n"); return 1;
+        }
+        r0 = rss();
+        for (i = 0; i < n; i++) one_get(rc, base + i * 4096);
+        {
+            double bpe = (double)(rss() - r0) / n;
+            struct job a = { rc, base, n, 0x9e3779b97f4a7c15ULL, NULL, 0 };
+            struct job t[2] = { { rc, base, n, 0x2545f4914f6cdd1dULL, NULL, 0 },
+                                { rc, base, n, 0x14057b7ef767814fULL, NULL, 0 } };
+            pthread_barrier_t bar; pthread_t th[2];
+            run(&a);
+            pthread_barrier_init(&bar, NULL, 2);
+            t[0].bar = t[1].bar = &bar;
+            pthread_create(&th[0], NULL, run, &t[0]); pthread_create(&th[1], NULL, run, &t[1]);
+            pthread_join(th[0], NULL); pthread_join(th[1], NULL);
+            printf("%zu %.2f %.2f %.1f\n", n, a.res, (t[0].res + t[1].res) / 2, bpe);
+            fflush(stdout);
+        }
+        ucs_rcache_destroy(rc);
+        munmap(base, n * 4096);
+    }
+    return 0;
+}
+"#;
 
 fn cache_miss_overhead(pd: &ProtectionDomain, cache: &RegCache, buf: &Arc<Buffer>) -> f64 {
     let acc = AccessFlags::LOCAL_WRITE;
@@ -138,9 +491,97 @@ fn pooled(pool: &MrPool, write: bool) -> f64 {
     t0.elapsed().as_nanos() as f64 / MSGS as f64
 }
 
-type Rows = Vec<(&'static str, f64)>;
+type Rows = Vec<(String, f64)>;
 
-fn measure() -> Result<(Rows, Rows), String> {
+fn row(k: &str, v: f64) -> (String, f64) {
+    (k.to_string(), v)
+}
+
+/// The sweep's rows (mrkit, UCX, ratios) and a note when UCX could not run.
+pub fn sweep_rows(
+    pd: &ProtectionDomain,
+    sizes: &[usize],
+    lookups: usize,
+) -> Result<(Rows, Option<String>), String> {
+    let pts = hit_sweep(pd, sizes, lookups)?;
+    let ucx = ucx_sweep(sizes, lookups);
+    let mut rows = Rows::new();
+    for p in &pts {
+        let n = p.buffers;
+        rows.push((format!("cache_hit_ns_p50_n{n}"), p.one));
+        rows.push((format!("cache_hit_ns_p50_n{n}_2threads"), p.two));
+        rows.push((format!("cache_fast_share_n{n}"), p.fast_share));
+        if let Ok(u) = &ucx {
+            if let Some(u) = u.iter().find(|u| u.buffers == n) {
+                rows.push((format!("ucx_rcache_hit_ns_p50_n{n}"), u.one));
+                rows.push((format!("ucx_rcache_hit_ns_p50_n{n}_2threads"), u.two));
+                rows.push((format!("cache_over_ucx_n{n}"), p.one / u.one));
+                rows.push((format!("cache_over_ucx_n{n}_2threads"), p.two / u.two));
+            }
+        }
+    }
+    if let Some(p) = pts.iter().max_by_key(|p| p.buffers) {
+        if let Some(b) = p.bytes_per_entry {
+            rows.push(row("cache_bytes_per_entry", b));
+        }
+        if let Some(u) = ucx
+            .as_ref()
+            .ok()
+            .and_then(|u| u.iter().find(|u| u.buffers == p.buffers))
+        {
+            rows.push(row("ucx_rcache_bytes_per_entry", u.bytes_per_entry));
+        }
+    }
+    Ok((rows, ucx.err()))
+}
+
+/// The hit sweep for `mrkit bench`'s raw.json (`"cache_hits"`): `sizes`, `lookups` per
+/// point and thread, UCX beside it when installed.
+pub fn sweep_json(sizes: &[usize], lookups: usize) -> serde_json::Value {
+    use serde_json::json;
+    let ctx = Context::open(DeviceConfig::rxe());
+    let pts = match ctx
+        .alloc_pd()
+        .map_err(|e| e.to_string())
+        .and_then(|pd| hit_sweep(&pd, sizes, lookups))
+    {
+        Ok(p) => p,
+        Err(e) => return json!({ "lookups": lookups, "points": [], "error": e }),
+    };
+    let ucx = ucx_sweep(sizes, lookups);
+    let ucx_at = |n: usize| {
+        ucx.as_ref()
+            .ok()
+            .and_then(|u| u.iter().find(|u| u.buffers == n))
+    };
+    let points: Vec<_> = pts
+        .iter()
+        .map(|p| {
+            let u = ucx_at(p.buffers);
+            json!({
+                "buffers": p.buffers,
+                "ns": p.one,
+                "ns_2threads": p.two,
+                "fast_share": p.fast_share,
+                "ucx_ns": u.map(|u| u.one),
+                "ucx_ns_2threads": u.map(|u| u.two),
+                "over_ucx": u.map(|u| p.one / u.one),
+                "over_ucx_2threads": u.map(|u| p.two / u.two),
+            })
+        })
+        .collect();
+    let last = pts.last();
+    json!({
+        "lookups": lookups,
+        "points": points,
+        "bytes_per_entry": last.and_then(|p| p.bytes_per_entry),
+        "ucx_bytes_per_entry": last.and_then(|p| ucx_at(p.buffers)).map(|u| u.bytes_per_entry),
+        "ucx_error": ucx.as_ref().err(),
+        "error": null,
+    })
+}
+
+fn measure() -> Result<(Rows, Rows, Option<String>), String> {
     let ctx = Context::open(DeviceConfig::rxe());
     let pd = ctx.alloc_pd().map_err(|e| e.to_string())?;
     let pool = MrPool::new(&pd, pool_cfg()).map_err(|e| e.to_string())?;
@@ -177,45 +618,51 @@ fn measure() -> Result<(Rows, Rows), String> {
         (t1.join().unwrap_or(f64::NAN) + t2.join().unwrap_or(f64::NAN)) / 2.0
     });
     let miss = cache_miss_overhead(&pd, &cache, &buf);
+    drop(cache);
+    let (sweep, ucx_note) = sweep_rows(&pd, &SWEEP_SIZES, SWEEP_LOOKUPS)?;
     let per_msg = per_message(&pd, false);
     let pooled_ns = pooled(&pool, false);
     let per_msg_w = per_message(&pd, true);
     let pooled_w = pooled(&pool, true);
     let extra = vec![
-        ("per_message_reg_ns (with 4 KiB write)", per_msg_w),
-        ("pooled_ns (with 4 KiB write)", pooled_w),
-        ("ratio (with 4 KiB write)", per_msg_w / pooled_w),
+        row("per_message_reg_ns (with 4 KiB write)", per_msg_w),
+        row("pooled_ns (with 4 KiB write)", pooled_w),
+        row("ratio (with 4 KiB write)", per_msg_w / pooled_w),
     ];
-    Ok((
-        vec![
-            ("pool_alloc_free_ns", one),
-            ("pool_alloc_free_ns_2threads", two),
-            ("cache_hit_ns_p50", hit),
-            ("cache_hit_ns_p50_2threads", hit2),
-            ("cache_miss_overhead_ns", miss),
-            ("per_message_reg_ns", per_msg),
-            ("pooled_ns", pooled_ns),
-            ("per_message_over_pooled", per_msg / pooled_ns),
-        ],
-        extra,
-    ))
+    let mut rows = vec![
+        row("pool_alloc_free_ns", one),
+        row("pool_alloc_free_ns_2threads", two),
+        row("cache_hit_ns_p50", hit),
+        row("cache_hit_ns_p50_2threads", hit2),
+        row("cache_miss_overhead_ns", miss),
+    ];
+    rows.extend(sweep);
+    rows.extend([
+        row("per_message_reg_ns", per_msg),
+        row("pooled_ns", pooled_ns),
+        row("per_message_over_pooled", per_msg / pooled_ns),
+    ]);
+    Ok((rows, extra, ucx_note))
 }
 
 /// Run the pool/cache benchmark; `json` selects JSON output.
 pub fn run(json: bool) -> u8 {
-    let (rows, extra) = match measure() {
+    let (rows, extra, ucx_note) = match measure() {
         Ok(r) => r,
         Err(e) => {
             eprintln!("mrkit bench pool-cache: {e}");
             return crate::exit::VERB_FAILED;
         }
     };
+    if let Some(n) = &ucx_note {
+        eprintln!("note: {n}; UCX's rcache not measured, mrkit alone");
+    }
     if json {
         let mut m = serde_json::Map::new();
         for (k, v) in &rows {
             let v = (v * 100.0).round() / 100.0;
             m.insert(
-                (*k).to_string(),
+                k.clone(),
                 serde_json::Number::from_f64(v)
                     .map_or(serde_json::Value::Null, serde_json::Value::Number),
             );
@@ -225,13 +672,16 @@ pub fn run(json: bool) -> u8 {
         let target = |k: &str| match k {
             "pool_alloc_free_ns" | "pool_alloc_free_ns_2threads" => "<= 20 ns",
             "cache_hit_ns_p50" | "cache_hit_ns_p50_2threads" => "<= 30 ns",
+            "cache_hit_ns_p50_n64" | "cache_hit_ns_p50_n64_2threads" => "<= 15 ns",
+            "cache_hit_ns_p50_n65536" | "cache_hit_ns_p50_n65536_2threads" => "<= 25 ns",
             "cache_miss_overhead_ns" => "<= 2000 ns",
             "per_message_over_pooled" => ">= 20x",
+            k if k.starts_with("cache_over_ucx_") => "<= 0.5",
             _ => "",
         };
         println!("{:<40} {:>12}  target", "metric", "value");
         for (k, v) in rows.iter().chain(&extra) {
-            println!("{k:<40} {v:>12.1}  {}", target(k));
+            println!("{k:<40} {v:>12.2}  {}", target(k));
         }
     }
     crate::exit::OK

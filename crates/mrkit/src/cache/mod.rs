@@ -5,24 +5,30 @@
 //!
 //! * **Index**: an interval index of live entries ([`index::IntervalIndex`]) under a
 //!   `RwLock` that is **never held across a device call**.
-//! * **Hit path**: a per-thread last-hit cache (4 entries per cache and thread, each holding
-//!   the thread's *lease* on the entry) validated by one load of the cache generation and one
-//!   of the monitor sequence (DPDK's scheme). A hit increments the lease's counter — a
-//!   cache line (padded) only this thread writes — then checks the entry's `dead` flag
-//!   (read-only), and clones the lease `Arc` (also thread-private). It takes no lock and
-//!   writes **no shared cache line**: two threads hitting the same entry never bounce a
-//!   line. The handle drop decrements the same counter and sets the CLOCK bit only when it
-//!   is clear. Hit counters are per-thread, single-writer.
+//! * **Hit path** (its cost does not grow with the number of entries): each thread keeps,
+//!   per cache, a table of *holds* on its own *leases* ([`lease`]): an open-addressing table
+//!   keyed by the 4 KiB page of the request address (16-byte slots, sized to the cache's
+//!   `max_entries`) plus a ring of the last 4 entries matched by range (lookups anywhere in a
+//!   large entry). A hit reads the table slot, checks range and rights in the lease's own
+//!   line, and takes a handle with one read-modify-write on the lease's count word; the
+//!   handle drop is one compare-exchange on the same word. The lease's line belongs to the
+//!   thread: a hit takes **no lock and writes no shared cache line**, so threads hitting the
+//!   same entries never bounce a line. With the userfaultfd monitor, the table is valid only
+//!   while the monitor's event sequence equals the one it caught up to (one load of a line
+//!   written only by events); after an event the next lookup applies the queued
+//!   invalidations on the slow path and the table catches up *without* being cleared (dead
+//!   entries are refused hold by hold). Hit counters are per-thread, single-writer.
 //! * **Life cycle**: an entry's *memory* is an `Arc` (index, leases, waiters); its
 //!   *registration* is retired (`Entry::try_retire`) once it is dead (invalidated,
-//!   evicted, superseded, cache dropped) and the sum of its lease counters is 0. Protocol
-//!   (all SeqCst, Dekker-style): a hit increments its counter, then checks `dead`; a release
-//!   decrements, then checks `dead` and retires if the sum is 0; a killer sets `dead`, then
-//!   retires if the sum is 0. Either the killer sees the count or the hitter sees `dead`,
-//!   so the MR is deregistered exactly once, and never while a handle exists; an entry
-//!   invalidated while in use leaves the index at once and is retired by its last handle.
-//!   Thread caches keep an entry's memory until their next lookup, never its registration.
-//!   Model-checked in `tests/loom_cache.rs`.
+//!   evicted, superseded, cache dropped) and no lease counts a handle. A kill sets a dead
+//!   bit in every lease's count word under the entry's lease-list mutex; hits and releases
+//!   are read-modify-writes of the same word, so either the kill counts a hit's handle or
+//!   the hit sees the bit and backs out (no fences, no Dekker pairs; see [`lease`]). The MR is
+//!   deregistered exactly once, and never while a handle exists; an entry invalidated while
+//!   in use leaves the index at once and is retired by its last handle. Thread tables keep
+//!   an entry's memory (not its registration) until the slot is replaced, the table is
+//!   rebuilt, or the thread exits. Model-checked on the lease code itself in
+//!   `tests/loom_cache.rs`.
 //! * **Miss path**: shape the range ([`Shape`]), insert a *placeholder* entry under the
 //!   write lock (concurrent misses of the same range find it and wait: single flight),
 //!   register **outside any lock**, then publish under the write lock. A placeholder that was
@@ -61,13 +67,13 @@
 //! VMAs the same way and is likewise reference counted and undone at deregistration.
 
 pub mod index;
+pub mod lease;
 pub mod monitor;
+mod sync;
 
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
-
-use crossbeam_utils::CachePadded;
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex, RwLock};
@@ -76,6 +82,7 @@ use crate::pool::{MrPool, OwnedSlot};
 use crate::verbs::{LocalSlice, ProtectionDomain, RemoteSlice};
 use crate::{AccessFlags, Errno, Error, Result};
 use index::IntervalIndex;
+use lease::{Handle, Hold, LeaseSet, Retire};
 use monitor::{Monitor, Pending};
 
 /// How a miss decides what to register.
@@ -243,15 +250,11 @@ struct Shared {
 }
 
 /// A registration. Its memory is the `Arc` (index, leases, waiters); its MR is deregistered
-/// by [`Entry::retire`] when it is dead and unused (or, at the latest, in `Drop`). Hot
-/// fields first (`repr(C)`).
+/// by [`Entry::retire`] when it is dead and unused (or, at the latest, in `Drop`).
 #[derive(Debug)]
-#[repr(C)]
 struct Entry {
-    /// Set by every handle drop (CLOCK bit for LRU / idle scan).
-    touched: AtomicBool,
     /// Invalidated, evicted or superseded: never handed out again. Set under the index
-    /// write lock; checked by hits after taking their reference.
+    /// write lock (with the lease set's kill, which hits check).
     dead: AtomicBool,
     start: u64,
     end: u64,
@@ -274,52 +277,42 @@ struct Entry {
     wait_mx: Mutex<()>,
     wait_cv: Condvar,
     shared: Arc<Shared>,
-    /// One counter per [`Lease`] (per thread, cache-line padded): the number of handles
-    /// taken through it. The sum is the number of users. Pushed under this lock (cold path);
-    /// counters whose lease is gone are pruned there.
-    counts: Mutex<Vec<Arc<CachePadded<AtomicU64>>>>,
+    /// The per-thread leases handles are counted on (see [`lease`]).
+    leases: LeaseSet<Entry>,
     /// The monitor attach has been released (once, by [`Entry::retire`]; keys are taken
     /// and deregistered at every call).
     retired: AtomicBool,
 }
 
-/// One thread's hold on an entry: handles taken by that thread count on `n`, a cache line
-/// only that thread writes (except for a handle dropped on another thread). The thread
-/// cache keeps the lease, so a hit writes only thread-private lines. A lease keeps the
-/// entry's *memory* alive, never its registration: that is retired (deregistered) as soon
-/// as the entry is dead and the sum of its lease counters is 0.
-#[derive(Debug)]
-struct Lease {
-    n: Arc<CachePadded<AtomicU64>>,
-    entry: Arc<Entry>,
+/// What a hit checks: `(start, end, access)`.
+#[derive(Debug, Clone, Copy)]
+struct Meta {
+    start: u64,
+    end: u64,
+    access: AccessFlags,
 }
 
-impl Lease {
-    /// A new lease on `e` holding one handle's count. Callers guarantee `e` cannot be
-    /// retired meanwhile (index lock held and `e` not dead, or `e` private to the caller).
-    fn new(e: &Arc<Entry>) -> Arc<Lease> {
-        let n = Arc::new(CachePadded::new(AtomicU64::new(1)));
-        {
-            let mut v = e.counts.lock();
-            // A counter only the entry still references belongs to a dropped lease (count 0).
-            v.retain(|c| Arc::strong_count(c) > 1);
-            v.push(n.clone());
-        }
-        Arc::new(Lease {
-            n,
-            entry: e.clone(),
-        })
-    }
-
-    /// Give back one handle's count; retire the entry if it is dead and this was the last.
+impl Meta {
     #[inline]
-    fn release(&self) {
-        self.n.fetch_sub(1, Ordering::SeqCst);
-        // SeqCst against `kill`: either the killer sees our decrement in its sum, or we
-        // see it dead here and retire it ourselves.
-        if self.entry.is_dead_sc() {
-            self.entry.try_retire();
+    fn covers(&self, addr: u64, end: u64, access: AccessFlags) -> bool {
+        self.start <= addr && end <= self.end && self.access.contains(access)
+    }
+}
+
+impl Retire for Entry {
+    type Meta = Meta;
+    fn meta(&self) -> Meta {
+        Meta {
+            start: self.start,
+            end: self.end,
+            access: self.access,
         }
+    }
+    fn leases(&self) -> &LeaseSet<Entry> {
+        &self.leases
+    }
+    fn retire(&self) {
+        Entry::retire(self);
     }
 }
 
@@ -348,48 +341,29 @@ impl Entry {
         self.dead.load(Ordering::Acquire)
     }
 
-    /// Dead, or private to its handles (uncached: no index, no thread cache can hand it
-    /// out again). SeqCst: pairs with the counter updates (see [`Lease::release`]).
-    #[inline]
-    fn is_dead_sc(&self) -> bool {
-        self.dead.load(Ordering::SeqCst) || !self.cached.load(Ordering::SeqCst)
-    }
-
-    /// Handles alive (sum of the lease counters).
+    /// Handles alive (sum over the leases).
     fn users(&self) -> u64 {
-        self.counts
-            .lock()
-            .iter()
-            .map(|c| c.load(Ordering::SeqCst))
-            .sum()
+        self.leases.users()
     }
 
     /// Idle: no handle (callers hold the index lock).
-    fn idle_in_index(self: &Arc<Self>) -> bool {
+    fn idle_in_index(&self) -> bool {
         self.users() == 0
     }
 
-    /// Mark dead (SeqCst; callers hold the index write lock or own the entry). Follow with
+    /// Mark dead (callers hold the index write lock or own the entry): no handle can be
+    /// taken any more. Returns the handles alive. Follow with
     /// [`try_retire`](Self::try_retire) once the lock is released.
-    fn kill(&self) {
-        self.cached.store(false, Ordering::SeqCst);
-        self.dead.store(true, Ordering::SeqCst);
+    fn kill(&self) -> u64 {
+        self.cached.store(false, Ordering::Release);
+        self.dead.store(true, Ordering::Release);
+        self.leases.kill()
     }
 
     /// Deregister now if the entry is dead and has no user. Safe to call any number of times
-    /// from any thread: a hit increments its counter *before* checking `dead` and a release
-    /// decrements *before* checking it (all SeqCst), so a sum of 0 seen after `dead` was set
-    /// means no handle exists and none can be taken any more.
+    /// from any thread (see [`lease`]).
     fn try_retire(&self) {
-        if !self.is_dead_sc() {
-            return;
-        }
-        // Cold path: an explicit fence between reading `dead` and the counters (the loom
-        // model states the SeqCst handshake with fences; this keeps code and model alike).
-        std::sync::atomic::fence(Ordering::SeqCst);
-        if self.users() == 0 {
-            self.retire();
-        }
+        LeaseSet::try_retire(self);
     }
 
     /// Deregister the MR and detach the monitor, exactly once.
@@ -438,13 +412,13 @@ impl Drop for Entry {
 /// its range is invalidated meanwhile: it is then deregistered at the last drop).
 #[derive(Debug)]
 pub struct RegHandle {
-    lease: Arc<Lease>,
+    h: Handle<Entry>,
 }
 
 impl RegHandle {
     #[inline]
     fn e(&self) -> &Entry {
-        &self.lease.entry
+        self.h.entry()
     }
     /// The MRs, in address order (one unless the range was split).
     pub fn pieces(&self) -> &[Piece] {
@@ -521,27 +495,13 @@ impl RegHandle {
 
 impl Clone for RegHandle {
     fn clone(&self) -> Self {
-        // Same lease (same counter): a live handle keeps its counter above 0 throughout.
-        self.lease.n.fetch_add(1, Ordering::SeqCst);
-        RegHandle {
-            lease: self.lease.clone(),
-        }
+        // Same lease: a live handle keeps its count above 0 throughout.
+        RegHandle { h: self.h.clone() }
     }
 }
 
-impl Drop for RegHandle {
-    #[inline]
-    fn drop(&mut self) {
-        // CLOCK bit: written only when clear (once per scan period), so a steady stream of
-        // hits only reads the entry's line.
-        let t = &self.e().touched;
-        if !t.load(Ordering::Relaxed) {
-            t.store(true, Ordering::Relaxed);
-        }
-        // The last release of a dead entry deregisters it (Entry::try_retire).
-        self.lease.release();
-    }
-}
+// Dropping the `Handle` gives its count back; the last release of a dead entry deregisters
+// it (see [`lease`]).
 
 /// A registration or, when registration was impossible, a bounce buffer from the pool.
 #[derive(Debug)]
@@ -606,25 +566,177 @@ struct ThreadStats {
     hits: AtomicU64,
 }
 
-struct TlsSlot {
-    start: u64,
-    end: u64,
-    access: AccessFlags,
-    /// This thread's lease: keeps the entry's memory, never its registration, alive.
-    lease: Arc<Lease>,
+/// A thread's holds by the 4 KiB page of request addresses: open addressing with linear
+/// probing in a power-of-two array kept at most half full, 16 bytes a slot, so a lookup
+/// reads one line of the table and then the lease's line. No deletion: a key's slot is
+/// overwritten, and the table is rebuilt when it has to shrink.
+struct PageTable<V> {
+    slots: Vec<(u64, Option<V>)>,
+    len: usize,
+    /// 64 - log2(slots.len()).
+    shift: u32,
 }
 
+impl<V> Default for PageTable<V> {
+    fn default() -> Self {
+        PageTable {
+            slots: Vec::new(),
+            len: 0,
+            shift: 0,
+        }
+    }
+}
+
+impl<V> PageTable<V> {
+    #[inline]
+    fn home(&self, key: u64) -> usize {
+        // Fibonacci hashing: the top bits of the product.
+        (key.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> self.shift) as usize
+    }
+
+    #[inline]
+    fn get(&self, key: u64) -> Option<&V> {
+        if self.slots.is_empty() {
+            return None;
+        }
+        let mask = self.slots.len() - 1;
+        let mut i = self.home(key);
+        // At most half full: an empty slot ends every probe.
+        loop {
+            match &self.slots[i] {
+                (k, Some(h)) if *k == key => return Some(h),
+                (_, None) => return None,
+                _ => i = (i + 1) & mask,
+            }
+        }
+    }
+
+    /// Remove `key` (backward-shift deletion: no tombstones, probes stay short).
+    fn remove(&mut self, key: u64) -> Option<V> {
+        if self.slots.is_empty() {
+            return None;
+        }
+        let mask = self.slots.len() - 1;
+        let mut i = self.home(key);
+        loop {
+            match &self.slots[i] {
+                (k, Some(_)) if *k == key => break,
+                (_, None) => return None,
+                _ => i = (i + 1) & mask,
+            }
+        }
+        let out = self.slots[i].1.take();
+        self.len -= 1;
+        // Shift later members of the probe run back into the hole when their home is not
+        // in the cyclic range (hole, j].
+        let mut hole = i;
+        let mut j = i;
+        loop {
+            j = (j + 1) & mask;
+            let h = match &self.slots[j] {
+                (_, None) => break,
+                (k, Some(_)) => self.home(*k),
+            };
+            let stays = if hole <= j {
+                hole < h && h <= j
+            } else {
+                hole < h || h <= j
+            };
+            if !stays {
+                self.slots.swap(hole, j);
+                hole = j;
+            }
+        }
+        out
+    }
+
+    /// Insert or replace; returns the replaced hold.
+    fn insert(&mut self, key: u64, hold: V) -> Option<V> {
+        if (self.len + 1) * 2 > self.slots.len() {
+            self.rebuild((self.slots.len() * 2).max(16));
+        }
+        let mask = self.slots.len() - 1;
+        let mut i = self.home(key);
+        loop {
+            match &mut self.slots[i] {
+                (k, Some(h)) if *k == key => return Some(std::mem::replace(h, hold)),
+                (k, slot @ None) => {
+                    *k = key;
+                    *slot = Some(hold);
+                    self.len += 1;
+                    return None;
+                }
+                _ => i = (i + 1) & mask,
+            }
+        }
+    }
+
+    /// Re-create (same size) keeping the holds `keep` accepts; the others are pushed to
+    /// `out` (released by the caller outside the thread-local borrow).
+    fn retain(&mut self, keep: impl Fn(&V) -> bool, out: &mut Vec<V>) {
+        let size = self.slots.len();
+        if size == 0 {
+            return;
+        }
+        let old = std::mem::take(&mut self.slots);
+        self.len = 0;
+        self.alloc(size);
+        for (k, h) in old {
+            if let Some(h) = h {
+                if keep(&h) {
+                    self.insert(k, h);
+                } else {
+                    out.push(h);
+                }
+            }
+        }
+    }
+
+    /// Re-create with `size` slots (a power of two), keeping every hold.
+    fn rebuild(&mut self, size: usize) {
+        let old = std::mem::take(&mut self.slots);
+        self.len = 0;
+        self.alloc(size);
+        for (k, h) in old {
+            if let Some(h) = h {
+                self.insert(k, h);
+            }
+        }
+    }
+
+    fn alloc(&mut self, size: usize) {
+        debug_assert!(size.is_power_of_two() && size >= 16);
+        self.slots = (0..size).map(|_| (0, None)).collect();
+        self.shift = 64 - size.trailing_zeros();
+    }
+}
+
+/// One thread's table for one cache: holds by the page of a request address, and a ring of
+/// the last few entries matched by range (lookups anywhere inside a large entry).
+/// Validated as a whole by the monitor sequence (a caught-up table has seen every queued
+/// invalidation applied), and hold by hold by the lease's dead bit.
 struct TlsCache {
     cache_id: u64,
     alive: Weak<Inner>,
-    gen: u64,
     mseq: u64,
-    slots: [Option<TlsSlot>; TLS_SLOTS],
+    map: PageTable<Hold<Entry>>,
+    ring: [Option<Hold<Entry>>; RING],
     next: usize,
     stats: Arc<ThreadStats>,
 }
 
-const TLS_SLOTS: usize = 4;
+/// Range-matched holds per thread table.
+const RING: usize = 4;
+
+/// Entries of at most this many pages have their slots dropped from the invalidating
+/// thread's table at once ([`RegCache::tls_forget`]).
+const FORGET_PAGES: u64 = 64;
+
+/// Key of the thread table.
+#[inline]
+fn page_key(addr: u64) -> u64 {
+    addr >> 12
+}
 
 thread_local! {
     static TLS: RefCell<Vec<TlsCache>> = const { RefCell::new(Vec::new()) };
@@ -639,10 +751,8 @@ struct Inner {
     cfg: CacheConfig,
     max_chunk: u64,
     page: u64,
-    /// Bumped by 2 (stays even) after every removal from the index, under the write lock.
-    /// Guards the per-thread caches: a thread's cached entries are valid only while the
-    /// generation it recorded is current.
-    gen: AtomicU64,
+    /// Most slots of one thread's table (see [`TlsCache`]).
+    tls_cap: usize,
     index: RwLock<IntervalIndex<Arc<Entry>>>,
     pending: Arc<Pending>,
     next_id: AtomicU64,
@@ -661,7 +771,7 @@ fn page_span(page: u64, a: u64, b: u64) -> (u64, u64) {
 }
 
 enum Lookup {
-    Hit(RegHandle),
+    Hit(RegHandle, Hold<Entry>),
     Wait(Arc<Entry>),
     Miss,
 }
@@ -687,6 +797,8 @@ impl RegCache {
         let max_mr = pd.context().query_device().max_mr_size;
         let max_chunk = (cfg.max_chunk.min(max_mr) & !(page - 1)).max(page);
         let pending = Arc::new(Pending::new(cfg.pending_capacity));
+        // Room for every entry looked up at a few addresses, bounded.
+        let cfg_tls_cap = cfg.max_entries.saturating_mul(4).clamp(1024, 1 << 20);
         if let Some(m) = monitor {
             m.subscribe(pending.clone());
         }
@@ -701,7 +813,7 @@ impl RegCache {
                 cfg,
                 max_chunk,
                 page,
-                gen: AtomicU64::new(0),
+                tls_cap: cfg_tls_cap,
                 index: RwLock::new(IntervalIndex::default()),
                 pending,
                 next_id: AtomicU64::new(1),
@@ -755,6 +867,10 @@ impl RegCache {
         }
     }
 
+    /// The per-thread path: the thread's table slot for `addr`, checked for coverage and
+    /// rights, then a handle through the slot's lease (no lock, no shared write; see
+    /// [`lease`]). The table is valid only while no monitor event arrived since it caught up
+    /// (`mseq`): queued invalidations are applied by the slow path first.
     #[inline]
     fn fast_hit(&self, addr: u64, len: u64, access: AccessFlags) -> Option<RegHandle> {
         let inner = &*self.inner;
@@ -762,50 +878,56 @@ impl RegCache {
         TLS.try_with(|t| {
             let t = t.borrow();
             let rec = t.iter().rev().find(|r| r.cache_id == inner.id)?;
-            if rec.gen != inner.gen.load(Ordering::Acquire) || rec.mseq != monitor::seq() {
+            if inner.shared.monitor.is_some() && rec.mseq != monitor::seq() {
                 return None;
             }
-            for s in rec.slots.iter().flatten() {
-                if s.start <= addr && end <= s.end && s.access.contains(access) {
-                    // Count on this thread's own line, then check death (SeqCst, see
-                    // Entry::try_retire). Dead: miss (a count taken before the kill is a
-                    // handle obtained before it, which is allowed).
-                    s.lease.n.fetch_add(1, Ordering::SeqCst);
-                    if s.lease.entry.is_dead_sc() {
-                        s.lease.release();
-                        return None;
-                    }
-                    let h = &rec.stats.hits;
-                    h.store(h.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
-                    // Refcount of the lease: thread-private too.
-                    return Some(RegHandle {
-                        lease: s.lease.clone(),
-                    });
-                }
-            }
-            None
+            let hold = match rec.map.get(page_key(addr)) {
+                Some(h) if h.meta().covers(addr, end, access) => h,
+                _ => rec
+                    .ring
+                    .iter()
+                    .flatten()
+                    .find(|h| h.meta().covers(addr, end, access))?,
+            };
+            // Dead (invalidated, evicted, superseded): miss; the slow path replaces the hold.
+            let h = hold.get()?;
+            let n = &rec.stats.hits;
+            n.store(n.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+            Some(RegHandle { h })
         })
         .ok()
         .flatten()
     }
 
-    fn tls_insert(&self, lease: &Arc<Lease>, gen: u64, mseq: u64) {
-        let e = &lease.entry;
+    /// Remember `hold` for lookups at `addr` in this thread's table; `mseq` is the monitor
+    /// sequence read *before* the pending invalidations were applied (so every event it
+    /// counts has killed its entries by now).
+    fn tls_insert(&self, addr: u64, hold: Hold<Entry>, mseq: u64) {
         let inner = &self.inner;
         let dropped = TLS.try_with(|t| {
             let mut t = t.borrow_mut();
+            // Tables of dropped caches hold entry memory (never registrations): let go of
+            // them at this thread's next slow path.
+            let gone: Vec<TlsCache> = if t.iter().any(|r| r.alive.strong_count() == 0) {
+                let (live, gone) = std::mem::take(&mut *t)
+                    .into_iter()
+                    .partition(|r| r.alive.strong_count() > 0);
+                *t = live;
+                gone
+            } else {
+                Vec::new()
+            };
             let pos = match t.iter().rposition(|r| r.cache_id == inner.id) {
                 Some(p) => p,
                 None => {
-                    t.retain(|r| r.alive.strong_count() > 0);
                     let stats = Arc::new(ThreadStats::default());
                     inner.threads.lock().push(stats.clone());
                     t.push(TlsCache {
                         cache_id: inner.id,
                         alive: Arc::downgrade(inner),
-                        gen,
                         mseq,
-                        slots: Default::default(),
+                        map: PageTable::default(),
+                        ring: Default::default(),
                         next: 0,
                         stats,
                     });
@@ -813,41 +935,63 @@ impl RegCache {
                 }
             };
             let rec = &mut t[pos];
-            let mut old: Vec<TlsSlot> = Vec::new();
-            if rec.gen != gen || rec.mseq != mseq {
-                old.extend(rec.slots.iter_mut().filter_map(Option::take));
-                rec.gen = gen;
-                rec.mseq = mseq;
+            rec.mseq = mseq;
+            let key = page_key(addr);
+            let mut old: Vec<Hold<Entry>> = Vec::new();
+            if !rec.ring.iter().flatten().any(|r| r.same(&hold)) {
+                let i = rec.next % RING;
+                rec.next = rec.next.wrapping_add(1);
+                old.extend(rec.ring[i].replace(hold.clone()));
             }
-            let i = rec.next % TLS_SLOTS;
-            rec.next = rec.next.wrapping_add(1);
-            if let Some(o) = rec.slots[i].replace(TlsSlot {
-                start: e.start,
-                end: e.end,
-                access: e.access,
-                lease: lease.clone(),
-            }) {
-                old.push(o);
+            if rec.map.len >= inner.tls_cap && rec.map.get(key).is_none() {
+                // Full: drop the holds of dead entries, and everything if that is not enough.
+                rec.map.retain(|h| !h.is_dead(), &mut old);
+                if rec.map.len >= inner.tls_cap / 2 {
+                    rec.map.retain(|_| false, &mut old);
+                }
             }
-            old
+            old.extend(rec.map.insert(key, hold));
+            (old, gone)
         });
-        // Entry references released outside the thread-local borrow.
+        // Leases released outside the thread-local borrow.
         drop(dropped);
+    }
+
+    /// A handle and a hold through this thread's ring slot on `e`, if any and alive.
+    fn tls_reuse(&self, e: &Arc<Entry>) -> Option<(Handle<Entry>, Hold<Entry>)> {
+        let id = self.inner.id;
+        TLS.try_with(|t| {
+            let t = t.borrow();
+            let rec = t.iter().rev().find(|r| r.cache_id == id)?;
+            let hold = rec
+                .ring
+                .iter()
+                .flatten()
+                .find(|h| std::ptr::eq(h.entry(), &**e))?;
+            Some((hold.get()?, hold.clone()))
+        })
+        .ok()
+        .flatten()
     }
 
     fn tick(&self, now: Instant) -> u64 {
         now.saturating_duration_since(self.inner.epoch).as_millis() as u64
     }
 
-    /// Apply queued monitor invalidations; wait out an event being delivered.
-    fn sync_monitor(&self) {
+    /// Apply queued monitor invalidations; wait out an event being delivered. Returns the
+    /// monitor sequence read before the queue was drained: every event it counts has had
+    /// its entries killed once the index lock has been taken after this call (a drain by
+    /// another thread applies under the write lock). Odd: an event was being delivered (do
+    /// not let a thread table catch up to it).
+    fn sync_monitor(&self) -> u64 {
         if self.inner.shared.monitor.is_none() {
-            return;
+            return 0;
         }
         if !monitor::wait_quiescent(Duration::from_secs(1)) {
             tracing::warn!("userfaultfd monitor stalled for 1 s; dropping every cached entry");
             self.invalidate(0, u64::MAX);
         }
+        let mseq = monitor::seq();
         if self.inner.pending.is_nonempty() {
             // Drain and apply under one write lock (see `invalidate_locked`).
             let dead = {
@@ -857,6 +1001,7 @@ impl RegCache {
             };
             self.finish_invalidation(dead);
         }
+        mseq
     }
 
     fn lookup(&self, addr: u64, end: u64, access: AccessFlags) -> Lookup {
@@ -868,9 +1013,10 @@ impl RegCache {
             }
             if e.ready().is_some() {
                 // In the index under the read lock: not dead (death is set under the write lock).
-                return Lookup::Hit(RegHandle {
-                    lease: Lease::new(e),
-                });
+                // This thread's lease on the entry if its ring has one (one lease per thread
+                // and entry for lookups all over a large entry), else a new one.
+                let (h, hold) = self.tls_reuse(e).unwrap_or_else(|| lease::lease(e));
+                return Lookup::Hit(RegHandle { h }, hold);
             } else if wait.is_none() {
                 wait = Some(e.clone());
             }
@@ -908,14 +1054,12 @@ impl RegCache {
             })?;
         let mut evicted_for_enomem = false;
         for _attempt in 0..64 {
-            self.sync_monitor();
-            let gen = inner.gen.load(Ordering::Acquire);
-            let mseq = monitor::seq();
+            let mseq = self.sync_monitor();
             match self.lookup(addr, end, access) {
-                Lookup::Hit(h) => {
+                Lookup::Hit(h, hold) => {
                     inc(&c.hits_slow);
                     if mseq & 1 == 0 {
-                        self.tls_insert(&h.lease, gen, mseq);
+                        self.tls_insert(addr, hold, mseq);
                     }
                     return Ok(h);
                 }
@@ -988,21 +1132,19 @@ impl RegCache {
                     regs: Mutex::new(Vec::new()),
                     cached: AtomicBool::new(fits),
                     monitored: AtomicBool::new(false),
-                    touched: AtomicBool::new(false),
                     idle_since: AtomicU64::new(self.tick(Instant::now())),
                     wait_mx: Mutex::new(()),
                     wait_cv: Condvar::new(),
                     shared: inner.shared.clone(),
-                    counts: Mutex::new(Vec::new()),
+                    leases: LeaseSet::new(),
                     retired: AtomicBool::new(false),
                 });
                 if fits {
                     ix.insert(s, e, placeholder.id, placeholder.clone());
                 } else {
+                    // Private to its handles: leases are born dead, the last release retires.
+                    placeholder.leases.kill();
                     inc(&c.uncached);
-                }
-                if !superseded.is_empty() || !victims.is_empty() {
-                    inner.gen.fetch_add(2, Ordering::AcqRel);
                 }
             }
             inc(&c.misses);
@@ -1020,6 +1162,7 @@ impl RegCache {
                             tracing::debug!(error = %err, "monitor cannot attach; registration uncached");
                             self.unindex(&placeholder);
                             placeholder.cached.store(false, Ordering::Release);
+                            placeholder.leases.kill();
                             inc(&c.uncached);
                             inc(&c.unmonitored);
                         }
@@ -1038,7 +1181,7 @@ impl RegCache {
                         .lock()
                         .extend(pieces.iter().map(|p| p.lkey));
                     // Publish: first apply invalidations that arrived while we registered.
-                    self.sync_monitor();
+                    let mseq = self.sync_monitor();
                     // The handle's lease is counted under the same lock: an invalidation after
                     // publication then finds a user and leaves the MR to our last release.
                     let published = {
@@ -1047,23 +1190,21 @@ impl RegCache {
                             None
                         } else {
                             let _ = placeholder.pieces.set(pieces);
-                            Some(Lease::new(&placeholder))
+                            Some(lease::lease(&placeholder))
                         }
                     };
                     placeholder.wake();
-                    let Some(lease) = published else {
+                    let Some((h, hold)) = published else {
                         // Invalidated while we pinned: the pages may be those of the old mapping.
                         inc(&c.stale_rejects);
                         placeholder.failed.store(true, Ordering::Release);
                         self.unindex(&placeholder);
                         continue;
                     };
-                    let mseq2 = monitor::seq();
-                    if placeholder.cached.load(Ordering::Acquire) && mseq2 & 1 == 0 {
-                        self.tls_insert(&lease, inner.gen.load(Ordering::Acquire), mseq2);
+                    if placeholder.cached.load(Ordering::Acquire) && mseq & 1 == 0 {
+                        self.tls_insert(addr, hold, mseq);
                     }
-                    let h = RegHandle { lease };
-                    return Ok(h);
+                    return Ok(RegHandle { h });
                 }
                 Err(err) => {
                     placeholder.failed.store(true, Ordering::Release);
@@ -1099,9 +1240,7 @@ impl RegCache {
 
     fn unindex(&self, e: &Arc<Entry>) {
         let mut ix = self.inner.index.write();
-        if ix.remove(e.start, e.id).is_some() {
-            self.inner.gen.fetch_add(2, Ordering::AcqRel);
-        }
+        ix.remove(e.start, e.id);
     }
 
     fn shape(&self, addr: u64, end: u64, no_widen: bool) -> (u64, u64) {
@@ -1179,7 +1318,7 @@ impl RegCache {
             .iter()
             .filter(|(_, _, _, x)| x.ready().is_some() && x.idle_in_index() && !x.is_dead())
             .map(|(s, _, id, x)| {
-                if x.touched.swap(false, Ordering::Relaxed) {
+                if x.leases.take_touched() {
                     x.idle_since.store(now, Ordering::Relaxed);
                 }
                 (x.idle_since.load(Ordering::Relaxed), s, id)
@@ -1216,9 +1355,6 @@ impl RegCache {
                 .collect();
             for (s, id) in cand {
                 victims.extend(take_if_idle(&mut ix, s, id));
-            }
-            if !victims.is_empty() {
-                self.inner.gen.fetch_add(2, Ordering::AcqRel);
             }
         }
         let n = victims.len();
@@ -1261,16 +1397,12 @@ impl RegCache {
                 if let Some(x) = ix.remove(s, id) {
                     // Dead under the lock: a publisher (which checks under the lock) and every
                     // hit (which checks after taking its count) see it.
-                    x.kill();
-                    if x.users() > 0 {
+                    if x.kill() > 0 {
                         inc(&self.inner.shared.c.invalidated_in_use);
                     }
                     dead.push(x);
                 }
             }
-        }
-        if !dead.is_empty() {
-            self.inner.gen.fetch_add(2, Ordering::AcqRel);
         }
         dead
     }
@@ -1287,8 +1419,45 @@ impl RegCache {
         for x in &dead {
             x.wake();
         }
+        self.tls_forget(&dead);
         retire_all(dead);
         n
+    }
+
+    /// Drop this thread's holds on `dead` entries now, while their memory is warm (other
+    /// threads' tables let go when they look the address up again or rebuild).
+    fn tls_forget(&self, dead: &[Arc<Entry>]) {
+        let id = self.inner.id;
+        let gone = TLS.try_with(|t| {
+            let mut t = t.borrow_mut();
+            let mut gone: Vec<Hold<Entry>> = Vec::new();
+            let Some(rec) = t.iter_mut().rev().find(|r| r.cache_id == id) else {
+                return gone;
+            };
+            for e in dead {
+                for slot in &mut rec.ring {
+                    if slot.as_ref().is_some_and(|h| std::ptr::eq(h.entry(), &**e)) {
+                        gone.extend(slot.take());
+                    }
+                }
+                // Small entries: their pages are the likely keys.
+                let (first, last) = (page_key(e.start), page_key(e.end - 1));
+                if last - first < FORGET_PAGES {
+                    for k in first..=last {
+                        if rec
+                            .map
+                            .get(k)
+                            .is_some_and(|h| std::ptr::eq(h.entry(), &**e))
+                        {
+                            gone.extend(rec.map.remove(k));
+                        }
+                    }
+                }
+            }
+            gone
+        });
+        // Leases released outside the thread-local borrow.
+        drop(gone);
     }
 
     /// Release entries idle for longer than the configured `idle_timeout` at `now`
@@ -1298,7 +1467,7 @@ impl RegCache {
         {
             let ix = self.inner.index.read();
             for (_, _, _, x) in ix.iter() {
-                if x.touched.swap(false, Ordering::Relaxed) {
+                if x.leases.take_touched() {
                     x.idle_since.store(t, Ordering::Relaxed);
                 }
             }
@@ -1401,8 +1570,8 @@ impl Drop for Inner {
             m.unsubscribe(&self.pending);
         }
         // This thread's cache records: their leases hold entry memory (and, through it, the
-        // PD). Other threads' records go at their next lookup or exit (never registrations:
-        // those are retired below or at their last handle drop).
+        // PD). Other threads' records go at their next slow-path lookup or exit (never
+        // registrations: those are retired below or at their last handle drop).
         let id = self.id;
         let mine = TLS
             .try_with(|t| {
@@ -1557,4 +1726,43 @@ fn take_if_idle(ix: &mut IntervalIndex<Arc<Entry>>, s: u64, id: u64) -> Option<A
     let x = ix.remove(s, id)?;
     x.kill();
     Some(x)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::PageTable;
+    use std::collections::HashMap;
+
+    /// The thread table against a `HashMap`: inserts, replacements, backward-shift
+    /// removals and rebuilds over colliding keys.
+    #[test]
+    fn page_table_matches_a_map() {
+        let mut t: PageTable<u64> = PageTable::default();
+        let mut m: HashMap<u64, u64> = HashMap::new();
+        let mut x = 0x2545_f491_4f6c_dd1d_u64;
+        for step in 0..200_000u64 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            // Few distinct keys (long probe runs, many replacements and removals).
+            let key = x % 3000;
+            match (x >> 32) % 8 {
+                0..=3 => assert_eq!(t.insert(key, step), m.insert(key, step)),
+                4..=5 => assert_eq!(t.remove(key), m.remove(&key)),
+                6 if step % 512 == 0 => {
+                    let mut out = Vec::new();
+                    t.retain(|v| v % 2 == 0, &mut out);
+                    let before = m.len();
+                    m.retain(|_, v| *v % 2 == 0);
+                    assert_eq!(out.len(), before - m.len());
+                }
+                _ => {}
+            }
+            assert_eq!(t.get(key), m.get(&key));
+            assert_eq!(t.len, m.len());
+        }
+        for (k, v) in &m {
+            assert_eq!(t.get(*k), Some(v));
+        }
+    }
 }

@@ -1,0 +1,213 @@
+//! The per-thread hit path over working sets larger than a handful of buffers: every warm
+//! hit is served by the thread's own table (no index lock), at any working-set size, on
+//! every thread; invalidation, eviction, thread exit and table overflow keep it correct.
+//! Counters, keys and the device are checked, never timings.
+
+mod cache_util;
+
+use std::sync::mpsc;
+
+use cache_util::*;
+use mrkit::cache::{CacheConfig, MonitorMode, RegCache};
+use mrkit::AccessFlags;
+
+const RW: AccessFlags = AccessFlags::LOCAL_WRITE;
+const PAGE: u64 = 4096;
+
+fn explicit(max_entries: usize) -> CacheConfig {
+    CacheConfig {
+        monitor: MonitorMode::ExplicitOnly,
+        max_entries,
+        ..CacheConfig::default()
+    }
+}
+
+/// A scrambled order over `n` items, `passes` times (xorshift, reproducible).
+fn scrambled(n: usize, passes: usize, mut seed: u64) -> Vec<usize> {
+    (0..n * passes)
+        .map(|_| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed % n as u64) as usize
+        })
+        .collect()
+}
+
+#[test]
+fn warm_hits_over_many_buffers_are_all_thread_local() {
+    let (ctx, pd) = open();
+    for n in [16usize, 64, 1024] {
+        let cache = RegCache::new(&pd, explicit(4096)).unwrap();
+        let m = Map::new(n * PAGE as usize);
+        let keys: Vec<u32> = (0..n as u64)
+            .map(|i| cache.get(m.addr + i * PAGE, PAGE, RW).unwrap().lkey())
+            .collect();
+        let s0 = cache.stats();
+        assert_eq!(s0.misses, n as u64);
+        let order = scrambled(n, 4, 0x9e37_79b9_7f4a_7c15);
+        for &i in &order {
+            let a = m.addr + i as u64 * PAGE;
+            let h = cache.get(a, PAGE, RW).unwrap();
+            assert_eq!(h.lkey(), keys[i], "buffer {i}: another registration");
+        }
+        let s1 = cache.stats();
+        assert_eq!(s1.misses, s0.misses, "{n} buffers: warm lookups missed");
+        assert_eq!(
+            s1.fast_hits - s0.fast_hits,
+            order.len() as u64,
+            "{n} buffers: warm hits left the per-thread path"
+        );
+        drop(cache);
+        assert_eq!(live_mrs(&ctx), 0);
+    }
+}
+
+#[test]
+fn two_threads_hit_the_same_entries_each_on_its_own_path() {
+    let (ctx, pd) = open();
+    let n = 256usize;
+    let cache = RegCache::new(&pd, explicit(1024)).unwrap();
+    let m = Map::new(n * PAGE as usize);
+    let keys: Vec<u32> = (0..n as u64)
+        .map(|i| cache.get(m.addr + i * PAGE, PAGE, RW).unwrap().lkey())
+        .collect();
+    let s0 = cache.stats();
+    std::thread::scope(|s| {
+        for seed in [1u64, 2] {
+            let (c, keys, base) = (&cache, &keys, m.addr);
+            s.spawn(move || {
+                for &i in &scrambled(n, 8, seed * 0x2545_f491_4f6c_dd1d) {
+                    let h = c.get(base + i as u64 * PAGE, PAGE, RW).unwrap();
+                    assert_eq!(h.lkey(), keys[i]);
+                }
+            });
+        }
+    });
+    let s1 = cache.stats();
+    let lookups = 2 * 8 * n as u64;
+    assert_eq!(s1.misses, s0.misses);
+    assert_eq!(s1.hits - s0.hits, lookups);
+    // Each thread's first lookup of a buffer goes through the shared index once.
+    assert!(
+        s1.fast_hits - s0.fast_hits >= lookups - 2 * n as u64,
+        "fast hits {} of {lookups}",
+        s1.fast_hits - s0.fast_hits
+    );
+    drop(cache);
+    assert_eq!(live_mrs(&ctx), 0);
+}
+
+#[test]
+fn invalidation_reaches_every_thread_table() {
+    let (ctx, pd) = open();
+    let n = 64usize;
+    let cache = RegCache::new(&pd, explicit(1024)).unwrap();
+    let m = Map::new(n * PAGE as usize);
+    // A second thread warms its table over every buffer and waits.
+    let (warm_tx, warm_rx) = mpsc::channel::<()>();
+    let (go_tx, go_rx) = mpsc::channel::<()>();
+    std::thread::scope(|s| {
+        let (c, base) = (&cache, m.addr);
+        let t = s.spawn(move || {
+            let old: Vec<u32> = (0..n as u64)
+                .map(|i| c.get(base + i * PAGE, PAGE, RW).unwrap().lkey())
+                .collect();
+            warm_tx.send(()).unwrap();
+            go_rx.recv().unwrap();
+            // After the invalidation returned: nothing from the table.
+            let before = c.stats();
+            let new: Vec<u32> = (0..n as u64)
+                .map(|i| c.get(base + i * PAGE, PAGE, RW).unwrap().lkey())
+                .collect();
+            let after = c.stats();
+            // The main thread registered them again: slow hits, none from the table.
+            assert_eq!(after.hits - before.hits, n as u64);
+            assert_eq!(after.fast_hits, before.fast_hits);
+            (old, new)
+        });
+        warm_rx.recv().unwrap();
+        // This thread's own table too.
+        for i in 0..n as u64 {
+            drop(cache.get(m.addr + i * PAGE, PAGE, RW).unwrap());
+        }
+        assert_eq!(cache.invalidate(m.addr, n as u64 * PAGE), n);
+        let before = cache.stats();
+        for i in 0..n as u64 {
+            drop(cache.get(m.addr + i * PAGE, PAGE, RW).unwrap());
+        }
+        assert_eq!(cache.stats().fast_hits, before.fast_hits);
+        go_tx.send(()).unwrap();
+        let (old, new) = t.join().unwrap();
+        for (i, k) in new.iter().enumerate() {
+            assert_translates_key(&ctx, &pd, *k, m.addr + i as u64 * PAGE, PAGE);
+        }
+        for (o, n) in old.iter().zip(&new) {
+            assert_ne!(o, n, "an invalidated registration was served again");
+        }
+    });
+    drop(cache);
+    assert_eq!(live_mrs(&ctx), 0);
+}
+
+#[test]
+fn handle_outlives_its_thread_and_the_cache() {
+    let (ctx, pd) = open();
+    let cache = RegCache::new(&pd, explicit(64)).unwrap();
+    let m = Map::new(4 * PAGE as usize);
+    // Taken (and cloned) on a thread that exits: its table's holds go with it.
+    let (h, c) = std::thread::scope(|s| {
+        s.spawn(|| {
+            let h = cache.get(m.addr, PAGE, RW).unwrap();
+            let again = cache.get(m.addr, PAGE, RW).unwrap();
+            assert_eq!(h.lkey(), again.lkey());
+            (h, again.clone())
+        })
+        .join()
+        .unwrap()
+    });
+    drop(c);
+    assert_eq!(cache.invalidate(m.addr, PAGE), 1);
+    assert_eq!(cache.stats().invalidated_in_use, 1);
+    assert!(!h.is_cached());
+    assert_translates(&ctx, &pd, &h, m.addr, PAGE);
+    drop(cache);
+    assert_translates(&ctx, &pd, &h, m.addr, PAGE);
+    assert_eq!(live_mrs(&ctx), 1);
+    drop(h);
+    assert_eq!(live_mrs(&ctx), 0);
+}
+
+#[test]
+fn thread_table_overflow_and_evictions_serve_only_live_registrations() {
+    let (ctx, pd) = open();
+    // 300 entries of 8 pages, looked up at every page: 2,400 keys against a thread table of
+    // 1,200; a second round of 300 other buffers evicts the first.
+    let n = 300usize;
+    let per = 8u64;
+    let cache = RegCache::new(&pd, explicit(n)).unwrap();
+    let m = Map::new(2 * n * (per * PAGE) as usize);
+    let order = scrambled(n * per as usize, 3, 7);
+    for round in 0..2u64 {
+        let base = |b: u64| m.addr + (round * n as u64 + b) * per * PAGE;
+        for b in 0..n as u64 {
+            drop(cache.get(base(b), per * PAGE, RW).unwrap());
+        }
+        let s0 = cache.stats();
+        for &k in &order {
+            let (b, p) = ((k / per as usize) as u64, k as u64 % per);
+            let a = base(b) + p * PAGE;
+            let h = cache.get(a, PAGE, RW).unwrap();
+            assert_eq!(h.range(), (base(b), base(b) + per * PAGE));
+            assert_translates(&ctx, &pd, &h, a, PAGE);
+        }
+        let s1 = cache.stats();
+        assert_eq!(s1.misses, s0.misses, "round {round}: page lookups missed");
+        assert!(s1.entries <= n as u64, "limit: {} entries", s1.entries);
+    }
+    let s = cache.stats();
+    assert_eq!(s.evictions, n as u64);
+    assert_eq!(s.registrations - s.deregistrations, s.entries);
+    drop(cache);
+    assert_eq!(live_mrs(&ctx), 0);
+}
