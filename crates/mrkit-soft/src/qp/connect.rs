@@ -33,9 +33,10 @@ pub struct ConnectOpts {
     pub sq_psn: u32,
     /// Local ACK timeout exponent (4.096 µs × 2^t).
     pub timeout: u8,
-    /// Transport retries (7 = infinite).
+    /// Transport retries after a timeout or a sequence NAK (0..=7; 7 is seven retries in the
+    /// hardware status model, forever in the rxe model).
     pub retry_cnt: u8,
-    /// RNR retries (7 = infinite).
+    /// RNR retries (0..=7; 7 = infinite, as the IBA says).
     pub rnr_retry: u8,
     /// Outstanding READ/atomic as requester and as responder.
     pub rd_atomic: u32,

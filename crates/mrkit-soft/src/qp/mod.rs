@@ -281,9 +281,10 @@ pub struct QpAttr {
     pub path_mtu: u8,
     /// Local ACK timeout exponent (0 = none).
     pub timeout: u8,
-    /// Transport retries (7 = infinite).
+    /// Transport retries after a timeout or a sequence NAK (0..=7; 7 is seven retries in the
+    /// hardware status model, forever in the rxe model).
     pub retry_cnt: u8,
-    /// RNR retries (7 = infinite).
+    /// RNR retries (0..=7; 7 = infinite, as the IBA says).
     pub rnr_retry: u8,
     /// Expected receive PSN.
     pub rq_psn: u32,
@@ -612,8 +613,8 @@ impl Inbox {
 
 impl QpObject {
     /// One run: process the inbox, timers and the send queue; push completions; hand back the
-    /// packets to send. Whether its timers still need ticks is recorded in the device's
-    /// ticking set before the QP lock is released (`QpInner::ticking`).
+    /// packets to send. When its timers next fall due is registered in the device's timer heap
+    /// before the QP lock is released (`QpInner::timer_at`).
     pub(crate) fn run(&self, ctx: &Context, now: Instant) -> Vec<Pkt> {
         self.run_locked(ctx, now, self.inner.lock())
     }
