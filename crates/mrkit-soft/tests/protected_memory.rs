@@ -309,8 +309,10 @@ fn run(damage: Damage, backing: Backing, mode: PinMode, udp: bool) {
 /// One operation on memory no frame is left behind (mlock-pinned, then unmapped).
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Op {
-    /// Remote WRITE into it (responder placement).
+    /// Remote WRITE into it (responder placement), five packets.
     WriteTarget,
+    /// The same in one packet (its placement is the last one before the ACK).
+    WriteTargetOne,
     /// Remote fetch-and-add on it.
     AtomicTarget,
     /// Remote READ of it (responder source).
@@ -326,8 +328,9 @@ enum Op {
 }
 
 impl Op {
-    const ALL: [Op; 7] = [
+    const ALL: [Op; 8] = [
         Op::WriteTarget,
+        Op::WriteTargetOne,
         Op::AtomicTarget,
         Op::ReadSource,
         Op::SendTarget,
@@ -401,6 +404,14 @@ fn unreachable(op: Op, backing: Backing, udp: bool) {
         Op::WriteTarget => (
             SendWr::new(1, WrOpcode::RdmaWrite)
                 .sge(msrc.iova, 5000, msrc.lkey)
+                .remote(mb.iova + 100, mb.rkey),
+            WcStatus::RemAccessErr,
+            None,
+            QpState::Err,
+        ),
+        Op::WriteTargetOne => (
+            SendWr::new(1, WrOpcode::RdmaWrite)
+                .sge(msrc.iova, 1000, msrc.lkey)
                 .remote(mb.iova + 100, mb.rkey),
             WcStatus::RemAccessErr,
             None,
