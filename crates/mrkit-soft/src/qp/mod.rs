@@ -425,21 +425,29 @@ impl Out {
             return;
         }
         let mut items = Vec::new();
-        let mut owners = Vec::new();
-        for (dst, p, owner) in &self.copies {
+        for (dst, p, _) in &self.copies {
             if let crate::net::Payload::Mem(pieces) = p {
                 let mut doff = 0u64;
                 for (g, goff, glen) in pieces {
                     items.push((dst, doff, g, *goff, *glen));
-                    owners.push(*owner);
                     doff += *glen as u64;
                 }
             }
         }
+        // The owner of each item, built on the first failure only (the fault-free flush
+        // allocates nothing more than before).
+        let mut owners: Vec<CopyOwner> = Vec::new();
         let (mut resp_fault, mut req_fault) = (None, None);
         while let Err((k, side)) = crate::copy::mem_to_mem_batch(&items) {
             // The failure path only: record it, drop the failed owner's later placements and
             // go on with the rest.
+            if owners.is_empty() {
+                for (_, p, owner) in &self.copies {
+                    if let crate::net::Payload::Mem(pieces) = p {
+                        owners.extend(std::iter::repeat(*owner).take(pieces.len()));
+                    }
+                }
+            }
             let failed = owners[k];
             let is_resp = matches!(failed, CopyOwner::Resp { .. });
             match failed {

@@ -251,7 +251,6 @@ impl Responder {
         // then.
         out.flush_copies();
         if let Some((fpsn, side)) = out.resp_fault.take() {
-            debug_assert!(taken.is_none());
             self.copy_failed(q, fpsn, side, taken, out);
             return;
         }
@@ -304,7 +303,12 @@ impl Responder {
                 self.error(q, psn, f, taken, out);
             }
             Unreachable::Src => {
-                debug_assert!(taken.is_none());
+                if let Some(r) = taken {
+                    // Not reached (a receive WQE is never taken while placements wait), but a
+                    // WQE is never lost: it ends as the QP's flush would end it.
+                    let wc = self.recv_wc(q, &r, WcStatus::WrFlushErr, WcOpcode::Recv);
+                    out.recv_wcs.push((wc, false));
+                }
                 if matches!(self.cur, Cur::Write { .. }) {
                     self.cur = Cur::None;
                 }
