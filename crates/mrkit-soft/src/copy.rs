@@ -391,4 +391,74 @@ mod tests {
         ctx.dereg_mr(mr.lkey).unwrap();
         ctx.dereg_mr(ok.lkey).unwrap();
     }
+
+    /// Deferred placements (`Out::flush_copies`): a failed WRITE placement is recorded with its
+    /// PSN and side, the responder's later placements are not done (their packets come after
+    /// the error), and the requester's READ placements around it still land.
+    #[test]
+    fn a_failed_deferred_placement_stops_its_owner_only() {
+        use crate::net::Payload;
+        use crate::qp::{CopyOwner, Out};
+        let ctx = Context::open(DeviceConfig::rxe());
+        let pd = ctx.alloc_pd().unwrap();
+        let at = 0x1800_0010_0000u64 as *mut libc::c_void;
+        // SAFETY: as in the test above.
+        let p = unsafe {
+            libc::mmap(
+                at,
+                PS as usize,
+                libc::PROT_READ,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED_NOREPLACE,
+                -1,
+                0,
+            )
+        };
+        assert_eq!(p, at);
+        // SAFETY: as in the test above.
+        let mr = ctx
+            .reg_mr_va(pd, unsafe { UserMemory::new(at as u64, PS) }, A::empty())
+            .unwrap();
+        // SAFETY: as in the test above.
+        assert_eq!(unsafe { libc::munmap(at, PS as usize) }, 0);
+        let src_mem = std::sync::Arc::new((0..PS).map(|i| i as u8).collect::<Vec<u8>>());
+        let dst_mem = std::sync::Arc::new(vec![0u8; PS as usize]);
+        let src = ctx
+            .reg_mr_va(pd, UserMemory::owned(src_mem.clone()), A::empty())
+            .unwrap();
+        let dst = ctx
+            .reg_mr_va(pd, UserMemory::owned(dst_mem.clone()), A::LOCAL_WRITE)
+            .unwrap();
+        let (s0, d0) = (src_mem.as_ptr() as u64, dst_mem.as_ptr() as u64);
+        let piece = |off: u64| Payload::Mem(vec![(guard(&ctx, pd, src.lkey, s0 + off, 16), 0, 16)]);
+        let to = |off: u64| guard(&ctx, pd, dst.lkey, d0 + off, 16);
+        let mut out = Out::default();
+        let mut place = |g: MrGuard, p: Payload, o: CopyOwner| out.place(g, p, o).unwrap();
+        place(to(0), piece(0), CopyOwner::Resp { psn: 1 });
+        place(to(16), piece(16), CopyOwner::Req { psn: 7 });
+        place(
+            guard(&ctx, pd, mr.lkey, at as u64, 16),
+            piece(32),
+            CopyOwner::Resp { psn: 2 },
+        );
+        place(to(48), piece(48), CopyOwner::Req { psn: 8 });
+        place(to(64), piece(64), CopyOwner::Resp { psn: 3 });
+        out.flush_copies();
+        assert_eq!(out.resp_fault, Some((2, Unreachable::Dst)));
+        assert_eq!(out.req_fault, None);
+        assert!(out.copies.is_empty());
+        assert_eq!(&dst_mem[..32], &src_mem[..32], "placed before the failure");
+        assert_eq!(
+            &dst_mem[48..64],
+            &src_mem[48..64],
+            "the other owner's placement"
+        );
+        assert!(
+            dst_mem[64..80].iter().all(|&x| x == 0),
+            "not placed after it"
+        );
+        drop(out);
+        for k in [mr.lkey, src.lkey, dst.lkey] {
+            ctx.dereg_mr(k).unwrap();
+        }
+    }
 }
