@@ -27,7 +27,9 @@
 //!    page reference, so its frames went back to the kernel with the mapping), the copy fails
 //!    with [`Unreachable`] naming the side it could not reach, and the caller turns it into the
 //!    error a NIC reports for a DMA it cannot do: the responder NAKs with a remote access
-//!    error (QP → ERR), the requester completes the WQE with LOC_PROT_ERR (QP → ERR)
+//!    error (a SEND's receive buffer: the receive completes with LOC_PROT_ERR and the NAK is
+//!    a remote operational error; QP → ERR), the requester completes the WQE with
+//!    LOC_PROT_ERR (QP → ERR)
 //!    (`docs/datapath.md`, "Protected or unmapped registered memory"). No byte is invented:
 //!    a read never hands out zeros for memory it could not reach, and a write that did not
 //!    land is never acknowledged.

@@ -695,11 +695,12 @@ impl Inbox {
         std::mem::take(&mut *g)
     }
 
-    /// Drop every waiting packet.
+    /// Drop every waiting packet (and notice: they are about packets of the QP's old life).
     pub(crate) fn clear(&self) {
         let mut g = self.pkts.lock();
         g.clear();
         self.ready.store(false, Ordering::Release);
+        drop(self.take_notices());
     }
 }
 
