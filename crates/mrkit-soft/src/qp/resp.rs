@@ -247,8 +247,7 @@ impl Responder {
     fn error(&mut self, q: &QpCtx<'_>, psn: u32, f: Fail, taken: Option<RecvWqe>, out: &mut Out) {
         // A NAK acknowledges every earlier packet: their deferred placements must land first,
         // and one that could not is the error to report (it came first). Only WRITE packets
-        // without a receive WQE leave placements pending (`on_request`), so `taken` is None
-        // then.
+        // without a receive WQE leave placements pending (`write`), so `taken` is None then.
         out.flush_copies();
         if let Some((fpsn, side)) = out.resp_fault.take() {
             self.copy_failed(q, fpsn, side, taken, out);
@@ -294,6 +293,13 @@ impl Responder {
         taken: Option<RecvWqe>,
         out: &mut Out,
     ) {
+        // Placements are deferred past the ACKs of their packets (coalesced copies): the
+        // ACKs (and NAKs) this run produced for `psn` or later are withdrawn before they
+        // leave, so nothing acknowledges bytes that did not land. What they acknowledged
+        // before `psn` the NAK below acknowledges too; without a NAK (`Src`) the requester
+        // moves to ERR anyway.
+        out.pkts
+            .retain(|p| p.bth.opcode != Opcode::Acknowledge || psn_cmp(p.bth.psn, psn).is_lt());
         match side {
             Unreachable::Dst => {
                 if matches!(self.cur, Cur::Write { .. }) {
@@ -342,23 +348,6 @@ impl Responder {
                 self.backlog.push_back(p);
             }
             return;
-        }
-        // Placements of earlier WRITE packets may wait (coalesced) only while nothing is sent
-        // that would acknowledge them: an in-sequence WRITE packet without AckReq sends
-        // nothing (its errors go through `error`, which settles them first).
-        let op0 = p.bth.opcode;
-        let may_defer = d == 0
-            && !p.bth.ack_req
-            && matches!(
-                op0,
-                RdmaWriteFirst | RdmaWriteMiddle | RdmaWriteLast | RdmaWriteOnly
-            );
-        if !may_defer && !out.copies.is_empty() {
-            out.flush_copies();
-            if let Some((fpsn, side)) = out.resp_fault.take() {
-                self.copy_failed(q, fpsn, side, None, out);
-                return;
-            }
         }
         if d > 0 {
             if !self.sent_psn_nak {
@@ -678,8 +667,9 @@ impl Responder {
             }
         }
         *off += n;
-        if imm_recv || p.bth.ack_req {
-            // A receive completion or an ACK follows: the placements must have landed.
+        if imm_recv {
+            // A receive completion follows: the placements must have landed. (ACKs need not
+            // wait: a placement that fails later withdraws them, `copy_failed`.)
             out.flush_copies();
             if let Some((fpsn, side)) = out.resp_fault.take() {
                 let taken = if imm_recv && side == Unreachable::Dst {
