@@ -325,10 +325,13 @@ enum Op {
     WriteSource,
     /// RDMA READ into it (requester scatter).
     ReadDest,
+    /// A good WRITE and, posted with it, a SEND gathered from it: the SEND still reports
+    /// LOC_PROT_ERR (the WRITE succeeds, or is flushed if the error came first).
+    SendSourceBehindWrite,
 }
 
 impl Op {
-    const ALL: [Op; 8] = [
+    const ALL: [Op; 9] = [
         Op::WriteTarget,
         Op::WriteTargetOne,
         Op::AtomicTarget,
@@ -337,6 +340,7 @@ impl Op {
         Op::SendSource,
         Op::WriteSource,
         Op::ReadDest,
+        Op::SendSourceBehindWrite,
     ];
 }
 
@@ -458,6 +462,19 @@ fn unreachable(op: Op, backing: Backing, udp: bool) {
             None,
             QpState::Rts,
         ),
+        Op::SendSourceBehindWrite => {
+            recv(mrbuf.iova, mrbuf.lkey);
+            let w = SendWr::new(11, WrOpcode::RdmaWrite)
+                .sge(msrc.iova, 3000, msrc.lkey)
+                .remote(mrbuf.iova + (LEN - 3000) as u64, mrbuf.rkey);
+            a.ctx.post_send(a.qp, &[w]).unwrap();
+            (
+                SendWr::new(5, WrOpcode::Send).sge(ma.iova + 10, 6000, ma.lkey),
+                WcStatus::LocProtErr,
+                None,
+                QpState::Rts,
+            )
+        }
         Op::ReadDest => (
             SendWr::new(7, WrOpcode::RdmaRead)
                 .sge(ma.iova, LEN as u32, ma.lkey)
@@ -468,7 +485,20 @@ fn unreachable(op: Op, backing: Backing, udp: bool) {
         ),
     };
     a.ctx.post_send(a.qp, &[wr]).unwrap();
-    let wc = completion(&a, &b, udp);
+    let mut wc = completion(&a, &b, udp);
+    // Whether the good WRITE posted first completed (its bytes then landed for sure).
+    let mut write_done = false;
+    if op == Op::SendSourceBehindWrite {
+        assert_eq!(wc.wr_id, 11);
+        assert!(
+            matches!(wc.status, WcStatus::Success | WcStatus::WrFlushErr),
+            "{wc:?}"
+        );
+        println!("the WRITE before: {:?}", wc.status);
+        write_done = wc.status == WcStatus::Success;
+        wc = completion(&a, &b, udp);
+        assert_eq!(wc.wr_id, 5);
+    }
     assert_eq!(wc.status, want_a, "{op:?}: requester completion {wc:?}");
     assert_eq!(a.ctx.qp_state(a.qp).unwrap(), QpState::Err);
     wait_state(&b, &a, udp, want_b);
@@ -486,11 +516,19 @@ fn unreachable(op: Op, backing: Backing, udp: bool) {
         assert_eq!(b.ctx.poll_cq(b.cq, &mut v, 4).unwrap(), 0, "{op:?}: {v:?}");
     }
     // No byte landed: the plain buffers and the frames the test can see are as they were.
+    // (The good WRITE of `SendSourceBehindWrite` was sent before the SEND: it lands in the
+    // last 3000 bytes, for sure once it completed.)
     let want_rbuf: Vec<u8> = (0..LEN).map(pat(4)).collect();
+    let (head, tail) = rbuf.split_at(LEN - 3000);
     assert!(
-        rbuf == want_rbuf,
+        head == &want_rbuf[..LEN - 3000],
         "{op:?}: the responder's buffer is untouched"
     );
+    if op != Op::SendSourceBehindWrite {
+        assert!(tail == &want_rbuf[LEN - 3000..], "{op:?}: untouched");
+    } else if write_done {
+        assert!(tail == &src[..3000], "the good WRITE landed");
+    }
     if op != Op::AtomicTarget {
         assert!(back.iter().all(|&x| x == 0), "{op:?}: nothing read");
     }

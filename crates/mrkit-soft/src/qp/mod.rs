@@ -765,22 +765,6 @@ impl QpObject {
             ..Out::default()
         };
         st.resp.begin_run();
-        for n in self.inbox.take_notices() {
-            if out.error {
-                break;
-            }
-            match n {
-                Notice::GatherFault { psn } if matches!(st.state, QpState::Rts | QpState::Sqd) => {
-                    st.comp.gather_fault(&mut st.sq, psn, &mut out);
-                }
-                Notice::ReadSourceFault { psn }
-                    if matches!(st.state, QpState::Rtr | QpState::Rts | QpState::Sqd) =>
-                {
-                    st.resp.read_source_fault(&q, psn, &mut out);
-                }
-                _ => {}
-            }
-        }
         for p in inbox.drain(..) {
             let response = p.bth.opcode.info().is_response();
             if !plain_write(p.bth.opcode) {
@@ -797,6 +781,24 @@ impl QpObject {
                     .on_response(&q, &mut st.sq, &mut st.req, p, now, &mut out);
             } else {
                 self.request(st, &q, p, &mut out);
+            }
+        }
+        // Notices about this QP's own packets, after the packets received: those answer
+        // earlier packets (an ACK for a WRITE before the SEND whose gather failed).
+        for n in self.inbox.take_notices() {
+            if out.error {
+                break;
+            }
+            match n {
+                Notice::GatherFault { psn } if matches!(st.state, QpState::Rts | QpState::Sqd) => {
+                    st.comp.gather_fault(&mut st.sq, psn, &mut out);
+                }
+                Notice::ReadSourceFault { psn }
+                    if matches!(st.state, QpState::Rtr | QpState::Rts | QpState::Sqd) =>
+                {
+                    st.resp.read_source_fault(&q, psn, &mut out);
+                }
+                _ => {}
             }
         }
         // READ responses under way (bounded per run, `resp::READ_BURST`), then the requests
@@ -832,7 +834,14 @@ impl QpObject {
         if st.state == QpState::Err {
             // Flush: every remaining send WQE, then every receive WQE.
             for w in st.sq.q.drain(..) {
-                send_wcs.push(w.flush_wc(self.qpn));
+                // The WQE that failed keeps its status even behind WQEs still outstanding
+                // (those are flushed, in order); every other one is flushed.
+                send_wcs.push(match w.st {
+                    req::WqeSt::Done(status) if status != WcStatus::Success => {
+                        w.wc(self.qpn, status)
+                    }
+                    _ => w.flush_wc(self.qpn),
+                });
             }
             st.sq.cursor = 0;
             st.req.reset_flow();
