@@ -24,9 +24,15 @@
 //! 2. Otherwise (mlock-pinned MRs, or if step 1 fails): `/proc/self/mem`, which reaches the
 //!    frames still mapped at the address whatever their protection.
 //! 3. If neither reaches the frames (an mlock-pinned range that was unmapped: mlock holds no
-//!    page reference, so its frames went back to the kernel with the mapping), the bytes of a
-//!    write are dropped and a read yields zeros; a warning is logged (once per process). This
-//!    is the one case that differs from hardware.
+//!    page reference, so its frames went back to the kernel with the mapping), the copy fails
+//!    with [`Unreachable`] naming the side it could not reach, and the caller turns it into the
+//!    error a NIC reports for a DMA it cannot do: the responder NAKs with a remote access
+//!    error (a SEND's receive buffer: the receive completes with LOC_PROT_ERR and the NAK is
+//!    a remote operational error; QP → ERR), the requester completes the WQE with
+//!    LOC_PROT_ERR (QP → ERR)
+//!    (`docs/datapath.md`, "Protected or unmapped registered memory"). No byte is invented:
+//!    a read never hands out zeros for memory it could not reach, and a write that did not
+//!    land is never acknowledged.
 //!
 //! The fault-free path costs what the copy costs (a `rep movsb`); only a copy that faulted
 //! pays the syscalls of the slow path.
@@ -46,6 +52,17 @@ fn span(g: &MrGuard, off: u64, len: usize) -> *mut u8 {
     (g.va + off) as *mut u8
 }
 
+/// A copy could not reach registered memory: the range is unmapped and its pin holds no page
+/// reference (mlock path), so no frame is left to move the bytes to or from (module docs).
+/// Names the side that failed; the caller reports the error a NIC gives for that side.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Unreachable {
+    /// The source (memory read from) could not be read.
+    Src,
+    /// The destination (memory written to) could not be written.
+    Dst,
+}
+
 /// Set when the slow path could not reach an MR's frames (logged once). Relaxed: it orders
 /// nothing, it only keeps the warning to one line per process.
 static UNREACHABLE_WARNED: std::sync::atomic::AtomicBool =
@@ -53,7 +70,7 @@ static UNREACHABLE_WARNED: std::sync::atomic::AtomicBool =
 
 /// The slow path of a faulted copy: move `dma` to/from the frames of `g`'s MR at `va` (inside
 /// the guard's checked range), pin by pin, as a NIC's DMA would (module docs). Returns whether
-/// every byte was moved; the bytes it could not move are dropped (write) or zeros (read).
+/// every byte was moved; when not, the operation must fail (the bytes not moved are unknown).
 fn through_frames(g: &MrGuard, va: u64, mut dma: Dma<'_>) -> bool {
     let len = match &dma {
         Dma::ToFrames(b) => b.len(),
@@ -90,9 +107,7 @@ fn through_frames(g: &MrGuard, va: u64, mut dma: Dma<'_>) -> bool {
             };
             if !moved {
                 all = false;
-                if let Dma::FromFrames(b) = &mut dma {
-                    b[lo..hi].fill(0);
-                }
+                break;
             }
             done += n;
         }
@@ -101,8 +116,8 @@ fn through_frames(g: &MrGuard, va: u64, mut dma: Dma<'_>) -> bool {
     if !ok && !UNREACHABLE_WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
         tracing::warn!(
             "registered memory at {va:#x} (+{len}) is unmapped and its pin holds no page \
-             reference (mlock path): the device drops writes to it and reads zeros from it; \
-             deregister memory before unmapping it"
+             reference (mlock path): operations on it fail (remote access / local protection \
+             errors); deregister memory before unmapping it"
         );
     }
     ok
@@ -110,59 +125,65 @@ fn through_frames(g: &MrGuard, va: u64, mut dma: Dma<'_>) -> bool {
 
 /// Copy `data` into registered memory at `p` (inside `g`'s checked range), finishing through
 /// the frames if the copy faults.
-fn write_guarded(g: &MrGuard, p: *mut u8, data: &[u8]) {
+fn write_guarded(g: &MrGuard, p: *mut u8, data: &[u8]) -> Result<(), Unreachable> {
     // SAFETY: [p, p + len) lies inside the range check_access validated against the MR and the
     // guard keeps the MR registered (pinned) for the duration of the copy; `data` is a slice.
     let left = unsafe { uaccess::copy(p, data.as_ptr(), data.len()) };
-    match left {
-        Left::Nothing => {}
-        Left::Tail { at } => {
-            through_frames(g, p as u64 + at as u64, Dma::ToFrames(&data[at..]));
-        }
-        Left::Head { n } => {
-            through_frames(g, p as u64, Dma::ToFrames(&data[..n]));
-        }
-    }
+    let ok = match left {
+        Left::Nothing => true,
+        Left::Tail { at } => through_frames(g, p as u64 + at as u64, Dma::ToFrames(&data[at..])),
+        Left::Head { n } => through_frames(g, p as u64, Dma::ToFrames(&data[..n])),
+    };
+    ok.then_some(()).ok_or(Unreachable::Dst)
 }
 
 /// Copy registered memory at `p` (inside `g`'s checked range) into `out`, finishing through
 /// the frames if the copy faults.
-fn read_guarded(g: &MrGuard, p: *const u8, out: &mut [u8]) {
+fn read_guarded(g: &MrGuard, p: *const u8, out: &mut [u8]) -> Result<(), Unreachable> {
     // SAFETY: as in `write_guarded`, with the registered range as the source.
     let left = unsafe { uaccess::copy(out.as_mut_ptr(), p, out.len()) };
-    match left {
-        Left::Nothing => {}
+    let ok = match left {
+        Left::Nothing => true,
         Left::Tail { at } => {
-            through_frames(g, p as u64 + at as u64, Dma::FromFrames(&mut out[at..]));
+            through_frames(g, p as u64 + at as u64, Dma::FromFrames(&mut out[at..]))
         }
-        Left::Head { n } => {
-            through_frames(g, p as u64, Dma::FromFrames(&mut out[..n]));
-        }
-    }
+        Left::Head { n } => through_frames(g, p as u64, Dma::FromFrames(&mut out[..n])),
+    };
+    ok.then_some(()).ok_or(Unreachable::Src)
 }
 
 /// Copy `src.len()` bytes from a slice into registered memory at `dst.va + off`.
-pub(crate) fn write_from(dst: &MrGuard, off: u64, src: &[u8]) {
+/// `Err(Unreachable::Dst)`: the memory could not be reached (module docs); some of the bytes
+/// may have landed.
+pub(crate) fn write_from(dst: &MrGuard, off: u64, src: &[u8]) -> Result<(), Unreachable> {
     if src.is_empty() {
-        return;
+        return Ok(());
     }
     let p = span(dst, off, src.len());
-    write_guarded(dst, p, src);
+    write_guarded(dst, p, src)
 }
 
-/// Copy registered memory at `src.va + off` into a slice.
-pub(crate) fn read_into(src: &MrGuard, off: u64, dst: &mut [u8]) {
+/// Copy registered memory at `src.va + off` into a slice. `Err(Unreachable::Src)`: the memory
+/// could not be reached; the contents of `dst` are then unspecified and must not be used.
+pub(crate) fn read_into(src: &MrGuard, off: u64, dst: &mut [u8]) -> Result<(), Unreachable> {
     if dst.is_empty() {
-        return;
+        return Ok(());
     }
     let p = span(src, off, dst.len());
-    read_guarded(src, p, dst);
+    read_guarded(src, p, dst)
 }
 
-/// Copy `len` bytes between two registered ranges.
-pub(crate) fn mem_to_mem(dst: &MrGuard, doff: u64, src: &MrGuard, soff: u64, len: usize) {
+/// Copy `len` bytes between two registered ranges; the error names the side that could not
+/// be reached (the destination may then hold part of the bytes).
+pub(crate) fn mem_to_mem(
+    dst: &MrGuard,
+    doff: u64,
+    src: &MrGuard,
+    soff: u64,
+    len: usize,
+) -> Result<(), Unreachable> {
     if len == 0 {
-        return;
+        return Ok(());
     }
     let d = span(dst, doff, len);
     let s = span(src, soff, len);
@@ -170,7 +191,7 @@ pub(crate) fn mem_to_mem(dst: &MrGuard, doff: u64, src: &MrGuard, soff: u64, len
     // guards; the copy tolerates overlap and faults.
     let left = unsafe { uaccess::copy(d, s, len) };
     let (lo, hi) = match left {
-        Left::Nothing => return,
+        Left::Nothing => return Ok(()),
         Left::Tail { at } => (at, len),
         Left::Head { n } => (0, n),
     };
@@ -178,9 +199,9 @@ pub(crate) fn mem_to_mem(dst: &MrGuard, doff: u64, src: &MrGuard, soff: u64, len
     // only overwrites source bytes it has read already).
     let mut tmp = vec![0u8; hi - lo];
     // SAFETY: offsets inside the validated ranges.
-    read_guarded(src, unsafe { s.add(lo) }, &mut tmp);
+    read_guarded(src, unsafe { s.add(lo) }, &mut tmp)?;
     // SAFETY: as above.
-    write_guarded(dst, unsafe { d.add(lo) }, &tmp);
+    write_guarded(dst, unsafe { d.add(lo) }, &tmp)
 }
 
 /// Copy a batch of `(dst guard, dst offset, src guard, src offset, len)` pieces, in order,
@@ -191,7 +212,12 @@ pub(crate) fn mem_to_mem(dst: &MrGuard, doff: u64, src: &MrGuard, soff: u64, len
 /// source and destination overlap are not merged (piecewise order would matter). A run that
 /// faults is redone piece by piece through [`mem_to_mem`] (its ranges do not overlap, so
 /// copying a piece again is harmless).
-pub(crate) fn mem_to_mem_batch(items: &[(&MrGuard, u64, &MrGuard, u64, usize)]) {
+///
+/// Stops at the first piece that cannot be reached and returns its index and side (the
+/// pieces after it are not copied; the ones before it are).
+pub(crate) fn mem_to_mem_batch(
+    items: &[(&MrGuard, u64, &MrGuard, u64, usize)],
+) -> Result<(), (usize, Unreachable)> {
     let mut i = 0;
     while i < items.len() {
         let (dg, doff, sg, soff, len) = items[i];
@@ -212,7 +238,7 @@ pub(crate) fn mem_to_mem_batch(items: &[(&MrGuard, u64, &MrGuard, u64, usize)]) 
             j += 1;
         }
         if j == i + 1 {
-            mem_to_mem(dg, doff, sg, soff, len);
+            mem_to_mem(dg, doff, sg, soff, len).map_err(|u| (i, u))?;
         } else if run > 0 {
             // SAFETY: [d0, d0+run) is the union of the adjacent destination pieces i..j and
             // [s0, s0+run) of the adjacent source pieces, each validated by `span` against a
@@ -220,13 +246,14 @@ pub(crate) fn mem_to_mem_batch(items: &[(&MrGuard, u64, &MrGuard, u64, usize)]) 
             // pinned); the two unions do not overlap (checked above).
             let left = unsafe { uaccess::copy(d0 as *mut u8, s0 as *const u8, run) };
             if left != Left::Nothing {
-                for &(dg, doff, sg, soff, len) in &items[i..j] {
-                    mem_to_mem(dg, doff, sg, soff, len);
+                for (k, &(dg, doff, sg, soff, len)) in items.iter().enumerate().take(j).skip(i) {
+                    mem_to_mem(dg, doff, sg, soff, len).map_err(|u| (k, u))?;
                 }
             }
         }
         i = j;
     }
+    Ok(())
 }
 
 /// One lock for every atomic the device executes (IBV_ATOMIC_HCA: atomic with respect to
@@ -243,8 +270,9 @@ pub(crate) enum AtomicOp {
 }
 
 /// Execute an atomic at `g.va` (8 bytes, 8-aligned: checked by the caller and asserted here).
-/// Returns the original value.
-pub(crate) fn atomic(g: &MrGuard, op: AtomicOp) -> u64 {
+/// Returns the original value, or `Unreachable::Dst` if the target could not be reached (then
+/// nothing was written).
+pub(crate) fn atomic(g: &MrGuard, op: AtomicOp) -> Result<u64, Unreachable> {
     let p = span(g, 0, 8) as *mut u64;
     assert!(p as usize % 8 == 0, "atomic target must be 8-byte aligned");
     let _l = ATOMIC_LOCK.get_or_init(|| Mutex::new(())).lock();
@@ -255,7 +283,9 @@ pub(crate) fn atomic(g: &MrGuard, op: AtomicOp) -> u64 {
         Some(v) => v,
         None => {
             let mut b = [0u8; 8];
-            through_frames(g, p as u64, Dma::FromFrames(&mut b));
+            if !through_frames(g, p as u64, Dma::FromFrames(&mut b)) {
+                return Err(Unreachable::Dst);
+            }
             u64::from_ne_bytes(b)
         }
     };
@@ -265,9 +295,172 @@ pub(crate) fn atomic(g: &MrGuard, op: AtomicOp) -> u64 {
     };
     if let Some(v) = new {
         // SAFETY: as above.
-        if !unsafe { uaccess::put8(p, v) } {
-            through_frames(g, p as u64, Dma::ToFrames(&v.to_ne_bytes()));
+        if !unsafe { uaccess::put8(p, v) }
+            && !through_frames(g, p as u64, Dma::ToFrames(&v.to_ne_bytes()))
+        {
+            return Err(Unreachable::Dst);
         }
     }
-    orig
+    Ok(orig)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mr::KeyUse;
+    use crate::{AccessFlags as A, Context, DeviceConfig, UserMemory};
+
+    const PS: u64 = 4096;
+
+    /// A guard over `len` bytes at `va` of MR `key` (no rights needed: the test copies both
+    /// ways through it).
+    fn guard(ctx: &Context, pd: u32, key: u32, va: u64, len: u64) -> MrGuard {
+        ctx.check_access(key, pd, A::empty(), va, len, KeyUse::Local, 0)
+            .unwrap()
+    }
+
+    /// Memory no frame is left behind (mlock-pinned, then unmapped): every copy reports the
+    /// side it could not reach instead of inventing bytes (reads used to return zeros and
+    /// writes were dropped, both as successes); reachable memory still copies.
+    #[test]
+    fn unreachable_memory_is_an_error_naming_its_side() {
+        let ctx = Context::open(DeviceConfig::rxe());
+        let pd = ctx.alloc_pd().unwrap();
+        // A read-only mapping pins through mlock (io_uring refuses it), far below the
+        // addresses the kernel hands out, so nothing is mapped into the hole afterwards.
+        let at = 0x1800_0000_0000u64 as *mut libc::c_void;
+        // SAFETY: a fresh anonymous mapping of our own at an address nothing else uses.
+        let p = unsafe {
+            libc::mmap(
+                at,
+                2 * PS as usize,
+                libc::PROT_READ,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED_NOREPLACE,
+                -1,
+                0,
+            )
+        };
+        assert_eq!(p, at);
+        // SAFETY: the mapping stays reserved until the MR is deregistered (it is unmapped
+        // behind the device's back, which is what this test is about).
+        let mr = ctx
+            .reg_mr_va(
+                pd,
+                unsafe { UserMemory::new(at as u64, 2 * PS) },
+                A::empty(),
+            )
+            .unwrap();
+        assert_eq!(mr.pin_path, Some(crate::mem::pin::PinPath::Mlock));
+        let ok_mem = std::sync::Arc::new(vec![7u8; 2 * PS as usize]);
+        let ok = ctx
+            .reg_mr_va(pd, UserMemory::owned(ok_mem.clone()), A::LOCAL_WRITE)
+            .unwrap();
+        let ok_va = ok_mem.as_ptr() as u64;
+        let gone = guard(&ctx, pd, mr.lkey, at as u64, 2 * PS);
+        let fine = guard(&ctx, pd, ok.lkey, ok_va, 2 * PS);
+        // While mapped (read-only), reads reach it.
+        let mut buf = vec![1u8; 100];
+        assert_eq!(read_into(&gone, 10, &mut buf), Ok(()));
+        assert!(buf.iter().all(|&x| x == 0));
+        // SAFETY: unmapping our own mapping (registered: that is the point).
+        assert_eq!(unsafe { libc::munmap(at, 2 * PS as usize) }, 0);
+
+        assert_eq!(read_into(&gone, 10, &mut buf), Err(Unreachable::Src));
+        assert_eq!(write_from(&gone, PS - 8, &[9u8; 64]), Err(Unreachable::Dst));
+        assert_eq!(mem_to_mem(&fine, 0, &gone, 0, 300), Err(Unreachable::Src));
+        assert_eq!(mem_to_mem(&gone, 0, &fine, 0, 300), Err(Unreachable::Dst));
+        assert_eq!(
+            atomic(&gone, AtomicOp::FetchAdd { add: 1 }),
+            Err(Unreachable::Dst)
+        );
+        // A batch stops at the first piece that fails and names it; the pieces before it
+        // were copied.
+        let src = guard(&ctx, pd, ok.lkey, ok_va + PS, PS);
+        let items = [
+            (&fine, 0, &src, 0, 16),
+            (&gone, 64, &fine, 64, 16),
+            (&fine, 32, &src, 32, 16),
+        ];
+        assert_eq!(mem_to_mem_batch(&items), Err((1, Unreachable::Dst)));
+        // Reachable memory still copies, and the fault-free batch is Ok.
+        assert_eq!(write_from(&fine, 0, &[3u8; 8]), Ok(()));
+        assert_eq!(
+            atomic(&fine, AtomicOp::FetchAdd { add: 1 }),
+            Ok(0x0303_0303_0303_0303)
+        );
+        assert_eq!(mem_to_mem_batch(&items[..1]), Ok(()));
+        drop((gone, fine, src));
+        ctx.dereg_mr(mr.lkey).unwrap();
+        ctx.dereg_mr(ok.lkey).unwrap();
+    }
+
+    /// Deferred placements (`Out::flush_copies`): a failed WRITE placement is recorded with its
+    /// PSN and side, the responder's later placements are not done (their packets come after
+    /// the error), and the requester's READ placements around it still land.
+    #[test]
+    fn a_failed_deferred_placement_stops_its_owner_only() {
+        use crate::net::Payload;
+        use crate::qp::{CopyOwner, Out};
+        let ctx = Context::open(DeviceConfig::rxe());
+        let pd = ctx.alloc_pd().unwrap();
+        let at = 0x1800_0010_0000u64 as *mut libc::c_void;
+        // SAFETY: as in the test above.
+        let p = unsafe {
+            libc::mmap(
+                at,
+                PS as usize,
+                libc::PROT_READ,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED_NOREPLACE,
+                -1,
+                0,
+            )
+        };
+        assert_eq!(p, at);
+        // SAFETY: as in the test above.
+        let mr = ctx
+            .reg_mr_va(pd, unsafe { UserMemory::new(at as u64, PS) }, A::empty())
+            .unwrap();
+        // SAFETY: as in the test above.
+        assert_eq!(unsafe { libc::munmap(at, PS as usize) }, 0);
+        let src_mem = std::sync::Arc::new((0..PS).map(|i| i as u8).collect::<Vec<u8>>());
+        let dst_mem = std::sync::Arc::new(vec![0u8; PS as usize]);
+        let src = ctx
+            .reg_mr_va(pd, UserMemory::owned(src_mem.clone()), A::empty())
+            .unwrap();
+        let dst = ctx
+            .reg_mr_va(pd, UserMemory::owned(dst_mem.clone()), A::LOCAL_WRITE)
+            .unwrap();
+        let (s0, d0) = (src_mem.as_ptr() as u64, dst_mem.as_ptr() as u64);
+        let piece = |off: u64| Payload::Mem(vec![(guard(&ctx, pd, src.lkey, s0 + off, 16), 0, 16)]);
+        let to = |off: u64| guard(&ctx, pd, dst.lkey, d0 + off, 16);
+        let mut out = Out::default();
+        let mut place = |g: MrGuard, p: Payload, o: CopyOwner| out.place(g, p, o).unwrap();
+        place(to(0), piece(0), CopyOwner::Resp { psn: 1 });
+        place(to(16), piece(16), CopyOwner::Req { psn: 7 });
+        place(
+            guard(&ctx, pd, mr.lkey, at as u64, 16),
+            piece(32),
+            CopyOwner::Resp { psn: 2 },
+        );
+        place(to(48), piece(48), CopyOwner::Req { psn: 8 });
+        place(to(64), piece(64), CopyOwner::Resp { psn: 3 });
+        out.flush_copies();
+        assert_eq!(out.resp_fault, Some((2, Unreachable::Dst)));
+        assert_eq!(out.req_fault, None);
+        assert!(out.copies.is_empty());
+        assert_eq!(&dst_mem[..32], &src_mem[..32], "placed before the failure");
+        assert_eq!(
+            &dst_mem[48..64],
+            &src_mem[48..64],
+            "the other owner's placement"
+        );
+        assert!(
+            dst_mem[64..80].iter().all(|&x| x == 0),
+            "not placed after it"
+        );
+        drop(out);
+        for k in [mr.lkey, src.lkey, dst.lkey] {
+            ctx.dereg_mr(k).unwrap();
+        }
+    }
 }

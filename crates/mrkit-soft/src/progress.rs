@@ -413,6 +413,14 @@ impl DataPath {
         self.qps.read().get(&qpn).cloned()
     }
 
+    /// Give QP `qpn` a notice about one of its own packets for its next run (and schedule it).
+    pub(crate) fn notify(&self, qpn: u32, n: crate::qp::Notice) {
+        if let Some(q) = self.qp_object(qpn) {
+            q.inbox.notify(n);
+            self.schedule_obj(&q);
+        }
+    }
+
     pub(crate) fn enqueue_packet(&self, p: Pkt) {
         let q = self.qps.read().get(&p.bth.dest_qpn).cloned();
         if let Some(q) = q {

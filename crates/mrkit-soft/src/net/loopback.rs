@@ -60,6 +60,14 @@ fn lookup(node: u64) -> Option<Arc<DeviceInner>> {
     nodes().read().as_ref()?.get(&node)?.upgrade()
 }
 
+/// Give QP `qpn` of node `node` a notice about one of its packets (the receiver of a packet
+/// found its bytes unreachable in the sender's memory while copying them, `qp::Notice`).
+pub(crate) fn notify(node: u64, qpn: u32, n: crate::qp::Notice) {
+    if let Some(dev) = lookup(node) {
+        dev.dp.notify(qpn, n);
+    }
+}
+
 /// Deliver packets (grouped by destination QP to schedule each QP once).
 pub(crate) fn deliver(pkts: Vec<Pkt>) {
     let mut cur: Option<(u64, Arc<DeviceInner>)> = None;

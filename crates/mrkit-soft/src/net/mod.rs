@@ -84,7 +84,15 @@ impl Payload {
         self.len() == 0
     }
     /// Copy `n` payload bytes starting at `poff` into registered memory `dst` at `doff`.
-    pub(crate) fn copy_to(&self, mut poff: usize, dst: &MrGuard, mut doff: u64, mut n: usize) {
+    /// The error names the side that could not be reached: `dst`, or (pieces of registered
+    /// memory) the sender's memory.
+    pub(crate) fn copy_to(
+        &self,
+        mut poff: usize,
+        dst: &MrGuard,
+        mut doff: u64,
+        mut n: usize,
+    ) -> Result<(), copy::Unreachable> {
         if let Some(b) = self.contiguous() {
             return copy::write_from(dst, doff, &b[poff..poff + n]);
         }
@@ -99,7 +107,7 @@ impl Payload {
                         continue;
                     }
                     let k = (glen - poff).min(n);
-                    copy::mem_to_mem(dst, doff, g, goff + poff as u64, k);
+                    copy::mem_to_mem(dst, doff, g, goff + poff as u64, k)?;
                     doff += k as u64;
                     n -= k;
                     poff = 0;
@@ -107,11 +115,14 @@ impl Payload {
             }
             _ => debug_assert_eq!(n, 0), // no payload
         }
+        Ok(())
     }
-    /// Copy `dst.len()` payload bytes starting at `poff` into a slice.
-    pub(crate) fn read(&self, mut poff: usize, dst: &mut [u8]) {
+    /// Copy `dst.len()` payload bytes starting at `poff` into a slice. Fails (and `dst` must
+    /// not be used) when a piece of registered memory could not be read.
+    pub(crate) fn read(&self, mut poff: usize, dst: &mut [u8]) -> Result<(), copy::Unreachable> {
         if let Some(b) = self.contiguous() {
-            return dst.copy_from_slice(&b[poff..poff + dst.len()]);
+            dst.copy_from_slice(&b[poff..poff + dst.len()]);
+            return Ok(());
         }
         // Otherwise pieces of registered memory (or no payload: nothing to read).
         if let Payload::Mem(pieces) = self {
@@ -125,17 +136,20 @@ impl Payload {
                     continue;
                 }
                 let k = (glen - poff).min(dst.len() - d);
-                copy::read_into(g, goff + poff as u64, &mut dst[d..d + k]);
+                copy::read_into(g, goff + poff as u64, &mut dst[d..d + k])?;
                 d += k;
                 poff = 0;
             }
         }
+        Ok(())
     }
-    /// The payload as owned bytes.
-    pub fn to_vec(&self) -> Vec<u8> {
+    /// The payload as owned bytes; [`WireError::PayloadUnreachable`] when a piece of registered
+    /// memory could not be read (unmapped memory of an mlock-pinned MR).
+    pub fn to_vec(&self) -> Result<Vec<u8>, WireError> {
         let mut v = vec![0; self.len()];
-        self.read(0, &mut v);
-        v
+        self.read(0, &mut v)
+            .map_err(|_| WireError::PayloadUnreachable)?;
+        Ok(v)
     }
 }
 
@@ -188,7 +202,7 @@ impl Pkt {
         if let Some(x) = e.ieth {
             pb = pb.ieth(x);
         }
-        pb.to_vec(&self.payload.to_vec(), inputs)
+        pb.to_vec(&self.payload.to_vec()?, inputs)
     }
 }
 
@@ -613,10 +627,10 @@ mod tests {
             };
             assert_eq!((n, kind), (n, want));
             assert_eq!(p.len(), n);
-            assert_eq!(p.to_vec(), src);
+            assert_eq!(p.to_vec().unwrap(), src);
             if n > 2 {
                 let mut part = vec![0u8; n - 2];
-                p.read(1, &mut part);
+                p.read(1, &mut part).unwrap();
                 assert_eq!(part, src[1..n - 1]);
             }
         }

@@ -830,12 +830,19 @@ fn send_runs(
     // zeroing 64 KiB per message before overwriting it cost ~3 % of a bandwidth sender.
     let mut used = 0;
     let mut i = 0;
+    // A QP one of whose packets could not be gathered (its registered memory is unreachable):
+    // its later packets in this send are dropped, as a NIC stops at the error.
+    let mut failed_qpn: Option<u32> = None;
     while i < pkts.len() {
         let first = &pkts[i];
         let Some(dst_ip) = first.dst_ip else {
             i += 1;
             continue;
         };
+        if failed_qpn == Some(first.src_qpn) {
+            i += 1;
+            continue;
+        }
         let dst = SocketAddr::new(dst_ip, ROCE_PORT);
         let sport = port.sport_for(first.src_qpn);
         let src = SocketAddr::new(local.ip(), sport);
@@ -880,11 +887,20 @@ fn send_runs(
             }
             let frame = &mut buf[at..room];
             let built = crate::wire::emit_headers(frame, &p.bth, &p.ext, plen).and_then(|layout| {
-                p.payload.read(0, &mut frame[layout.payload_range()]);
+                p.payload
+                    .read(0, &mut frame[layout.payload_range()])
+                    .map_err(|_| crate::wire::WireError::PayloadUnreachable)?;
                 crate::wire::finish(frame, &layout, &inputs)
             });
             let dlen = match built {
                 Ok(l) => l,
+                Err(crate::wire::WireError::PayloadUnreachable) => {
+                    // Not sent; the QP turns it into the error a NIC's failed gather gives.
+                    gather_failed(dev, p);
+                    failed_qpn = Some(p.src_qpn);
+                    i += 1;
+                    break;
+                }
                 Err(e) => {
                     tracing::error!(error = %e, "cannot serialise packet");
                     i += 1;
@@ -920,6 +936,21 @@ fn send_runs(
         });
     }
     flush_runs(dev, port, runs, buf);
+}
+
+/// The payload of `p`, one of this device's packets, could not be read from registered memory:
+/// tell its QP (a READ response: the responder NAKs it; a request: the requester fails it).
+fn gather_failed(dev: &crate::DeviceInner, p: &super::Pkt) {
+    use crate::wire::Opcode::*;
+    let psn = p.bth.psn;
+    let n = match p.bth.opcode {
+        RdmaReadResponseFirst
+        | RdmaReadResponseMiddle
+        | RdmaReadResponseLast
+        | RdmaReadResponseOnly => crate::qp::Notice::ReadSourceFault { psn },
+        _ => crate::qp::Notice::GatherFault { psn },
+    };
+    dev.dp.notify(p.src_qpn, n);
 }
 
 /// Send the runs (all from one source port) built in `buf`, and count them.

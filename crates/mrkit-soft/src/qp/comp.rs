@@ -8,8 +8,9 @@
 use std::time::{Duration, Instant};
 
 use super::req::{for_pieces, ReadWindow, Requester, SendQueue, WqeSt};
-use super::{Out, QpCtx, WrOpcode};
+use super::{CopyOwner, Notice, Out, QpCtx, WrOpcode};
 use crate::access::AccessFlags;
+use crate::copy::Unreachable;
 use crate::cq::{Wc, WcStatus};
 use crate::device::StatusModel;
 use crate::mr::AccessDenied;
@@ -368,9 +369,17 @@ impl Completer {
                 );
                 let off = u64::from(k) * q.mtu as u64;
                 let n = p.payload.len() as u64;
-                let r = scatter_deferred(q, &w.wr.sg_list, off, n, p.payload, out);
-                if r.is_err() {
-                    w.st = WqeSt::Done(WcStatus::LocProtErr);
+                let r = scatter_deferred(q, &w.wr.sg_list, off, n, p.payload, psn, out);
+                if let Err(e) = r {
+                    w.st = WqeSt::Done(match e {
+                        PlaceError::Copy(Unreachable::Src) => {
+                            // The responder's memory (loopback): see `copy_failed`.
+                            let n = Notice::ReadSourceFault { psn };
+                            crate::net::loopback::notify(q.dest_node, q.dest_qpn, n);
+                            WcStatus::RemAccessErr
+                        }
+                        _ => WcStatus::LocProtErr,
+                    });
                     out.error = true;
                     return;
                 }
@@ -428,6 +437,54 @@ impl Completer {
                 });
             }
             _ => {}
+        }
+    }
+
+    /// A deferred placement of READ response `psn` could not reach memory (found when the
+    /// copies were flushed, before any completion of this run is produced). `Dst`, the local
+    /// SGE: LOC_PROT_ERR. `Src`, the responder's memory (loopback: this side copies from it):
+    /// what the responder's NAK would give, REM_ACCESS_ERR, and the responder is told
+    /// (`Notice::ReadSourceFault`) so that it moves to ERR as a NIC's does. The QP moves to
+    /// ERR; WQEs after the READ that were completed in this run are flushed instead (a NIC
+    /// would have stopped at the READ).
+    pub(crate) fn copy_failed(
+        &mut self,
+        q: &QpCtx<'_>,
+        sq: &mut SendQueue,
+        psn: u32,
+        side: Unreachable,
+        out: &mut Out,
+    ) {
+        let status = match side {
+            Unreachable::Dst => WcStatus::LocProtErr,
+            Unreachable::Src => {
+                let n = Notice::ReadSourceFault { psn };
+                crate::net::loopback::notify(q.dest_node, q.dest_qpn, n);
+                WcStatus::RemAccessErr
+            }
+        };
+        out.error = true;
+        let Some(i) = sq.q.iter().position(|w| {
+            w.psn_valid && psn_cmp(psn, w.first_psn).is_ge() && psn_cmp(psn, w.last_psn).is_le()
+        }) else {
+            return;
+        };
+        sq.q[i].st = WqeSt::Done(status);
+        for w in sq.q.iter_mut().skip(i + 1) {
+            if w.st == WqeSt::Done(WcStatus::Success) {
+                w.st = WqeSt::Done(WcStatus::WrFlushErr);
+            }
+        }
+    }
+
+    /// The gather of request packet `psn` failed after the packet left the QP (its bytes
+    /// could not be read when they were copied: `Notice::GatherFault`): its WQE completes with
+    /// LOC_PROT_ERR and the QP moves to ERR, as when a NIC's gather faults. A WQE no longer
+    /// outstanding (an earlier copy of the packet was acknowledged) is left alone.
+    pub(crate) fn gather_fault(&mut self, sq: &mut SendQueue, psn: u32, out: &mut Out) {
+        if let Some(w) = sq.q.iter_mut().find(|w| w.contains(psn)) {
+            w.st = WqeSt::Done(WcStatus::LocProtErr);
+            out.error = true;
         }
     }
 
@@ -504,17 +561,35 @@ impl Completer {
     }
 }
 
+/// Why bytes could not be placed into local SGEs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum PlaceError {
+    /// The access check of an SGE failed.
+    Denied(AccessDenied),
+    /// The copy could not reach memory: the SGE's (`Dst`) or, for a payload of registered
+    /// memory (loopback), the sender's (`Src`).
+    Copy(Unreachable),
+}
+
+impl From<AccessDenied> for PlaceError {
+    fn from(d: AccessDenied) -> Self {
+        PlaceError::Denied(d)
+    }
+}
+
 /// As [`scatter`], but when the bytes land in a single SGE fragment and come from registered
 /// memory the copy is deferred to [`Out::flush_copies`](super::Out::flush_copies) (coalesced
-/// with the next response packets of the READ into one large copy).
+/// with the next response packets of the READ into one large copy; a failure then comes back
+/// through [`Completer::copy_failed`]). `psn`: the READ response's.
 pub(crate) fn scatter_deferred(
     q: &QpCtx<'_>,
     sges: &[super::Sge],
     off: u64,
     n: u64,
     payload: Payload,
+    psn: u32,
     out: &mut Out,
-) -> Result<(), AccessDenied> {
+) -> Result<(), PlaceError> {
     let mut frags = 0;
     let mut one = None;
     let walk = for_pieces(sges, off, n, |s, soff, len| {
@@ -525,8 +600,8 @@ pub(crate) fn scatter_deferred(
     match (walk, frags, one, &payload) {
         (Ok(()), 1, Some((s, soff, len)), Payload::Mem(_)) if len == n => {
             let g = q.local_sge(&s, soff, len, AccessFlags::LOCAL_WRITE)?;
-            out.place(g, payload);
-            Ok(())
+            out.place(g, payload, CopyOwner::Req { psn })
+                .map_err(PlaceError::Copy)
         }
         _ => scatter(q, sges, off, n, &payload),
     }
@@ -539,12 +614,18 @@ pub(crate) fn scatter(
     off: u64,
     n: u64,
     payload: &Payload,
-) -> Result<(), AccessDenied> {
+) -> Result<(), PlaceError> {
     let mut poff = 0usize;
+    let mut copy = Ok(());
     for_pieces(sges, off, n, |s, soff, len| {
         let g = q.local_sge(s, soff, len, AccessFlags::LOCAL_WRITE)?;
-        payload.copy_to(poff, &g, 0, len as usize);
+        copy = payload.copy_to(poff, &g, 0, len as usize);
+        if copy.is_err() {
+            // Stop the walk; reported below.
+            return Err(AccessDenied::Fault);
+        }
         poff += len as usize;
         Ok(())
     })
+    .map_err(|d| copy.err().map_or(PlaceError::Denied(d), PlaceError::Copy))
 }

@@ -182,7 +182,12 @@ fn pkt_to_wire_round_trips_through_the_parser() {
         want.pad_count = v.bth.pad_count;
         assert_eq!(v.bth, want, "{:?}", p.bth.opcode);
         assert_eq!(v.ext, p.ext, "{:?}", p.bth.opcode);
-        assert_eq!(v.payload, &p.payload.to_vec()[..], "{:?}", p.bth.opcode);
+        assert_eq!(
+            v.payload,
+            &p.payload.to_vec().unwrap()[..],
+            "{:?}",
+            p.bth.opcode
+        );
         // A flipped payload/header bit fails the ICRC.
         let mut bad = d.clone();
         bad[5] ^= 1;

@@ -353,6 +353,31 @@ pub(crate) struct QpCtx<'a> {
     pub state: QpState,
 }
 
+/// Whose deferred placement a copy is, and for which packet (`Out::flush_copies`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CopyOwner {
+    /// The responder, placing request packet `psn` (an RDMA WRITE).
+    Resp { psn: u32 },
+    /// The requester, placing READ response `psn`.
+    Req { psn: u32 },
+}
+
+/// Something another context learned about one of this QP's packets after the QP sent it:
+/// the bytes of a packet could not be read from registered memory when they were finally
+/// copied (unmapped memory of an mlock-pinned MR, `copy.rs`). A NIC finds this while it
+/// gathers the packet; here the gather is deferred to the send (UDP) or to the receiving QP's
+/// copy (loopback), so the finding comes back to the QP and its next run turns it into the
+/// error the NIC reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Notice {
+    /// The gather of request packet `psn` (SEND/WRITE data) failed: its WQE completes with
+    /// LOC_PROT_ERR and the QP moves to ERR.
+    GatherFault { psn: u32 },
+    /// The source of READ response `psn` could not be read: the responder NAKs it with a
+    /// remote access error and moves to ERR.
+    ReadSourceFault { psn: u32 },
+}
+
 /// Outputs of one engine run.
 #[derive(Debug, Default)]
 pub(crate) struct Out {
@@ -362,27 +387,46 @@ pub(crate) struct Out {
     /// The QP must move to ERR (after the completions above).
     pub error: bool,
     pub events: Vec<AsyncEvent>,
-    /// RDMA WRITE placements not yet copied (coalesced by [`Out::flush_copies`]).
-    pub copies: Vec<(crate::mr::MrGuard, crate::net::Payload)>,
+    /// RDMA WRITE placements and READ response placements not yet copied (coalesced by
+    /// [`Out::flush_copies`]).
+    pub copies: Vec<(crate::mr::MrGuard, crate::net::Payload, CopyOwner)>,
+    /// The first responder placement a flush could not do: (PSN, side). Taken by the
+    /// responder before it acknowledges anything (`resp::Responder::copy_failed`).
+    pub resp_fault: Option<(u32, crate::copy::Unreachable)>,
+    /// The first READ response placement a flush could not do: (PSN, side). Taken by the run
+    /// before completions are produced (`comp::Completer::copy_failed`).
+    pub req_fault: Option<(u32, crate::copy::Unreachable)>,
 }
 
 impl Out {
     /// Place `payload` at the start of `dst` — deferred when it is registered memory, so that
-    /// consecutive packets of a message become one large copy.
-    pub(crate) fn place(&mut self, dst: crate::mr::MrGuard, payload: crate::net::Payload) {
+    /// consecutive packets of a message become one large copy. An immediate copy returns its
+    /// result; a deferred one reports through `resp_fault`/`req_fault` when flushed.
+    pub(crate) fn place(
+        &mut self,
+        dst: crate::mr::MrGuard,
+        payload: crate::net::Payload,
+        owner: CopyOwner,
+    ) -> std::result::Result<(), crate::copy::Unreachable> {
         match payload {
-            crate::net::Payload::Mem(_) => self.copies.push((dst, payload)),
+            crate::net::Payload::Mem(_) => {
+                self.copies.push((dst, payload, owner));
+                Ok(())
+            }
             p => p.copy_to(0, &dst, 0, p.len()),
         }
     }
 
-    /// Execute the deferred placements (in order) and release their guards.
+    /// Execute the deferred placements (in order) and release their guards. A placement that
+    /// cannot reach memory is recorded (the first per owner, `resp_fault`/`req_fault`) and the
+    /// later placements of the same owner are not done (their packets come after the error);
+    /// the other owner's still are.
     pub(crate) fn flush_copies(&mut self) {
         if self.copies.is_empty() {
             return;
         }
         let mut items = Vec::new();
-        for (dst, p) in &self.copies {
+        for (dst, p, _) in &self.copies {
             if let crate::net::Payload::Mem(pieces) = p {
                 let mut doff = 0u64;
                 for (g, goff, glen) in pieces {
@@ -391,9 +435,36 @@ impl Out {
                 }
             }
         }
-        crate::copy::mem_to_mem_batch(&items);
+        // The owner of each item, built on the first failure only (the fault-free flush
+        // allocates nothing more than before).
+        let mut owners: Vec<CopyOwner> = Vec::new();
+        let (mut resp_fault, mut req_fault) = (None, None);
+        while let Err((k, side)) = crate::copy::mem_to_mem_batch(&items) {
+            // The failure path only: record it, drop the failed owner's later placements and
+            // go on with the rest.
+            if owners.is_empty() {
+                for (_, p, owner) in &self.copies {
+                    if let crate::net::Payload::Mem(pieces) = p {
+                        owners.extend(std::iter::repeat(*owner).take(pieces.len()));
+                    }
+                }
+            }
+            let failed = owners[k];
+            let is_resp = matches!(failed, CopyOwner::Resp { .. });
+            match failed {
+                CopyOwner::Resp { psn } => resp_fault = Some((psn, side)),
+                CopyOwner::Req { psn } => req_fault = Some((psn, side)),
+            }
+            let keep: Vec<usize> = (k + 1..items.len())
+                .filter(|&i| matches!(owners[i], CopyOwner::Resp { .. }) != is_resp)
+                .collect();
+            items = keep.iter().map(|&i| items[i]).collect();
+            owners = keep.iter().map(|&i| owners[i]).collect();
+        }
         drop(items);
         self.copies.clear();
+        self.resp_fault = self.resp_fault.or(resp_fault);
+        self.req_fault = self.req_fault.or(req_fault);
     }
 }
 
@@ -561,6 +632,11 @@ pub(crate) struct Inbox {
     /// `post_send`) skip the lock. A stale `false` cannot strand packets: the append is
     /// followed by scheduling, which orders it before that scheduled run's read of this flag.
     ready: AtomicBool,
+    /// Notices about this QP's own packets (rare: a copy that could not reach memory).
+    notices: Mutex<Vec<Notice>>,
+    /// Whether `notices` may be non-empty; Release by `notify` after the push, Acquire by the
+    /// run, as `ready` (the notify is followed by scheduling the QP).
+    noticed: AtomicBool,
 }
 
 impl Inbox {
@@ -603,15 +679,46 @@ impl Inbox {
             .collect()
     }
 
-    /// Drop every waiting packet.
+    /// Record a notice for the QP's next run (the caller schedules the QP).
+    pub(crate) fn notify(&self, n: Notice) {
+        let mut g = self.notices.lock();
+        g.push(n);
+        self.noticed.store(true, Ordering::Release);
+    }
+
+    /// Take the waiting notices (none: one atomic load).
+    pub(crate) fn take_notices(&self) -> Vec<Notice> {
+        if !self.noticed.load(Ordering::Acquire) {
+            return Vec::new();
+        }
+        let mut g = self.notices.lock();
+        self.noticed.store(false, Ordering::Release);
+        std::mem::take(&mut *g)
+    }
+
+    /// Drop every waiting packet (and notice: they are about packets of the QP's old life).
     pub(crate) fn clear(&self) {
         let mut g = self.pkts.lock();
         g.clear();
         self.ready.store(false, Ordering::Release);
+        drop(self.take_notices());
     }
 }
 
 impl QpObject {
+    /// Execute the deferred placements and turn one that could not reach memory into its
+    /// error (responder: NAK remote access error; requester: the READ's WQE fails), before
+    /// anything produced later in the run can report success for those bytes.
+    fn settle(st: &mut QpInner, q: &QpCtx<'_>, out: &mut Out) {
+        out.flush_copies();
+        if let Some((psn, side)) = out.resp_fault.take() {
+            st.resp.copy_failed(q, psn, side, None, out);
+        }
+        if let Some((psn, side)) = out.req_fault.take() {
+            st.comp.copy_failed(q, &mut st.sq, psn, side, out);
+        }
+    }
+
     /// One run: process the inbox, timers and the send queue; push completions; hand back the
     /// packets to send. When its timers next fall due is registered in the device's timer heap
     /// before the QP lock is released (`QpInner::timer_at`).
@@ -661,14 +768,14 @@ impl QpObject {
         st.resp.begin_run();
         for p in inbox.drain(..) {
             let response = p.bth.opcode.info().is_response();
+            if !plain_write(p.bth.opcode) {
+                Self::settle(st, &q, &mut out);
+            }
             // A QP in ERR (or one an earlier packet of this run put there) drops everything.
             let state = if out.error { QpState::Err } else { st.state };
             if let Err(why) = receive_check(&p, response, state, &st.attr) {
                 ctx.dev.net_stats.count(why, 1);
                 continue;
-            }
-            if !plain_write(p.bth.opcode) {
-                out.flush_copies();
             }
             if response {
                 st.comp
@@ -677,17 +784,38 @@ impl QpObject {
                 self.request(st, &q, p, &mut out);
             }
         }
+        // Notices about this QP's own packets, after the packets received: those answer
+        // earlier packets (an ACK for a WRITE before the SEND whose gather failed).
+        for n in self.inbox.take_notices() {
+            if out.error {
+                break;
+            }
+            match n {
+                Notice::GatherFault { psn } if matches!(st.state, QpState::Rts | QpState::Sqd) => {
+                    st.comp.gather_fault(&mut st.sq, psn, &mut out);
+                }
+                Notice::ReadSourceFault { psn }
+                    if matches!(st.state, QpState::Rtr | QpState::Rts | QpState::Sqd) =>
+                {
+                    st.resp.read_source_fault(&q, psn, &mut out);
+                }
+                _ => {}
+            }
+        }
         // READ responses under way (bounded per run, `resp::READ_BURST`), then the requests
         // that waited behind them.
         while !out.error && matches!(st.state, QpState::Rtr | QpState::Rts | QpState::Sqd) {
-            out.flush_copies();
+            Self::settle(st, &q, &mut out);
+            if out.error {
+                break;
+            }
             st.resp.pump(&q, &mut out);
             match st.resp.next_backlog() {
                 Some(p) => self.request(st, &q, p, &mut out),
                 None => break,
             }
         }
-        out.flush_copies();
+        Self::settle(st, &q, &mut out);
         if !out.error && matches!(st.state, QpState::Rts | QpState::Sqd) {
             st.comp.tick(&q, &mut st.sq, &mut st.req, now, &mut out);
             st.req.step(&q, &mut st.sq, &mut st.comp, now, &mut out);
@@ -707,7 +835,14 @@ impl QpObject {
         if st.state == QpState::Err {
             // Flush: every remaining send WQE, then every receive WQE.
             for w in st.sq.q.drain(..) {
-                send_wcs.push(w.flush_wc(self.qpn));
+                // The WQE that failed keeps its status even behind WQEs still outstanding
+                // (those are flushed, in order); every other one is flushed.
+                send_wcs.push(match w.st {
+                    req::WqeSt::Done(status) if status != WcStatus::Success => {
+                        w.wc(self.qpn, status)
+                    }
+                    _ => w.flush_wc(self.qpn),
+                });
             }
             st.sq.cursor = 0;
             st.req.reset_flow();

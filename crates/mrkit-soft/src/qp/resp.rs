@@ -9,9 +9,9 @@
 
 use std::collections::VecDeque;
 
-use super::{Out, QpCtx, RecvWqe};
+use super::{CopyOwner, Notice, Out, QpCtx, RecvWqe};
 use crate::access::AccessFlags;
-use crate::copy::{self, AtomicOp};
+use crate::copy::{self, AtomicOp, Unreachable};
 use crate::cq::{Wc, WcOpcode, WcStatus, WC_WITH_IMM, WC_WITH_INV};
 use crate::device::StatusModel;
 use crate::mr::KeyUse;
@@ -245,6 +245,14 @@ impl Responder {
     /// Error: NAK with the packet's PSN, complete the receive WQE in use with its status,
     /// QP → ERR.
     fn error(&mut self, q: &QpCtx<'_>, psn: u32, f: Fail, taken: Option<RecvWqe>, out: &mut Out) {
+        // A NAK acknowledges every earlier packet: their deferred placements must land first,
+        // and one that could not is the error to report (it came first). Only WRITE packets
+        // without a receive WQE leave placements pending (`write`), so `taken` is None then.
+        out.flush_copies();
+        if let Some((fpsn, side)) = out.resp_fault.take() {
+            self.copy_failed(q, fpsn, side, taken, out);
+            return;
+        }
         self.job = None;
         self.backlog = VecDeque::new();
         self.ack(q, psn, Aeth::nak(f.nak, self.msn), out);
@@ -268,6 +276,58 @@ impl Responder {
             out.events.push(ev(q.qpn));
         }
         out.error = true;
+    }
+
+    /// Request packet `psn` could not be copied: `Dst`, this side's memory (the target of a
+    /// WRITE): a remote access violation, NAK remote access error, QP → ERR, `taken` (the
+    /// receive WQE of a WRITE with immediate) completes with REM_ACCESS_ERR. `Src`, the
+    /// requester's memory (loopback: this side copies from it): a NIC's requester fails that
+    /// gather and never sends the packet, so the packet is taken as not received (the
+    /// expected PSN goes back to it, the message under way is dropped) and the requester is
+    /// told (`Notice::GatherFault`).
+    pub(crate) fn copy_failed(
+        &mut self,
+        q: &QpCtx<'_>,
+        psn: u32,
+        side: Unreachable,
+        taken: Option<RecvWqe>,
+        out: &mut Out,
+    ) {
+        // Placements are deferred past the ACKs of their packets (coalesced copies): the
+        // ACKs (and NAKs) this run produced for `psn` or later are withdrawn before they
+        // leave, so nothing acknowledges bytes that did not land. What they acknowledged
+        // before `psn` the NAK below acknowledges too; without a NAK (`Src`) the requester
+        // moves to ERR anyway.
+        out.pkts
+            .retain(|p| p.bth.opcode != Opcode::Acknowledge || psn_cmp(p.bth.psn, psn).is_lt());
+        match side {
+            Unreachable::Dst => {
+                if matches!(self.cur, Cur::Write { .. }) {
+                    self.cur = Cur::None;
+                }
+                let f = fail(NakCode::RemoteAccessError, Some(WcStatus::RemAccessErr));
+                self.error(q, psn, f, taken, out);
+            }
+            Unreachable::Src => {
+                if let Some(r) = taken {
+                    // Not reached (a receive WQE is never taken while placements wait), but a
+                    // WQE is never lost: it ends as the QP's flush would end it.
+                    let wc = self.recv_wc(q, &r, WcStatus::WrFlushErr, WcOpcode::Recv);
+                    out.recv_wcs.push((wc, false));
+                }
+                if matches!(self.cur, Cur::Write { .. }) {
+                    self.cur = Cur::None;
+                }
+                self.epsn = psn;
+                crate::net::loopback::notify(q.dest_node, q.dest_qpn, Notice::GatherFault { psn });
+            }
+        }
+    }
+
+    /// READ response `psn` could not read its source (this side's memory): NAK remote access
+    /// error with its PSN, QP → ERR, as for any remote access violation.
+    pub(crate) fn read_source_fault(&mut self, q: &QpCtx<'_>, psn: u32, out: &mut Out) {
+        self.error(q, psn, fail(NakCode::RemoteAccessError, None), None, out);
     }
 
     /// Process one request packet.
@@ -440,6 +500,32 @@ impl Responder {
             return;
         }
         let r = super::comp::scatter(q, &recv.sges, *off, n, &p.payload);
+        if let Err(super::comp::PlaceError::Copy(side)) = r {
+            match side {
+                // The requester's memory (loopback): not received (see `copy_failed`); a
+                // receive WQE this packet took goes back.
+                Unreachable::Src => {
+                    if is_first_or_only(op) {
+                        if let Cur::Send { recv, .. } = std::mem::take(&mut self.cur) {
+                            rq.push_front(recv);
+                        }
+                    }
+                    crate::net::loopback::notify(
+                        q.dest_node,
+                        q.dest_qpn,
+                        Notice::GatherFault { psn },
+                    );
+                }
+                // The receive buffer could not be reached: a local protection error on the
+                // receive WQE in both models (a fault, not a malformed WQE), the class of a
+                // bad receive SGE (NAK remote operational error).
+                Unreachable::Dst => {
+                    let f = fail(NakCode::RemoteOperationalError, Some(WcStatus::LocProtErr));
+                    self.error(q, psn, f, None, out);
+                }
+            }
+            return;
+        }
         if r.is_err() {
             let st = if hw {
                 WcStatus::LocProtErr
@@ -566,7 +652,14 @@ impl Responder {
                 KeyUse::Remote,
                 q.qpn,
             ) {
-                Ok(g) => out.place(g, std::mem::take(&mut p.payload)),
+                Ok(g) => {
+                    let owner = CopyOwner::Resp { psn };
+                    if let Err(side) = out.place(g, std::mem::take(&mut p.payload), owner) {
+                        let taken = if imm_recv { rq.pop_front() } else { None };
+                        self.copy_failed(q, psn, side, taken, out);
+                        return;
+                    }
+                }
                 Err(_) => {
                     rkey_fail(self, rq, out);
                     return;
@@ -574,8 +667,26 @@ impl Responder {
             }
         }
         *off += n;
+        if imm_recv {
+            // A receive completion follows: the placements must have landed. (ACKs need not
+            // wait: a placement that fails later withdraws them, `copy_failed`.)
+            out.flush_copies();
+            if let Some((fpsn, side)) = out.resp_fault.take() {
+                let taken = if imm_recv && side == Unreachable::Dst {
+                    rq.pop_front()
+                } else {
+                    None
+                };
+                self.copy_failed(q, fpsn, side, taken, out);
+                return;
+            }
+        }
+        let Cur::Write { len, .. } = &self.cur else {
+            return;
+        };
+        let len = *len;
         if is_last_or_only(op) {
-            let total = *len;
+            let total = len;
             self.cur = Cur::None;
             self.msn = (self.msn + 1) & MSN_MASK;
             if imm_recv {
@@ -731,6 +842,11 @@ impl Responder {
         };
         let orig = copy::atomic(&g, opx);
         drop(g);
+        let Ok(orig) = orig else {
+            // The target could not be reached: a remote access violation.
+            self.error(q, psn, fail(NakCode::RemoteAccessError, None), None, out);
+            return;
+        };
         self.push_res(q, Res::Atomic { psn, orig });
         self.msn = (self.msn + 1) & MSN_MASK;
         self.epsn = psn_add(psn, 1);

@@ -24,6 +24,10 @@ pub enum WireError {
         /// Bytes the buffer has.
         available: usize,
     },
+    /// A packet's payload lies in registered memory that could not be read (unmapped while
+    /// registered, with no pinned frame left behind it).
+    #[error("payload memory unreachable (unmapped registered memory)")]
+    PayloadUnreachable,
     /// BTH TVer is not 0.
     #[error("unsupported BTH transport version {0}")]
     BadVersion(u8),
