@@ -101,7 +101,6 @@ impl Buffer {
                 if tail > 0 {
                     mm::munmap((aligned + need) as *mut _, tail)?;
                 }
-                mm::madvise(aligned as *mut _, need, Advice::LinuxHugepage)?;
             }
             base = aligned as *mut u8;
             total = need;
@@ -113,6 +112,11 @@ impl Buffer {
             len,
             readonly: false,
         };
+        if opts.thp {
+            // After `b` owns the mapping: a failed madvise unmaps it (drop) instead of leaking.
+            // SAFETY: advice on our own mapping; MADV_HUGEPAGE changes no contents.
+            unsafe { mm::madvise(base.cast(), total, Advice::LinuxHugepage)? };
+        }
         if opts.populate {
             // SAFETY: the range is our own writable mapping.
             unsafe {

@@ -187,12 +187,12 @@ impl<T: Retire> LeaseSet<T> {
 /// table's reference). Born dead when the entry's set is dead (the handle is then private
 /// to its holder and the registration is retired at its last release).
 pub fn lease<T: Retire>(entry: &Arc<T>) -> (Handle<T>, Hold<T>) {
-    let p = NonNull::from(Box::leak(Box::new(Lease {
+    let p = mem::new_lease(Lease {
         n: AtomicU64::new(1 | HOLD),
         touched: AtomicBool::new(false),
         meta: entry.meta(),
         entry: entry.clone(),
-    })));
+    });
     {
         let mut st = entry.leases().st.lock();
         if st.dead {
@@ -226,8 +226,8 @@ unsafe fn free<T: Retire>(p: NonNull<Lease<T>>) {
             st.leases.swap_remove(i);
         }
     }
-    // SAFETY: unlinked, and no handle or hold is left: we own it. It came from Box::leak.
-    drop(unsafe { Box::from_raw(p.as_ptr()) });
+    // SAFETY: unlinked, and no handle or hold is left: we own it. It came from `new_lease`.
+    unsafe { mem::free_lease(p) };
 }
 
 /// Release one handle of a dead lease (the caller owns one count on `p`).
@@ -387,5 +387,466 @@ impl<T: Retire> Drop for Hold<T> {
             // SAFETY: our decrement brought handles and hold to zero.
             unsafe { free(self.p) };
         }
+    }
+}
+
+/// Where leases and the per-thread tables live: memory laid out for the hit path.
+///
+/// With tens of thousands of entries a hit's two accesses (the table slot, then the lease)
+/// land at random in a few MiB; they miss the CPU caches, and they must not also miss the
+/// TLB (a page walk per access, two-dimensional under virtualisation). So:
+///
+/// * leases come from a **slab** of 64-byte cells in contiguous chunks, not from the heap
+///   where they would sit between the entries, index nodes and MR state allocated with
+///   them (one lease per 4 KiB page in practice);
+/// * the slab's first chunk is 64 KiB, the next ones are 2 MiB; those, like tables of 2 MiB
+///   and more ([`Slots`]), are anonymous mappings of their own, 2 MiB aligned and advised
+///   for transparent huge pages (`MADV_HUGEPAGE`, through [`Buffer`]): one TLB entry covers
+///   32,768 leases or 131,072 table slots. Without THP they are still contiguous.
+///
+/// The slab is process-wide (a lease may be freed on any thread) behind a mutex taken only
+/// on the slow path (lease creation and freeing). A chunk that empties is unmapped unless
+/// it is the only empty one (kept for the next lease, so a count oscillating at a chunk
+/// boundary does not map and unmap). Under `--cfg loom` leases are boxed instead.
+pub(crate) mod mem {
+    use std::marker::PhantomData;
+    use std::ptr::NonNull;
+
+    use crate::{Buffer, BufferOptions};
+
+    /// Arrays and slab chunks of this size and up are mapped on their own for THP.
+    pub const HUGE: usize = 2 << 20;
+
+    /// A transparent-huge-page mapping of `bytes` (2 MiB aligned), if one can be made.
+    fn huge_map(bytes: usize) -> Option<Buffer> {
+        Buffer::with_options(
+            bytes,
+            BufferOptions {
+                thp: true,
+                ..BufferOptions::default()
+            },
+        )
+        .ok()
+    }
+
+    /// A fixed-length array: a boxed slice below [`HUGE`] bytes, else a THP-advised mapping
+    /// of its own (falling back to the heap when the mapping fails).
+    pub struct Slots<T> {
+        ptr: NonNull<T>,
+        len: usize,
+        /// The mapping holding the elements, or `None` when they are a `Box<[T]>`.
+        map: Option<Buffer>,
+        _own: PhantomData<T>,
+    }
+
+    // SAFETY: `Slots<T>` owns its elements like a `Box<[T]>` (the mapping is owned too).
+    unsafe impl<T: Send> Send for Slots<T> {}
+    // SAFETY: `&Slots<T>` gives only `&[T]`.
+    unsafe impl<T: Sync> Sync for Slots<T> {}
+
+    impl<T> Default for Slots<T> {
+        fn default() -> Self {
+            Slots::from_box(Box::default())
+        }
+    }
+
+    impl<T> Slots<T> {
+        /// `len` elements made by `f`.
+        pub fn new(len: usize, mut f: impl FnMut() -> T) -> Self {
+            let bytes = len
+                .checked_mul(size_of::<T>())
+                .expect("array size overflows");
+            // A mapping is page aligned: enough for any `T` the cache stores.
+            if bytes >= HUGE && align_of::<T>() <= 4096 {
+                if let Some(mut map) = huge_map(bytes) {
+                    let ptr = NonNull::new(map.as_mut_slice().as_mut_ptr().cast::<T>())
+                        .expect("mapping at address 0");
+                    for i in 0..len {
+                        // SAFETY: `i < len` and the mapping holds `len * size_of::<T>()`
+                        // bytes, page aligned; each element is written once. (A panic in
+                        // `f` leaks the elements written so far; the mapping is unmapped.)
+                        unsafe { ptr.as_ptr().add(i).write(f()) };
+                    }
+                    return Slots {
+                        ptr,
+                        len,
+                        map: Some(map),
+                        _own: PhantomData,
+                    };
+                }
+            }
+            Slots::from_box((0..len).map(|_| f()).collect())
+        }
+
+        fn from_box(b: Box<[T]>) -> Self {
+            let len = b.len();
+            // SAFETY: `Box::into_raw` never returns null.
+            let ptr = unsafe { NonNull::new_unchecked(Box::into_raw(b).cast::<T>()) };
+            Slots {
+                ptr,
+                len,
+                map: None,
+                _own: PhantomData,
+            }
+        }
+
+        /// Whether the elements are in a mapping of their own (THP advised).
+        #[cfg(test)]
+        pub fn is_mapped(&self) -> bool {
+            self.map.is_some()
+        }
+    }
+
+    impl<T> std::ops::Deref for Slots<T> {
+        type Target = [T];
+        #[inline]
+        fn deref(&self) -> &[T] {
+            // SAFETY: `len` initialised elements at `ptr`, owned by `self`.
+            unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+        }
+    }
+
+    impl<T> std::ops::DerefMut for Slots<T> {
+        #[inline]
+        fn deref_mut(&mut self) -> &mut [T] {
+            // SAFETY: as in `deref`, and `&mut self` is exclusive.
+            unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+        }
+    }
+
+    impl<T> Drop for Slots<T> {
+        fn drop(&mut self) {
+            let all = std::ptr::slice_from_raw_parts_mut(self.ptr.as_ptr(), self.len);
+            if self.map.is_some() {
+                // SAFETY: the elements are initialised and dropped once, here; the mapping
+                // is unmapped after this (field drop).
+                unsafe { std::ptr::drop_in_place(all) };
+            } else {
+                // SAFETY: `ptr`/`len` came from `Box::into_raw` of a `Box<[T]>`.
+                drop(unsafe { Box::from_raw(all) });
+            }
+        }
+    }
+
+    /// Bytes of a slab cell (one lease: its own cache line).
+    pub const CELL: usize = 64;
+
+    #[cfg(all(test, not(loom)))]
+    pub use slab::cell_count;
+    #[cfg(not(loom))]
+    pub use slab::{free_cell, new_cell};
+
+    #[cfg(not(loom))]
+    mod slab {
+        use std::collections::BTreeMap;
+        use std::ptr::NonNull;
+
+        use parking_lot::Mutex;
+
+        use super::{huge_map, CELL, HUGE};
+        use crate::Buffer;
+
+        /// Smallest chunk (the first ones: a process with a few leases maps 64 KiB).
+        const FIRST: usize = 64 << 10;
+
+        struct Chunk {
+            /// Keeps the cells mapped.
+            _map: Buffer,
+            /// First cell.
+            base: NonNull<u8>,
+            cells: usize,
+            /// Cells from here on were never handed out (their pages are not touched yet).
+            bump: usize,
+            /// Cells handed out and given back.
+            free: Vec<u32>,
+            /// Cells in use.
+            live: usize,
+        }
+
+        // SAFETY: `base` points into `_map`, which the chunk owns; cells are handed out
+        // and taken back only under the slab mutex.
+        unsafe impl Send for Chunk {}
+
+        struct Slab {
+            /// By the address of the first cell.
+            chunks: BTreeMap<usize, Chunk>,
+            /// Bytes of all chunks.
+            bytes: usize,
+        }
+
+        static SLAB: Mutex<Slab> = Mutex::new(Slab {
+            chunks: BTreeMap::new(),
+            bytes: 0,
+        });
+
+        /// A free 64-byte, 64-aligned cell (uninitialised).
+        pub fn new_cell() -> NonNull<u8> {
+            let mut s = SLAB.lock();
+            for c in s.chunks.values_mut() {
+                let i = match c.free.pop() {
+                    Some(i) => i as usize,
+                    None if c.bump < c.cells => {
+                        c.bump += 1;
+                        c.bump - 1
+                    }
+                    None => continue,
+                };
+                c.live += 1;
+                // SAFETY: `i < cells`: inside the chunk's mapping.
+                return unsafe { NonNull::new_unchecked(c.base.as_ptr().add(i * CELL)) };
+            }
+            // Full: 64 KiB first (1,024 leases), then 2 MiB chunks.
+            let size = if s.bytes == 0 { FIRST } else { HUGE };
+            let map = if size == HUGE { huge_map(size) } else { None };
+            let Some(mut map) = map.or_else(|| Buffer::new(size).ok()) else {
+                std::alloc::handle_alloc_error(
+                    std::alloc::Layout::from_size_align(size, CELL).expect("layout"),
+                );
+            };
+            let base = NonNull::new(map.as_mut_slice().as_mut_ptr()).expect("mapping at 0");
+            s.bytes += size;
+            s.chunks.insert(
+                base.as_ptr() as usize,
+                Chunk {
+                    _map: map,
+                    base,
+                    cells: size / CELL,
+                    bump: 1,
+                    free: Vec::new(),
+                    live: 1,
+                },
+            );
+            base
+        }
+
+        /// Give back a cell from [`new_cell`] (its contents already dropped).
+        pub fn free_cell(p: NonNull<u8>) {
+            let addr = p.as_ptr() as usize;
+            let gone = {
+                let mut s = SLAB.lock();
+                let Some((&base, c)) = s.chunks.range_mut(..=addr).next_back() else {
+                    panic!("lease cell {addr:#x} not from the slab");
+                };
+                let i = (addr - base) / CELL;
+                assert!(
+                    i < c.bump && (addr - base) % CELL == 0,
+                    "lease cell not from the slab"
+                );
+                c.free.push(i as u32);
+                c.live -= 1;
+                let empty = c.live == 0;
+                if empty && s.chunks.values().filter(|c| c.live == 0).count() > 1 {
+                    let c = s.chunks.remove(&base);
+                    s.bytes -= c.as_ref().map_or(0, |c| c.cells * CELL);
+                    c
+                } else {
+                    None
+                }
+            };
+            // Unmapped outside the lock.
+            drop(gone);
+        }
+
+        /// Cells in use and cells mapped.
+        #[cfg(test)]
+        pub fn cell_count() -> (usize, usize) {
+            let s = SLAB.lock();
+            (s.chunks.values().map(|c| c.live).sum(), s.bytes / CELL)
+        }
+    }
+
+    /// A lease moved into a slab cell (a box under loom).
+    pub(super) fn new_lease<T: super::Retire>(l: super::Lease<T>) -> NonNull<super::Lease<T>> {
+        #[cfg(not(loom))]
+        {
+            const {
+                assert!(
+                    size_of::<super::Lease<T>>() <= CELL && align_of::<super::Lease<T>>() <= CELL
+                )
+            };
+            let p = new_cell().cast::<super::Lease<T>>();
+            // SAFETY: a free cell, large and aligned enough (checked above), ours alone.
+            unsafe { p.as_ptr().write(l) };
+            p
+        }
+        #[cfg(loom)]
+        {
+            NonNull::from(Box::leak(Box::new(l)))
+        }
+    }
+
+    /// Drop a lease and give its cell back.
+    ///
+    /// # Safety
+    ///
+    /// `p` came from [`new_lease`], nothing refers to it any more and it is freed once.
+    pub(super) unsafe fn free_lease<T: super::Retire>(p: NonNull<super::Lease<T>>) {
+        #[cfg(not(loom))]
+        {
+            // SAFETY: (caller) initialised, unreferenced, dropped once.
+            unsafe { std::ptr::drop_in_place(p.as_ptr()) };
+            free_cell(p.cast());
+        }
+        #[cfg(loom)]
+        {
+            // SAFETY: (caller) it came from `Box::leak` and is freed once.
+            drop(unsafe { Box::from_raw(p.as_ptr()) });
+        }
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use std::sync::Arc;
+
+    use super::mem::{cell_count, Slots, CELL, HUGE};
+    use super::{lease, Hold, LeaseSet, Retire};
+
+    /// The slab is process-wide: the tests counting its cells run one at a time.
+    static SERIAL: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
+
+    struct Probe {
+        leases: LeaseSet<Probe>,
+    }
+
+    impl Retire for Probe {
+        type Meta = ();
+        fn meta(&self) {}
+        fn leases(&self) -> &LeaseSet<Probe> {
+            &self.leases
+        }
+        fn retire(&self) {}
+    }
+
+    /// `n` entries, each allocated with a 512-byte neighbour (as the cache allocates an
+    /// entry, index node and MR state around each lease), and a hold on each.
+    fn holds(n: usize) -> (Vec<Hold<Probe>>, Vec<Vec<u8>>) {
+        let mut hs = Vec::new();
+        let mut noise = Vec::new();
+        for _ in 0..n {
+            let e = Arc::new(Probe {
+                leases: LeaseSet::new(),
+            });
+            noise.push(vec![1u8; 512]);
+            let (h, hold) = lease(&e);
+            drop(h);
+            hs.push(hold);
+        }
+        (hs, noise)
+    }
+
+    /// Flags of the mapping holding `addr` (`VmFlags` of `/proc/self/smaps`).
+    fn vm_flags(addr: usize) -> String {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").expect("smaps");
+        let mut inside = false;
+        for l in smaps.lines() {
+            if let Some((range, _)) = l.split_once(' ') {
+                if let Some((a, b)) = range.split_once('-') {
+                    if let (Ok(a), Ok(b)) =
+                        (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16))
+                    {
+                        inside = a <= addr && addr < b;
+                        continue;
+                    }
+                }
+            }
+            if inside {
+                if let Some(f) = l.strip_prefix("VmFlags:") {
+                    return f.to_string();
+                }
+            }
+        }
+        String::new()
+    }
+
+    fn thp_kernel() -> bool {
+        std::path::Path::new("/sys/kernel/mm/transparent_hugepage/enabled").exists()
+    }
+
+    /// Leases of entries created one after the other sit next to each other (the hit's
+    /// second access stays within few pages), not between the entries' other allocations.
+    #[test]
+    fn leases_are_contiguous() {
+        let _g = SERIAL.lock();
+        let n = 4096;
+        let (hs, noise) = holds(n);
+        let mut pages: Vec<usize> = hs.iter().map(|h| h.p.as_ptr() as usize >> 12).collect();
+        pages.sort_unstable();
+        pages.dedup();
+        // 64 leases a page: 64 pages when packed; interleaved with the neighbours they
+        // would span about 600.
+        assert!(
+            pages.len() <= n * CELL / 4096 + 16,
+            "{} leases over {} pages",
+            n,
+            pages.len()
+        );
+        for h in &hs {
+            assert_eq!(h.p.as_ptr() as usize % CELL, 0, "lease not line aligned");
+        }
+        // Past the first 64 KiB chunk leases come from 2 MiB chunks advised for THP.
+        let last = hs.last().expect("leases").p.as_ptr() as usize;
+        if thp_kernel() {
+            assert!(
+                vm_flags(last).split_whitespace().any(|f| f == "hg"),
+                "lease chunk not advised for huge pages: {}",
+                vm_flags(last)
+            );
+        }
+        drop(noise);
+        drop(hs);
+    }
+
+    /// Freed leases give their cells back; emptied chunks are unmapped but one.
+    #[test]
+    fn slab_cells_come_back() {
+        let _g = SERIAL.lock();
+        let (live0, _) = cell_count();
+        let (hs, noise) = holds(3 * HUGE / CELL);
+        let (live1, mapped1) = cell_count();
+        assert_eq!(live1, live0 + hs.len());
+        drop(hs);
+        drop(noise);
+        let (live2, mapped2) = cell_count();
+        assert_eq!(live2, live0, "cells leaked");
+        assert!(
+            mapped2 <= live0 + 2 * HUGE / CELL && mapped2 < mapped1,
+            "emptied chunks kept: {mapped2} cells mapped for {live2} leases"
+        );
+        // Reused: the same number of leases maps nothing new.
+        let (hs, noise) = holds(1000);
+        assert!(cell_count().1 <= mapped2 + HUGE / CELL);
+        drop((hs, noise));
+    }
+
+    /// Arrays of 2 MiB and more are mappings of their own advised for THP; smaller ones and
+    /// their contents behave like boxed slices.
+    #[test]
+    fn large_slots_are_mapped_for_thp() {
+        let counter = Arc::new(());
+        let big: Slots<(u64, Option<Arc<()>>)> =
+            Slots::new(HUGE / 16, || (7, Some(counter.clone())));
+        assert_eq!(big.len(), HUGE / 16);
+        assert_eq!(Arc::strong_count(&counter), 1 + HUGE / 16);
+        assert!(big.is_mapped());
+        assert_eq!(big.as_ptr() as usize % HUGE, 0);
+        if thp_kernel() {
+            assert!(vm_flags(big.as_ptr() as usize)
+                .split_whitespace()
+                .any(|f| f == "hg"));
+        }
+        let mut small: Slots<(u64, Option<Arc<()>>)> = Slots::new(1000, || (1, None));
+        assert!(!small.is_mapped());
+        small[999].1 = Some(counter.clone());
+        drop(big);
+        assert_eq!(
+            Arc::strong_count(&counter),
+            2,
+            "elements of a mapped array dropped"
+        );
+        drop(small);
+        assert_eq!(Arc::strong_count(&counter), 1);
+        let empty: Slots<u64> = Slots::default();
+        assert!(empty.is_empty());
     }
 }

@@ -18,6 +18,9 @@
 //!   written only by events); after an event the next lookup applies the queued
 //!   invalidations on the slow path and the table catches up *without* being cleared (dead
 //!   entries are refused hold by hold). Hit counters are per-thread, single-writer.
+//!   Leases come from a contiguous slab and large tables from their own THP-advised
+//!   mappings ([`lease::mem`]), so at tens of thousands of entries the hit's two cache
+//!   misses are not also TLB misses.
 //! * **Life cycle**: an entry's *memory* is an `Arc` (index, leases, waiters); its
 //!   *registration* is retired (`Entry::try_retire`) once it is dead (invalidated,
 //!   evicted, superseded, cache dropped) and no lease counts a handle. A kill sets a dead
@@ -82,6 +85,7 @@ use crate::pool::{MrPool, OwnedSlot};
 use crate::verbs::{LocalSlice, ProtectionDomain, RemoteSlice};
 use crate::{AccessFlags, Errno, Error, Result};
 use index::IntervalIndex;
+use lease::mem::Slots;
 use lease::{Handle, Hold, LeaseSet, Retire};
 use monitor::{Monitor, Pending};
 
@@ -568,10 +572,10 @@ struct ThreadStats {
 
 /// A thread's holds by the 4 KiB page of request addresses: open addressing with linear
 /// probing in a power-of-two array kept at most half full, 16 bytes a slot, so a lookup
-/// reads one line of the table and then the lease's line. No deletion: a key's slot is
-/// overwritten, and the table is rebuilt when it has to shrink.
+/// reads one line of the table and then the lease's line. Tables of 2 MiB and more are
+/// mapped on their own for transparent huge pages ([`lease::mem::Slots`]).
 struct PageTable<V> {
-    slots: Vec<(u64, Option<V>)>,
+    slots: Slots<(u64, Option<V>)>,
     len: usize,
     /// 64 - log2(slots.len()).
     shift: u32,
@@ -580,7 +584,7 @@ struct PageTable<V> {
 impl<V> Default for PageTable<V> {
     fn default() -> Self {
         PageTable {
-            slots: Vec::new(),
+            slots: Slots::default(),
             len: 0,
             shift: 0,
         }
@@ -678,13 +682,13 @@ impl<V> PageTable<V> {
         if size == 0 {
             return;
         }
-        let old = std::mem::take(&mut self.slots);
+        let mut old = std::mem::take(&mut self.slots);
         self.len = 0;
         self.alloc(size);
-        for (k, h) in old {
-            if let Some(h) = h {
+        for (k, h) in old.iter_mut() {
+            if let Some(h) = h.take() {
                 if keep(&h) {
-                    self.insert(k, h);
+                    self.insert(*k, h);
                 } else {
                     out.push(h);
                 }
@@ -694,19 +698,19 @@ impl<V> PageTable<V> {
 
     /// Re-create with `size` slots (a power of two), keeping every hold.
     fn rebuild(&mut self, size: usize) {
-        let old = std::mem::take(&mut self.slots);
+        let mut old = std::mem::take(&mut self.slots);
         self.len = 0;
         self.alloc(size);
-        for (k, h) in old {
-            if let Some(h) = h {
-                self.insert(k, h);
+        for (k, h) in old.iter_mut() {
+            if let Some(h) = h.take() {
+                self.insert(*k, h);
             }
         }
     }
 
     fn alloc(&mut self, size: usize) {
         debug_assert!(size.is_power_of_two() && size >= 16);
-        self.slots = (0..size).map(|_| (0, None)).collect();
+        self.slots = Slots::new(size, || (0, None));
         self.shift = 64 - size.trailing_zeros();
     }
 }
