@@ -840,6 +840,12 @@ impl RegCache {
     /// The caller guarantees the range is mapped memory it may register; the cache guarantees
     /// the returned keys translate to the pages mapped at the time of the call (not to pages
     /// of an earlier mapping at the same address).
+    ///
+    /// **Known soundness hole:** this is a safe function on a raw address, but the device (and
+    /// every peer given the rkey) may read and write the range while the registration is
+    /// cached, which the type system does not see: registering memory safe code treats as
+    /// immutable or frees is undefined behaviour. Treat calls as `unsafe` until the cache gets
+    /// an owned/borrowed entry point and an `unsafe` raw one.
     #[inline]
     pub fn get(&self, addr: u64, len: u64, access: AccessFlags) -> Result<RegHandle> {
         if let Some(h) = self.fast_hit(addr, len, access) {
