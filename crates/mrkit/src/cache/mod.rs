@@ -19,7 +19,7 @@
 //!   invalidations on the slow path and the table catches up *without* being cleared (dead
 //!   entries are refused hold by hold). Hit counters are per-thread, single-writer.
 //!   Leases come from a contiguous slab and large tables from their own THP-advised
-//!   mappings ([`lease::mem`]), so at tens of thousands of entries the hit's two cache
+//!   mappings (`lease::mem`), so at tens of thousands of entries the hit's two cache
 //!   misses are not also TLB misses.
 //! * **Life cycle**: an entry's *memory* is an `Arc` (index, leases, waiters); its
 //!   *registration* is retired (`Entry::try_retire`) once it is dead (invalidated,
