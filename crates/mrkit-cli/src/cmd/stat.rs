@@ -263,7 +263,24 @@ fn print_text(procs: &[Value], dirs: &[PathBuf]) {
                 say!("  {k}: {v}");
             }
         }
+        if let Some(h) = foreign_id_hint(p) {
+            say!("  hint: {h}");
+        }
     }
+}
+
+/// A hint for a process whose devices dropped packets whose IPv4 ICRC matches only a foreign
+/// IP identification: a non-mrkit RoCE peer (rxe, a NIC), or a path that re-batches datagrams,
+/// which the default exact ICRC check refuses.
+fn foreign_id_hint(p: &Value) -> Option<String> {
+    let n = p["sources"]["rx_drops"]["rx_icrc_foreign_id"].as_u64()?;
+    (n > 0).then(|| {
+        format!(
+            "{n} packets carried an IPv4 ID no mrkit sender uses (a foreign RoCE peer such as \
+             rxe or a NIC, or a path whose NIC re-batches datagrams): run this process with \
+             MRKIT_ICRC_IPV4=solve to accept them (a weaker check, see docs/transport.md)"
+        )
+    })
 }
 
 fn once(a: &StatArgs) -> (Vec<Value>, Vec<PathBuf>) {
@@ -366,4 +383,24 @@ pub fn hold(a: HoldArgs) -> u8 {
     drop(mrs);
     stat_export::shutdown();
     exit::OK
+}
+
+#[cfg(test)]
+mod hint_tests {
+    use super::foreign_id_hint;
+    use serde_json::json;
+
+    #[test]
+    fn foreign_ids_get_a_hint_and_nothing_else_does() {
+        let with =
+            |n: u64| json!({"sources": {"rx_drops": {"rx_icrc_foreign_id": n, "rx_bad_icrc": 9}}});
+        let h = foreign_id_hint(&with(3)).expect("a hint");
+        assert!(
+            h.starts_with("3 packets") && h.contains("MRKIT_ICRC_IPV4=solve"),
+            "{h}"
+        );
+        assert_eq!(foreign_id_hint(&with(0)), None);
+        assert_eq!(foreign_id_hint(&json!({"sources": {}})), None);
+        assert_eq!(foreign_id_hint(&json!({})), None);
+    }
 }
