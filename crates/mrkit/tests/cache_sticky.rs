@@ -88,16 +88,17 @@ fn sticky_attachment_invariants() {
         r1,
         "page inside an attached piece registered again"
     );
-    let old = h.lkey();
+    let mut old = h.lkey();
     drop(h);
     for round in 0..3u8 {
         let before = cache.stats().monitor_events;
         replace_page(mid, 0x60 + round);
+        let h = cache.get(mid, PAGE, RW).unwrap();
+        // (Counted once delivered: the lookup above waited for that.)
         assert!(
             cache.stats().monitor_events > before,
             "round {round}: unmap of a cached page not reported"
         );
-        let h = cache.get(mid, PAGE, RW).unwrap();
         assert_ne!(h.lkey(), old, "round {round}: stale registration served");
         assert!(
             !key_valid(&ctx, &pd, old, mid),
@@ -108,6 +109,7 @@ fn sticky_attachment_invariants() {
             read_through_key(&ctx, &pd, h.lkey(), mid, 16),
             vec![0x60 + round; 16]
         );
+        old = h.lkey();
         drop(h);
     }
     // Each replaced page was not attached any more: each miss had to register it.

@@ -55,10 +55,12 @@
 //! wider window: the kernel accepts a register over holes, and a hole filled later would
 //! not be attached).
 //!
-//! The cost of the idle set: an `munmap` of an idle range waits for the monitor to read its
-//! event (as it did while the range was cached), the VMA stays split until the range is
-//! released (at most two extra VMAs per idle range), and another userfaultfd cannot
-//! register it meanwhile.
+//! The cost of the idle set: an `munmap` or `MADV_DONTNEED` of an idle range waits for the
+//! monitor to read its event (as it did while the range was cached) and sends each
+//! cache's next lookup through its slow path once, the VMA stays split until the range is
+//! released (at most two extra VMAs per idle range; a registration that fails with
+//! `ENOMEM`, out of VMAs, releases every idle range and retries once), and another
+//! userfaultfd cannot register it meanwhile.
 //!
 //! # Deadlock rules
 //!
@@ -601,7 +603,20 @@ impl Monitor {
         let trusted = self.forget_gone(&mut a, true);
         if !(trusted && a.registered.covers(start, end)) {
             self.registers.fetch_add(1, Ordering::Relaxed);
-            self.uffd.register(start, len)?;
+            let mut r = self.uffd.register(start, len);
+            if matches!(&r, Err(e) if e.raw_os_error() == Some(libc::ENOMEM))
+                && trusted
+                && !a.idle.0.is_empty()
+            {
+                // Out of VMAs (`vm.max_map_count`), maybe partly because of our idle splits:
+                // detach them (their VMAs merge back) and try once more.
+                while let Some((&s, &e)) = a.idle.0.iter().next() {
+                    self.release(&mut a, s, e);
+                }
+                self.registers.fetch_add(1, Ordering::Relaxed);
+                r = self.uffd.register(start, len);
+            }
+            r?;
             a.registered.insert(start, end);
         }
         a.idle.remove(start, end);
