@@ -1511,9 +1511,14 @@ impl RegCache {
         }
     }
 
-    /// Evict every idle entry now.
+    /// Evict every idle entry now, and detach from the userfaultfd monitor every page range
+    /// no cache uses any more (kept attached to make later misses cheap, see [`monitor`]).
     pub fn flush_idle(&self) -> usize {
-        self.evict_idle(usize::MAX, None)
+        let n = self.evict_idle(usize::MAX, None);
+        if let Some(m) = self.inner.shared.monitor {
+            m.release_idle();
+        }
+        n
     }
 
     /// Entries in the index.

@@ -30,6 +30,38 @@
 //! queued (and drains it first): a freed-and-remapped address never gets the old
 //! registration.
 //!
+//! # Sticky attachment (why a miss costs no `UFFDIO_REGISTER` most of the time)
+//!
+//! Attaching a page range in the middle of a larger anonymous VMA splits that VMA (the range
+//! gets its own userfaultfd context), and detaching it merges the pieces back: two VMA
+//! rewrites under the `mmap` write lock, several microseconds per cache miss. So pages whose
+//! last cache entry goes away are *not* detached at once: they stay attached in an idle set
+//! of at most [`IDLE_CAP`] disjoint ranges (adjacent idle pages coalesce, so misses spread
+//! over one buffer make one range; past the cap, ranges are detached in address order by a
+//! clock hand; all of them at [`Monitor::release_idle`], which `RegCache::flush_idle`
+//! calls), and a later miss on memory the monitor knows to be attached only counts it. The
+//! first miss on a page still registers it (and splits its VMA).
+//!
+//! "Known to be attached" ([`Monitor::attach`]'s record) must never outlive the attachment:
+//! the kernel drops it when the VMA goes (`munmap`, `mmap(MAP_FIXED)` over it, `brk`
+//! shrink, `mremap` away), and a new mapping at the same address is *not* attached. Each of
+//! those delivers an UNMAP or REMAP event for the attached range, which the monitor thread
+//! queues on a set of its own exactly like on a cache's ([`Pending`]) before the sequence
+//! goes even. An attach first waits for an even sequence and removes the queued ranges from
+//! the record, so memory unmapped before the attach began is registered again, never taken
+//! for attached (if the monitor stalls for a second, the attach registers unconditionally).
+//! `MADV_DONTNEED`/`MADV_REMOVE` keep the VMA and its attachment, so they do not touch the
+//! record. Only the exact page spans registered successfully enter the record (never a
+//! wider window: the kernel accepts a register over holes, and a hole filled later would
+//! not be attached).
+//!
+//! The cost of the idle set: an `munmap` or `MADV_DONTNEED` of an idle range waits for the
+//! monitor to read its event (as it did while the range was cached) and sends each
+//! cache's next lookup through its slow path once, the VMA stays split until the range is
+//! released (at most two extra VMAs per idle range; a registration that fails with
+//! `ENOMEM`, out of VMAs, releases every idle range and retries once), and another
+//! userfaultfd cannot register it meanwhile.
+//!
 //! # Deadlock rules
 //!
 //! The monitor thread reads events before taking any lock, never blocks on the subscriber
@@ -39,6 +71,7 @@
 //!
 //! This is the only module of the cache with `unsafe`: raw syscalls and ioctls.
 
+use std::collections::BTreeMap;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -389,6 +422,82 @@ impl Pending {
     }
 }
 
+/// Most disjoint idle attached ranges kept (see the module docs, "Sticky attachment"). Each
+/// can keep its VMA split in up to three pieces, so the cost is bounded at `2 * IDLE_CAP`
+/// extra VMAs, against the default `vm.max_map_count` of 65,530.
+pub const IDLE_CAP: usize = 256;
+
+/// Disjoint, coalesced page ranges `[start, end)` (start -> end).
+#[derive(Debug, Default)]
+struct RangeSet(BTreeMap<u64, u64>);
+
+impl RangeSet {
+    /// Whether every address of `[s, e)` is in the set.
+    fn covers(&self, s: u64, e: u64) -> bool {
+        matches!(self.0.range(..=s).next_back(), Some((_, &end)) if end >= e)
+    }
+
+    /// The parts of `[s, e)` in the set.
+    fn intersect(&self, s: u64, e: u64) -> Vec<(u64, u64)> {
+        let first = match self.0.range(..=s).next_back() {
+            Some((&a, &b)) if b > s => a,
+            _ => s,
+        };
+        self.0
+            .range(first..e)
+            .map(|(&a, &b)| (a.max(s), b.min(e)))
+            .filter(|&(a, b)| a < b)
+            .collect()
+    }
+
+    fn insert(&mut self, s: u64, e: u64) {
+        if s >= e {
+            return;
+        }
+        let (mut lo, mut hi) = (s, e);
+        let first = match self.0.range(..=s).next_back() {
+            Some((&a, &b)) if b >= s => a,
+            _ => s,
+        };
+        let touching: Vec<(u64, u64)> = self.0.range(first..=e).map(|(&a, &b)| (a, b)).collect();
+        for (a, b) in touching {
+            self.0.remove(&a);
+            lo = lo.min(a);
+            hi = hi.max(b);
+        }
+        self.0.insert(lo, hi);
+    }
+
+    fn remove(&mut self, s: u64, e: u64) {
+        for (a, b) in self.intersect(s, e) {
+            // `(a, b)` is the overlap; find the stored interval holding it and cut it out.
+            if let Some((&ka, &kb)) = self.0.range(..=a).next_back() {
+                self.0.remove(&ka);
+                if ka < a {
+                    self.0.insert(ka, a);
+                }
+                if b < kb {
+                    self.0.insert(b, kb);
+                }
+            }
+        }
+    }
+}
+
+/// Attach bookkeeping, under one lock held across the ioctls.
+#[derive(Debug, Default)]
+struct Attached {
+    /// Per-page users (cache entries).
+    users: RangeCounter,
+    /// Pages known attached to our userfaultfd: registered by us and not reported unmapped
+    /// or moved since (a subset of what the kernel has attached).
+    registered: RangeSet,
+    /// Pages of `registered` with 0 users (kept attached; at most [`IDLE_CAP`] ranges).
+    idle: RangeSet,
+    /// Where the next detach of an idle range starts looking (wraps around).
+    hand: u64,
+}
+
 /// Process-wide monitor: one userfaultfd (a VMA can belong to one userfaultfd only, so every
 /// cache of the process shares it), one thread, per-page attach counts.
 #[derive(Debug)]
@@ -396,14 +505,19 @@ pub struct Monitor {
     uffd: Uffd,
     /// Caches to notify.
     subs: Mutex<Vec<Arc<Pending>>>,
-    /// Per-page attach counts: UFFDIO_UNREGISTER only where the count goes 1 -> 0 (held across
-    /// the ioctls, like the device's DONTFORK marks). Registration is issued unconditionally
-    /// (idempotent) so a page whose old mapping vanished while counted is re-attached.
-    counts: Mutex<RangeCounter>,
+    /// Users, the record of attached pages and the idle set (module docs, "Sticky
+    /// attachment").
+    att: Mutex<Attached>,
+    /// Ranges unmapped or moved away (UNMAP and REMAP events only), queued by the monitor
+    /// thread before the sequence goes even; removed from `att.registered` at the next
+    /// attach.
+    gone: Pending,
     /// Odd while events are read but not yet queued on every subscriber.
     seq: AtomicU64,
     /// Events read.
     events: AtomicU64,
+    /// `UFFDIO_REGISTER` calls issued (statistics and tests; Relaxed, orders nothing).
+    registers: AtomicU64,
 }
 
 static MONITOR: OnceLock<Result<Arc<Monitor>, String>> = OnceLock::new();
@@ -418,9 +532,11 @@ pub fn global() -> Result<&'static Arc<Monitor>, String> {
             let m = Arc::new(Monitor {
                 uffd,
                 subs: Mutex::new(Vec::new()),
-                counts: Mutex::new(RangeCounter::new()),
+                att: Mutex::new(Attached::default()),
+                gone: Pending::new(256),
                 seq: AtomicU64::new(0),
                 events: AtomicU64::new(0),
+                registers: AtomicU64::new(0),
             });
             let t = m.clone();
             std::thread::Builder::new()
@@ -477,20 +593,110 @@ impl Monitor {
         drop(removed);
     }
 
-    /// Attach a page-aligned range (counted).
+    /// Attach a page-aligned range (counted): `UFFDIO_REGISTER` unless every page of it is
+    /// known to be attached already (module docs, "Sticky attachment").
     pub fn attach(&self, start: u64, len: u64) -> io::Result<()> {
-        let mut c = self.counts.lock();
-        self.uffd.register(start, len)?;
-        let _ = c.inc(start, start + len);
+        let end = start
+            .checked_add(len)
+            .ok_or_else(|| io::Error::from_raw_os_error(libc::EINVAL))?;
+        let mut a = self.att.lock();
+        let trusted = self.forget_gone(&mut a, true);
+        if !(trusted && a.registered.covers(start, end)) {
+            self.registers.fetch_add(1, Ordering::Relaxed);
+            let mut r = self.uffd.register(start, len);
+            if matches!(&r, Err(e) if e.raw_os_error() == Some(libc::ENOMEM))
+                && trusted
+                && !a.idle.0.is_empty()
+            {
+                // Out of VMAs (`vm.max_map_count`), maybe partly because of our idle splits:
+                // detach them (their VMAs merge back) and try once more.
+                while let Some((&s, &e)) = a.idle.0.iter().next() {
+                    self.release(&mut a, s, e);
+                }
+                self.registers.fetch_add(1, Ordering::Relaxed);
+                r = self.uffd.register(start, len);
+            }
+            r?;
+            a.registered.insert(start, end);
+        }
+        a.idle.remove(start, end);
+        let _ = a.users.inc(start, end);
         Ok(())
     }
 
-    /// Drop one attach count over the range; detach pages that reach 0.
+    /// Drop one attach count over the range. Pages that reach 0 users stay attached in the
+    /// idle set; idle ranges are detached while it holds more than [`IDLE_CAP`].
     pub fn detach(&self, start: u64, len: u64) {
-        let mut c = self.counts.lock();
-        for (s, e) in c.dec(start, start + len) {
-            let _ = self.uffd.unregister(s, e - s);
+        let end = start.saturating_add(len);
+        let mut a = self.att.lock();
+        for (s, e) in a.users.dec(start, end) {
+            for (rs, re) in a.registered.intersect(s, e) {
+                a.idle.insert(rs, re);
+            }
         }
+        // Never wait here (this runs on handle drops): with an event in flight the record may
+        // still hold a range that is no longer ours, so the trimming waits for the next call.
+        while a.idle.0.len() > IDLE_CAP && self.forget_gone(&mut a, false) {
+            let next = a
+                .idle
+                .0
+                .range(a.hand..)
+                .next()
+                .or_else(|| a.idle.0.iter().next())
+                .map(|(&s, &e)| (s, e));
+            let Some((s, e)) = next else { break };
+            a.hand = e;
+            self.release(&mut a, s, e);
+        }
+    }
+
+    /// Detach every idle range (ranges in use stay attached). Waits at most a second for an
+    /// event being delivered; on timeout, releases nothing.
+    pub fn release_idle(&self) {
+        let mut a = self.att.lock();
+        if !self.forget_gone(&mut a, true) {
+            return;
+        }
+        while let Some((&s, &e)) = a.idle.0.iter().next() {
+            self.release(&mut a, s, e);
+        }
+    }
+
+    /// `UFFDIO_REGISTER` calls issued so far (a miss on a range known to be attached issues
+    /// none).
+    pub fn registrations(&self) -> u64 {
+        self.registers.load(Ordering::Relaxed)
+    }
+
+    /// Unregister idle range `[s, e)` (no users, still ours: the idle set is kept a subset
+    /// of both).
+    fn release(&self, a: &mut Attached, s: u64, e: u64) {
+        let _ = self.uffd.unregister(s, e - s);
+        a.idle.remove(s, e);
+        a.registered.remove(s, e);
+    }
+
+    /// Remove from the record the ranges reported unmapped or moved. With `wait`, first
+    /// waits (at most a second) until no event is being delivered; without, gives up if one
+    /// is. Returns whether the record is now trustworthy: it then lacks every range whose
+    /// unmap returned before this call (the monitor queues it on `gone` before the sequence
+    /// goes even).
+    fn forget_gone(&self, a: &mut Attached, wait: bool) -> bool {
+        let quiet = if wait {
+            wait_quiescent(Duration::from_secs(1))
+        } else {
+            seq() & 1 == 0
+        };
+        if !quiet {
+            return false;
+        }
+        if self.gone.is_nonempty() {
+            for (s, e) in self.gone.drain() {
+                a.registered.remove(s, e);
+                a.idle.remove(s, e);
+            }
+        }
+        true
     }
 
     /// Events read so far.
@@ -501,6 +707,7 @@ impl Monitor {
     fn run(&self) {
         let mut evs: Vec<Event> = Vec::with_capacity(256);
         let mut ranges: Vec<(u64, u64)> = Vec::with_capacity(256);
+        let mut gone: Vec<(u64, u64)> = Vec::with_capacity(256);
         loop {
             let timeout = if ranges.is_empty() { -1 } else { 1 };
             match self.uffd.wait(timeout) {
@@ -524,13 +731,17 @@ impl Monitor {
             }
             for ev in &evs {
                 let r = ev.stale_range();
-                if ranges.len() == ranges.capacity() {
-                    // Bounded local buffer: widen the last range instead of growing.
-                    let last = ranges.len() - 1;
-                    ranges[last] = (ranges[last].0.min(r.0), ranges[last].1.max(r.1));
-                } else {
-                    ranges.push(r);
+                push_bounded(&mut ranges, r);
+                if !matches!(ev, Event::Remove(..)) {
+                    // The VMA is gone from here: so is its attachment.
+                    push_bounded(&mut gone, r);
                 }
+            }
+            // Before the sequence can go even (see `forget_gone`). `Pending::push` does not
+            // allocate and its lock is held by nobody who waits for this thread.
+            if !gone.is_empty() {
+                self.gone.push(&gone);
+                gone.clear();
             }
             if ranges.is_empty() {
                 if self.seq.load(Ordering::Relaxed) & 1 == 1 {
@@ -549,5 +760,44 @@ impl Monitor {
                 self.seq.fetch_add(1, Ordering::AcqRel);
             }
         }
+    }
+}
+
+/// Append `r` to a buffer that never grows past its capacity: when full, the last range is
+/// widened to cover `r` instead (over-approximating is safe).
+fn push_bounded(v: &mut Vec<(u64, u64)>, r: (u64, u64)) {
+    if v.len() == v.capacity() {
+        let last = v.len() - 1;
+        v[last] = (v[last].0.min(r.0), v[last].1.max(r.1));
+    } else {
+        v.push(r);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::RangeSet;
+
+    fn all(s: &RangeSet) -> Vec<(u64, u64)> {
+        s.0.iter().map(|(&a, &b)| (a, b)).collect()
+    }
+
+    #[test]
+    fn range_set_insert_coalesces_and_remove_cuts() {
+        let mut s = RangeSet::default();
+        s.insert(10, 20);
+        s.insert(30, 40);
+        s.insert(20, 30);
+        assert_eq!(all(&s), vec![(10, 40)]);
+        assert!(s.covers(10, 40) && s.covers(15, 25) && !s.covers(5, 15) && !s.covers(35, 45));
+        s.remove(15, 25);
+        assert_eq!(all(&s), vec![(10, 15), (25, 40)]);
+        assert!(!s.covers(14, 16));
+        assert_eq!(s.intersect(0, 30), vec![(10, 15), (25, 30)]);
+        s.insert(50, 60);
+        s.remove(0, 100);
+        assert!(all(&s).is_empty());
+        s.insert(5, 5);
+        assert!(all(&s).is_empty());
     }
 }
