@@ -16,22 +16,6 @@ fn registrations() -> u64 {
     monitor::global().unwrap().registrations()
 }
 
-/// VMAs of /proc/self/maps that intersect `[a, b)`.
-fn vmas_in(a: u64, b: u64) -> usize {
-    std::fs::read_to_string("/proc/self/maps")
-        .unwrap()
-        .lines()
-        .filter_map(|l| {
-            let (s, e) = l.split_whitespace().next()?.split_once('-')?;
-            Some((
-                u64::from_str_radix(s, 16).ok()?,
-                u64::from_str_radix(e, 16).ok()?,
-            ))
-        })
-        .filter(|&(s, e)| s < b && e > a)
-        .count()
-}
-
 /// Replace one page of `m` with a fresh anonymous page (munmap + mmap in one call: the
 /// kernel reports an UNMAP of that page and never leaves a hole).
 fn replace_page(at: u64, fill: u8) {

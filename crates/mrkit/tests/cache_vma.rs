@@ -24,22 +24,6 @@ fn explicit() -> CacheConfig {
     }
 }
 
-/// VMAs of /proc/self/maps that intersect `[a, b)`.
-fn vmas_in(a: u64, b: u64) -> usize {
-    std::fs::read_to_string("/proc/self/maps")
-        .unwrap()
-        .lines()
-        .filter_map(|l| {
-            let (s, e) = l.split_whitespace().next()?.split_once('-')?;
-            Some((
-                u64::from_str_radix(s, 16).ok()?,
-                u64::from_str_radix(e, 16).ok()?,
-            ))
-        })
-        .filter(|&(s, e)| s < b && e > a)
-        .count()
-}
-
 #[test]
 fn vma_split_lasts_only_as_long_as_the_registration() {
     // DONTFORK (device, refcounted per page) and the userfaultfd attach (cache, refcounted
