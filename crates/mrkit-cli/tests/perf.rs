@@ -24,13 +24,7 @@ fn free_tcp_port() -> u16 {
 
 /// Distinct 127.x.y.z addresses per test process and role.
 fn addr(role: u8) -> String {
-    let pid = std::process::id();
-    format!(
-        "127.{}.{}.{}",
-        100 + role,
-        (pid >> 8) as u8 % 250 + 1,
-        pid as u8 % 250 + 1
-    )
+    mrkit_testsupport::loopback_addr(100 + role)
 }
 
 fn start_server(role: u8, port: u16, count: u32, env: &[(&str, &str)]) -> Server {

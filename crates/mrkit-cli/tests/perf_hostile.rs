@@ -130,13 +130,7 @@ impl Server {
 
 /// Distinct 127.x.y.z addresses per test process and role.
 fn addr(role: u8) -> String {
-    let pid = std::process::id();
-    format!(
-        "127.{}.{}.{}",
-        150 + role,
-        (pid >> 8) as u8 % 250 + 1,
-        pid as u8 % 250 + 1
-    )
+    mrkit_testsupport::loopback_addr(150 + role)
 }
 
 /// Send raw bytes as a client and return what the server answered before closing.

@@ -177,19 +177,29 @@ fn wait_for(path: &Path) {
     }
 }
 
-#[test]
-fn stat_as_root_trusts_nothing_in_another_users_directory() {
+/// As root: the tests' lock, a throwaway second user (removed on drop) and its stat directory
+/// path `/tmp/mrkit-<uid>`, with nothing left there. Not root: says loudly that `test` is
+/// skipped and returns `None`.
+fn second_user(test: &str) -> Option<(std::sync::MutexGuard<'static, ()>, User, PathBuf)> {
     if !is_root() {
-        mrkit_testsupport::skip(
-            "stat_as_root_trusts_nothing_in_another_users_directory",
-            "needs root (useradd, setpriv, chown)",
-        );
-        return;
+        mrkit_testsupport::skip(test, "needs root (useradd, setpriv, chown)");
+        return None;
     }
-    let _serial = USERS.lock().unwrap_or_else(|e| e.into_inner());
+    let serial = USERS.lock().unwrap_or_else(|e| e.into_inner());
     let u = User::new();
     let d = PathBuf::from(format!("/tmp/mrkit-{}", u.uid));
     let _ = std::fs::remove_dir_all(&d);
+    let _ = std::fs::remove_file(&d);
+    Some((serial, u, d))
+}
+
+#[test]
+fn stat_as_root_trusts_nothing_in_another_users_directory() {
+    let Some((_serial, u, d)) =
+        second_user("stat_as_root_trusts_nothing_in_another_users_directory")
+    else {
+        return;
+    };
     let _rm_d = Rm(d.clone());
     let xdg = tempfile::tempdir().unwrap();
     let scratch = tempfile::tempdir().unwrap();
@@ -404,18 +414,9 @@ fn stat_as_root_trusts_nothing_in_another_users_directory() {
 /// world-writable; nothing is written through or into it.
 #[test]
 fn exporter_refuses_planted_directories() {
-    if !is_root() {
-        mrkit_testsupport::skip(
-            "exporter_refuses_planted_directories",
-            "needs root (useradd, setpriv, chown)",
-        );
+    let Some((_serial, u, d)) = second_user("exporter_refuses_planted_directories") else {
         return;
-    }
-    let _serial = USERS.lock().unwrap_or_else(|e| e.into_inner());
-    let u = User::new();
-    let d = PathBuf::from(format!("/tmp/mrkit-{}", u.uid));
-    let _ = std::fs::remove_dir_all(&d);
-    let _ = std::fs::remove_file(&d);
+    };
     let scratch = tempfile::tempdir().unwrap();
     // The target of the planted symlink: writable by the user, owned by root.
     let target = scratch.path().join("target");

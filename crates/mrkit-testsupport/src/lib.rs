@@ -123,3 +123,15 @@ pub fn skip(test: &str, why: &str) {
         "MRKIT_REQUIRE_NETNS set but the test cannot run: {why}"
     );
 }
+
+/// A loopback address `127.<first>.y.z` with `y.z` derived from this process's pid: distinct
+/// per test binary (processes run concurrently under `cargo test`) and, with a different
+/// `first` per role, per role within one binary.
+pub fn loopback_addr(first: u8) -> String {
+    let pid = std::process::id();
+    format!(
+        "127.{first}.{}.{}",
+        (pid >> 8) as u8 % 250 + 1,
+        pid as u8 % 250 + 1
+    )
+}

@@ -25,17 +25,7 @@
 #include <infiniband/verbs.h>
 
 #include "check.h"
-
-static struct ibv_context *open_mrkit(void)
-{
-	int n = 0;
-	struct ibv_device **list = ibv_get_device_list(&n);
-	CHECK(list && n == 1, "ibv_get_device_list: %d device(s)", n);
-	struct ibv_context *ctx = ibv_open_device(list[0]);
-	CHECK(ctx != NULL, "ibv_open_device");
-	ibv_free_device_list(list);
-	return ctx;
-}
+#include "open_mrkit.h"
 
 static void closed(void)
 {
