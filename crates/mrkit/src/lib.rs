@@ -38,6 +38,7 @@ pub use mrkit_soft::{
     AccessFlags, DeviceAttr, DeviceConfig, Errno, Error, MwType, Result, StatusModel,
 };
 pub use provider::Provider;
+pub use qp::registered::{DeviceWritable, Registered};
 pub use qp::{Owned, PostRefused, QueuePair, Ticket, WcOpcode, WcStatus, WorkCompletion};
 pub use verbs::{
     Context, LocalSlice, MemoryRegion, MemoryWindow, ProtectionDomain, RawMemoryRegion, RemoteSlice,

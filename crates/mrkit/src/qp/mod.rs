@@ -68,6 +68,8 @@
 //! assert_eq!(dst.as_slice()[0], 0);
 //! ```
 
+pub mod registered;
+
 use std::collections::HashMap;
 use std::ops::Range;
 use std::time::Duration;
