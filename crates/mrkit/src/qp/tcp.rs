@@ -135,7 +135,7 @@ pub enum ConnectError {
         /// The deadline.
         after: Duration,
     },
-    /// The peer closed the side channel before the handshake ended.
+    /// The peer closed (or reset) the side channel before the handshake ended.
     #[error("{during}: the peer closed the connection")]
     Closed {
         /// What the handshake was waiting for.
@@ -426,6 +426,10 @@ impl Side {
                             | io::ErrorKind::TimedOut
                             | io::ErrorKind::Interrupted
                     ) => {}
+                Err(e) if hung_up(&e) => {
+                    self.may_reject = false;
+                    return Err(ConnectError::Closed { during });
+                }
                 Err(source) => {
                     self.may_reject = false;
                     return Err(ConnectError::Io { during, source });
@@ -473,6 +477,10 @@ impl Side {
                     during,
                     after: self.total,
                 })
+            }
+            Err(e) if hung_up(&e) => {
+                self.may_reject = false;
+                Err(ConnectError::Closed { during })
             }
             Err(source) => {
                 self.may_reject = false;
@@ -630,6 +638,16 @@ impl Side {
             }
         }
     }
+}
+
+/// Whether `e` says the peer went away (closed with data unread, or reset).
+fn hung_up(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::ConnectionReset
+            | io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::BrokenPipe
+    )
 }
 
 /// Cut `s` to at most `max` bytes on a character boundary.
