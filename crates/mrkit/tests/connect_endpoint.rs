@@ -348,3 +348,15 @@ fn default_opts_end_a_dead_peer_in_the_rxe_model() {
     eprintln!("rxe model: {st:?} after {took:?}");
     assert_eq!(st, WcStatus::RetryExcErr);
 }
+
+#[test]
+fn a_wildcard_device_address_cannot_be_an_endpoint() {
+    // MRKIT_ADDR=0.0.0.0 (here through the builder, on a free port): bound, but unreachable.
+    let cfg = DeviceConfig::rxe().udp_addr("0.0.0.0:0".parse().unwrap());
+    let ctx = Context::open(cfg);
+    let pd = ctx.alloc_pd().unwrap();
+    let qp = QueuePair::new(&pd, QpCap::default()).unwrap();
+    let e = qp.endpoint().unwrap_err();
+    assert_eq!(e.errno(), Errno::EADDRNOTAVAIL, "{e}");
+    assert!(e.to_string().contains("MRKIT_ADDR"), "{e}");
+}

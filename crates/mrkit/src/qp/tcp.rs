@@ -29,8 +29,10 @@
 //!
 //! The TCP address is only the side channel; RDMA traffic goes between the two devices'
 //! RoCEv2 addresses, which the endpoints carry as GIDs. On `mrkit0` that is the address its
-//! UDP link binds (port 4791): `MRKIT_ADDR` (`ip` or `ip:port`), or by default a `127.x.y.z`
-//! derived from the process id. So two processes **on one host** need no setup; processes on
+//! UDP link binds (port 4791): `MRKIT_ADDR` (`ip` or `ip:port`, read by
+//! [`Context::open_default`](crate::Context::open_default); a program that builds its own
+//! [`DeviceConfig`](crate::DeviceConfig) sets `DeviceConfig::udp_addr`), or by default a
+//! `127.x.y.z` derived from the process id. So two processes **on one host** need no setup; processes on
 //! **two hosts** (or network namespaces) must each set `MRKIT_ADDR` to their own address on
 //! the link between them (e.g. `MRKIT_ADDR=192.0.2.1` and `MRKIT_ADDR=192.0.2.2`), and UDP
 //! port 4791 must be reachable. A wildcard such as `0.0.0.0` is refused (EADDRNOTAVAIL): a
