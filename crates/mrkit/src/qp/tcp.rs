@@ -272,6 +272,9 @@ impl Listener {
 
 /// Connect to the [`Listener`] at `addr` and run the handshake (at most `opts.timeout`,
 /// TCP connect included): a QP in `pd` with `cap`, connected to the server's.
+///
+/// A host name in `addr` is resolved first by the system resolver, whose time the deadline
+/// does not bound; pass a socket address to avoid it.
 pub fn connect(
     addr: impl ToSocketAddrs,
     pd: &ProtectionDomain,
