@@ -33,7 +33,9 @@ fn fake_hello() -> Vec<u8> {
 
 fn quick() -> HandshakeOpts {
     HandshakeOpts {
-        timeout: Duration::from_millis(400),
+        // Short, so the silent and trickling peers end quickly; long enough for a good
+        // handshake on a loaded machine.
+        timeout: Duration::from_secs(1),
         accept_timeout: Some(Duration::from_secs(20)),
         ..Default::default()
     }
@@ -260,7 +262,7 @@ fn bad_servers_give_the_client_clear_errors_and_leave_no_qp() {
     let t = Instant::now();
     let e = go(addr);
     assert!(e.is_timeout(), "{e}");
-    // The 400 ms deadline, not the server, ended it (the server holds on for 10 s).
+    // The 1 s deadline, not the server, ended it (the server holds on for 10 s).
     assert!(t.elapsed() < Duration::from_secs(8), "{:?}", t.elapsed());
     assert_eq!(qps(&ctx), 0);
 
