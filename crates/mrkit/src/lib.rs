@@ -38,7 +38,9 @@ pub use mrkit_soft::{
     AccessFlags, DeviceAttr, DeviceConfig, Errno, Error, MwType, Result, StatusModel,
 };
 pub use provider::Provider;
+pub use qp::endpoint::{ConnectOpts, Endpoint, Mtu};
 pub use qp::registered::{DeviceWritable, Registered};
+pub use qp::tcp;
 pub use qp::{Owned, PostRefused, QueuePair, Ticket, WcOpcode, WcStatus, WorkCompletion};
 pub use verbs::{
     Context, LocalSlice, MemoryRegion, MemoryWindow, ProtectionDomain, RawMemoryRegion, RemoteSlice,

@@ -68,7 +68,9 @@
 //! assert_eq!(dst.as_slice()[0], 0);
 //! ```
 
+pub mod endpoint;
 pub mod registered;
+pub mod tcp;
 
 use std::collections::HashMap;
 use std::ops::Range;
