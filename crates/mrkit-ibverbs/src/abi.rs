@@ -691,7 +691,7 @@ const _: () = {
 };
 
 // ---------------------------------------------------------------------------------------------
-// Data path (second half of issue 5): CQ, completion channel, QP, SRQ, AH, work requests.
+// Data path: CQ, completion channel, QP, SRQ, AH, work requests.
 
 /// `struct ibv_comp_channel` (16 bytes).
 #[repr(C)]
