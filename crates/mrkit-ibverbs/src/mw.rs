@@ -81,7 +81,7 @@ pub(crate) unsafe extern "C" fn op_bind_mw(
     let new_rkey = (rkey & 0xffff_ff00) | (rkey.wrapping_add(1) & 0xff);
     let mut wr: ibv_send_wr = zeroed();
     wr.wr_id = b.wr_id;
-    wr.opcode = 8;
+    wr.opcode = IBV_WR_BIND_MW;
     wr.send_flags = b.send_flags;
     wr.bind_mw = [
         mw as u64,
