@@ -106,7 +106,7 @@ pub(crate) struct MrkitCq {
     magic: u64,
     pub(crate) cqn: u32,
     /// The completion the `ibv_cq_ex` poll API is positioned on.
-    cur: Wc,
+    current: Wc,
     /// Completion events `ibv_get_cq_event` returned for this CQ; incremented under the
     /// context's `cqs` map lock, read by `ibv_destroy_cq` after removing the CQ from that map
     /// (it then waits for `comp_events_completed` to reach it).
@@ -188,7 +188,7 @@ unsafe fn create_cq_common(
             ex,
             magic: CQ_MAGIC,
             cqn,
-            cur: empty_wc(),
+            current: empty_wc(),
             comp_reported: AtomicU32::new(0),
             ev: Arc::default(),
         }));
@@ -414,7 +414,7 @@ unsafe fn cqex_poll_one(cq: *mut ibv_cq_ex) -> c_int {
     }
     match got {
         Some(w) => {
-            c.cur = w;
+            c.current = w;
             c.ex.status = w.status as u32;
             c.ex.wr_id = w.wr_id;
             0
@@ -423,59 +423,115 @@ unsafe fn cqex_poll_one(cq: *mut ibv_cq_ex) -> c_int {
     }
 }
 
+/// `ibv_cq_ex.start_poll`: position on the oldest completion (ENOENT when there is none).
+///
+/// # Safety
+/// `cq` a live `ibv_cq_ex` of this library.
 unsafe extern "C" fn cqex_start_poll(cq: *mut ibv_cq_ex, _attr: *mut c_void) -> c_int {
     // SAFETY: forwarded contract (cq from this library).
     unsafe { cqex_poll_one(cq) }
 }
 
+/// `ibv_cq_ex.next_poll`: position on the next completion (ENOENT when there is none).
+///
+/// # Safety
+/// `cq` a live `ibv_cq_ex` of this library.
 unsafe extern "C" fn cqex_next_poll(cq: *mut ibv_cq_ex) -> c_int {
     // SAFETY: forwarded contract.
     unsafe { cqex_poll_one(cq) }
 }
 
+/// `ibv_cq_ex.end_poll`: nothing to release (each completion was taken off the CQ when polled).
+///
+/// # Safety
+/// `cq` a live `ibv_cq_ex` of this library.
 unsafe extern "C" fn cqex_end_poll(_cq: *mut ibv_cq_ex) {}
 
 /// # Safety
 /// `cq` a live `ibv_cq_ex` of this library.
-unsafe fn cur(cq: *mut ibv_cq_ex) -> ibv_wc {
+unsafe fn current_wc(cq: *mut ibv_cq_ex) -> ibv_wc {
     // SAFETY: caller contract.
     match unsafe { cq_of(cq.cast()) } {
-        Some(c) => wc_to_c(&c.cur),
+        Some(c) => wc_to_c(&c.current),
         None => ibv_wc::default(),
     }
 }
 
+/// `ibv_cq_ex.read_opcode` of the current completion.
+///
+/// # Safety
+/// `cq` a live `ibv_cq_ex` of this library.
 unsafe extern "C" fn cqex_read_opcode(cq: *mut ibv_cq_ex) -> u32 {
     // SAFETY: forwarded contract.
-    unsafe { cur(cq) }.opcode
+    unsafe { current_wc(cq) }.opcode
 }
+
+/// `ibv_cq_ex.read_vendor_err` of the current completion.
+///
+/// # Safety
+/// `cq` a live `ibv_cq_ex` of this library.
 unsafe extern "C" fn cqex_read_vendor_err(cq: *mut ibv_cq_ex) -> u32 {
     // SAFETY: forwarded contract.
-    unsafe { cur(cq) }.vendor_err
+    unsafe { current_wc(cq) }.vendor_err
 }
+
+/// `ibv_cq_ex.read_byte_len` of the current completion.
+///
+/// # Safety
+/// `cq` a live `ibv_cq_ex` of this library.
 unsafe extern "C" fn cqex_read_byte_len(cq: *mut ibv_cq_ex) -> u32 {
     // SAFETY: forwarded contract.
-    unsafe { cur(cq) }.byte_len
+    unsafe { current_wc(cq) }.byte_len
 }
+
+/// `ibv_cq_ex.read_imm_data` of the current completion.
+///
+/// # Safety
+/// `cq` a live `ibv_cq_ex` of this library.
 unsafe extern "C" fn cqex_read_imm_data(cq: *mut ibv_cq_ex) -> u32 {
     // SAFETY: forwarded contract.
-    unsafe { cur(cq) }.imm_data
+    unsafe { current_wc(cq) }.imm_data
 }
+
+/// `ibv_cq_ex.read_qp_num` of the current completion.
+///
+/// # Safety
+/// `cq` a live `ibv_cq_ex` of this library.
 unsafe extern "C" fn cqex_read_qp_num(cq: *mut ibv_cq_ex) -> u32 {
     // SAFETY: forwarded contract.
-    unsafe { cur(cq) }.qp_num
+    unsafe { current_wc(cq) }.qp_num
 }
+
+/// `ibv_cq_ex.read_src_qp` of the current completion.
+///
+/// # Safety
+/// `cq` a live `ibv_cq_ex` of this library.
 unsafe extern "C" fn cqex_read_src_qp(cq: *mut ibv_cq_ex) -> u32 {
     // SAFETY: forwarded contract.
-    unsafe { cur(cq) }.src_qp
+    unsafe { current_wc(cq) }.src_qp
 }
+
+/// `ibv_cq_ex.read_wc_flags` of the current completion.
+///
+/// # Safety
+/// `cq` a live `ibv_cq_ex` of this library.
 unsafe extern "C" fn cqex_read_wc_flags(cq: *mut ibv_cq_ex) -> u32 {
     // SAFETY: forwarded contract.
-    unsafe { cur(cq) }.wc_flags
+    unsafe { current_wc(cq) }.wc_flags
 }
+
+/// The `ibv_cq_ex` readers of fields RoCE does not have (SLID): 0.
+///
+/// # Safety
+/// The argument is not dereferenced.
 unsafe extern "C" fn cqex_read_zero32(_cq: *mut ibv_cq_ex) -> u32 {
     0
 }
+
+/// The `ibv_cq_ex` readers of 8-bit fields RoCE does not have (SL, DLID path bits): 0.
+///
+/// # Safety
+/// The argument is not dereferenced.
 unsafe extern "C" fn cqex_read_zero8(_cq: *mut ibv_cq_ex) -> u8 {
     0
 }
