@@ -15,7 +15,7 @@ use crate::context::open_context;
 use crate::ffi::{fail, fail_null, guard};
 
 /// What a channel shares with its forwarder thread.
-pub(crate) struct ChanShared {
+pub(crate) struct ChannelShared {
     /// CQ numbers of the events signalled on `fd` and not yet read by `ibv_get_cq_event`.
     pub(crate) queue: Mutex<VecDeque<u32>>,
     /// The eventfd (the channel's `fd`).
@@ -31,8 +31,9 @@ pub(crate) struct ChanShared {
 #[repr(C)]
 pub(crate) struct MrkitChannel {
     pub(crate) ch: ibv_comp_channel,
-    pub(crate) chn: u32,
-    pub(crate) shared: Arc<ChanShared>,
+    /// The device's completion channel whose events the forwarder thread relays.
+    pub(crate) device_channel: u32,
+    pub(crate) shared: Arc<ChannelShared>,
 }
 
 /// `struct ibv_comp_channel *ibv_create_comp_channel(struct ibv_context *)`.
@@ -55,29 +56,34 @@ pub(crate) unsafe extern "C" fn ibv_create_comp_channel(
         // SAFETY: fresh descriptor we own.
         let fd = unsafe { OwnedFd::from_raw_fd(fd) };
         let raw = fd.as_raw_fd();
-        let chn = m.soft.create_comp_channel();
-        let shared = Arc::new(ChanShared {
+        let device_channel = m.soft.create_comp_channel();
+        let shared = Arc::new(ChannelShared {
             queue: Mutex::new(VecDeque::new()),
             fd,
             stop: AtomicBool::new(false),
         });
         let soft = m.soft.clone();
-        let sh = shared.clone();
+        let forwarder_shared = shared.clone();
         let spawned = std::thread::Builder::new()
             .name("mrkit-compchan".into())
             .spawn(move || {
-                while !sh.stop.load(Ordering::Acquire) {
-                    match soft.get_cq_event(chn, Some(Duration::from_millis(20))) {
+                while !forwarder_shared.stop.load(Ordering::Acquire) {
+                    match soft.get_cq_event(device_channel, Some(Duration::from_millis(20))) {
                         Ok(Some(cqn)) => {
-                            sh.queue
+                            forwarder_shared
+                                .queue
                                 .lock()
                                 .unwrap_or_else(|e| e.into_inner())
                                 .push_back(cqn);
                             let one: u64 = 1;
                             // SAFETY: 8 bytes from a valid u64 to our own eventfd (alive:
-                            // `sh` holds it).
+                            // `forwarder_shared` holds it).
                             unsafe {
-                                libc::write(sh.fd.as_raw_fd(), (&one as *const u64).cast(), 8)
+                                libc::write(
+                                    forwarder_shared.fd.as_raw_fd(),
+                                    (&one as *const u64).cast(),
+                                    8,
+                                )
                             };
                         }
                         Ok(None) => {}
@@ -94,7 +100,7 @@ pub(crate) unsafe extern "C" fn ibv_create_comp_channel(
                 fd: raw,
                 refcnt: 0,
             },
-            chn,
+            device_channel,
             shared,
         }))
         .cast()

@@ -154,14 +154,14 @@ unsafe fn create_cq_common(
     if cqe <= 0 || comp_vector != 0 {
         return fail_null(libc::EINVAL);
     }
-    let chn = if channel.is_null() {
+    let device_channel = if channel.is_null() {
         None
     } else {
         // SAFETY: a live channel (caller contract).
-        Some(unsafe { (*channel.cast::<MrkitChannel>()).chn })
+        Some(unsafe { (*channel.cast::<MrkitChannel>()).device_channel })
     };
     guard(std::ptr::null_mut(), || {
-        let cqn = match m.soft.create_cq(cqe as u32, chn) {
+        let cqn = match m.soft.create_cq(cqe as u32, device_channel) {
             Ok(n) => n,
             Err(e) => return fail_null(soft_errno(&e)),
         };
