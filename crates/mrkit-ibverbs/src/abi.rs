@@ -691,7 +691,7 @@ const _: () = {
 };
 
 // ---------------------------------------------------------------------------------------------
-// Data path (second half of issue 5): CQ, completion channel, QP, SRQ, AH, work requests.
+// Data path: CQ, completion channel, QP, SRQ, AH, work requests.
 
 /// `struct ibv_comp_channel` (16 bytes).
 #[repr(C)]
@@ -959,6 +959,29 @@ pub struct ibv_wc {
 pub const IBV_QPT_RC: u32 = 2;
 /// `IBV_QP_INIT_ATTR_PD`.
 pub const IBV_QP_INIT_ATTR_PD: u32 = 1;
+
+/// `enum ibv_wr_opcode` (`ibv_send_wr.opcode`): the values mrkit0 translates.
+pub const IBV_WR_RDMA_WRITE: u32 = 0;
+/// `IBV_WR_RDMA_WRITE_WITH_IMM`.
+pub const IBV_WR_RDMA_WRITE_WITH_IMM: u32 = 1;
+/// `IBV_WR_SEND`.
+pub const IBV_WR_SEND: u32 = 2;
+/// `IBV_WR_SEND_WITH_IMM`.
+pub const IBV_WR_SEND_WITH_IMM: u32 = 3;
+/// `IBV_WR_RDMA_READ`.
+pub const IBV_WR_RDMA_READ: u32 = 4;
+/// `IBV_WR_ATOMIC_CMP_AND_SWP`.
+pub const IBV_WR_ATOMIC_CMP_AND_SWP: u32 = 5;
+/// `IBV_WR_ATOMIC_FETCH_AND_ADD`.
+pub const IBV_WR_ATOMIC_FETCH_AND_ADD: u32 = 6;
+/// `IBV_WR_LOCAL_INV`.
+pub const IBV_WR_LOCAL_INV: u32 = 7;
+/// `IBV_WR_BIND_MW`.
+pub const IBV_WR_BIND_MW: u32 = 8;
+/// `IBV_WR_SEND_WITH_INV`.
+pub const IBV_WR_SEND_WITH_INV: u32 = 9;
+/// `IBV_SEND_INLINE` (`enum ibv_send_flags`): copy the gather list's bytes at post time.
+pub const IBV_SEND_INLINE: u32 = 1 << 3;
 
 const _: () = {
     use std::mem::{offset_of, size_of};

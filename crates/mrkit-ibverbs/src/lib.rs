@@ -5,31 +5,72 @@
 //! `LD_LIBRARY_PATH=target/release ibv_devinfo` runs the unmodified Debian 12 (rdma-core v44)
 //! tools against `mrkit0`. See `docs/ibverbs.md`.
 //!
-//! Layout:
-//! * [`abi`]: `#[repr(C)]` mirrors of the v44 structures (layout-tested against the headers).
-//! * `exports`: the exported names with their version nodes (`ibv_reg_mr@@IBVERBS_1.1`), made
-//!   with `.symver` trampolines; the list is [`EXPORTS`].
-//! * `device`: the device list, contexts (`verbs_context` in front of `ibv_context`), queries,
-//!   GID table, `ibv_get_async_event` / `ibv_ack_async_event`.
+//! Layout, bottom to top (a module names only modules before it in this list, so there is no
+//! import cycle; `tests/module_graph.rs` checks it):
+//! * [`abi`]: `#[repr(C)]` mirrors of the v44 structures (layout-tested against the headers);
+//!   `ffi`: errno, panic containment, bounded struct copies, all-zero C structs; `stubs`: every
+//!   exported verb mrkit0 does not implement (EOPNOTSUPP, or NULL + errno; never a crash);
+//!   `strings`: the `ibv_*_str` helpers.
 //! * `events`: per-context async event queues (the pollable `async_fd`), routing the device's
 //!   QP/CQ/SRQ events to the owning context, ack accounting for `ibv_destroy_*`.
-//! * `verbs`: PD, MR (reg/rereg/dereg), MW, fork support, string helpers.
-//! * `dp`: completion channels, CQs (and `ibv_cq_ex`), RC QPs, SRQs, AHs, and the `ctx->ops`
-//!   data-path entry points (post_send/recv, post_srq_recv, poll_cq, req_notify_cq, bind_mw).
-//! * `stubs`: every other exported verb: fails with EOPNOTSUPP (or NULL + errno), never crashes.
+//! * `fork`: `ibv_fork_init` / `ibv_is_fork_initialized`.
+//! * `context`: the open context (`verbs_context` in front of the library's state), the
+//!   process's device instance, `ibv_close_device` and use-after-close protection.
+//! * `obj`: how objects are handed to C and recognised again (magic words, the live registry).
+//! * The object kinds, one file each: `device` (device list, queries, GID table, async event
+//!   verbs), `pd`, `mr`, `channel` (completion channels), `cq` (CQs, `ibv_cq_ex`, CQ events),
+//!   `srq`, `ah` (address handles and vectors), `qp`, `post` (post_send/recv/srq_recv), `mw`
+//!   (alloc, dealloc, bind).
+//! * `ops`: the ops table assembled from the object files, and `ibv_open_device`.
+//! * `exports`: the exported names with their version nodes (`ibv_reg_mr@@IBVERBS_1.1`), made
+//!   with `.symver` trampolines; the list is [`EXPORTS`].
 //!
-//! This is the only crate of the workspace with FFI `unsafe` code; every `unsafe fn` documents
-//! its contract under `# Safety` and every `unsafe` block carries a `// SAFETY:` comment.
+//! `unsafe` is denied at this root. It is allowed in the modules that implement the C ABI
+//! (they dereference pointers from C or are called through them): `ffi`, `events`, `context`,
+//! `obj`, `ops`, `exports` (its `global_asm!` trampolines) and the object files `device`, `pd`,
+//! `mr`, `channel`, `cq`, `srq`, `ah`, `qp`, `post`, `mw`. `abi`, `stubs`, `strings` and `fork`
+//! are safe code. Every `unsafe fn` documents its contract under `# Safety` and every `unsafe`
+//! block carries a `// SAFETY:` comment (the lints below).
+#![deny(unsafe_code)]
 #![warn(clippy::undocumented_unsafe_blocks, clippy::missing_safety_doc)]
 
 pub mod abi;
+#[allow(unsafe_code)]
+mod ah;
+#[allow(unsafe_code)]
+mod channel;
+#[allow(unsafe_code)]
+mod context;
+#[allow(unsafe_code)]
+mod cq;
+#[allow(unsafe_code)]
 mod device;
-mod dp;
+#[allow(unsafe_code)]
 mod events;
+#[allow(unsafe_code)]
 mod exports;
+#[allow(unsafe_code)]
 mod ffi;
+mod fork;
+#[allow(unsafe_code)]
+mod mr;
+#[allow(unsafe_code)]
+mod mw;
+#[allow(unsafe_code)]
+mod obj;
+#[allow(unsafe_code)]
+mod ops;
+#[allow(unsafe_code)]
+mod pd;
+#[allow(unsafe_code)]
+mod post;
+#[allow(unsafe_code)]
+mod qp;
+#[allow(unsafe_code)]
+mod srq;
+mod strings;
 mod stubs;
-mod verbs;
 
-pub use device::{post_async_event, DEVICE_NAME};
+pub use context::post_async_event;
+pub use device::DEVICE_NAME;
 pub use exports::EXPORTS;

@@ -21,6 +21,8 @@
 //! assert!(ok, "host B has a route to host A over the veth pair");
 //! ```
 
+#![deny(unsafe_code)]
+
 use std::process::{Command, Stdio};
 
 /// Run `args[0]` with the rest as arguments, output discarded; whether it ran and exited 0.
@@ -56,6 +58,7 @@ impl Netns {
     /// `tag` keeps the names of different test binaries apart: the namespaces are
     /// `mrk{tag}-a-<pid>` / `mrk{tag}-b-<pid>`, the veth ends `mk{tag}a<pid>` / `mk{tag}b<pid>`
     /// (interface names have at most 15 bytes: keep `tag` short).
+    #[allow(unsafe_code)] // geteuid: the crate's only unsafe call
     pub fn for_test(test: &str, tag: &str) -> Option<Netns> {
         // SAFETY: geteuid has no preconditions.
         if unsafe { libc::geteuid() } != 0 || !sh(&["ip", "-V"]) {
