@@ -200,13 +200,20 @@ impl<K> Life<K> {
     /// and that was its last slot (drop it outside any pool borrow), else `None`.
     #[inline(always)]
     pub fn after_free(&self) -> Option<K> {
-        self.light_barrier();
-        // Acquire: pairs with the release store in `close` (see the field).
-        if self.closing.load(Ordering::Acquire) {
+        if self.closing_after_free() {
             self.settle()
         } else {
             None
         }
+    }
+
+    /// The first half of [`Life::after_free`]: whether the pool is closing, seen after the
+    /// free's count (then [`Life::settle`] must follow).
+    #[inline(always)]
+    pub fn closing_after_free(&self) -> bool {
+        self.light_barrier();
+        // Acquire: pairs with the release store in `close` (see the field).
+        self.closing.load(Ordering::Acquire)
     }
 
     /// The last handle is gone: no allocation follows. The keepalive when no slot is live.
@@ -221,8 +228,9 @@ impl<K> Life<K> {
         self.settle()
     }
 
+    /// The keepalive when the pool is closing, it was not released yet and no slot is live.
     #[cold]
-    fn settle(&self) -> Option<K> {
+    pub fn settle(&self) -> Option<K> {
         let mut st = self.state.lock();
         if st.keep.is_none() || Self::live_in(&st, &self.shared) != 0 {
             return None;

@@ -80,6 +80,7 @@ mod ptr;
 mod sync;
 
 use std::cell::RefCell;
+use std::collections::HashMap;
 use std::fmt;
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -234,6 +235,9 @@ struct PoolInner {
     growth_events: AtomicU64,
     alloc_failures: AtomicU64,
     exposures: AtomicU64,
+    /// The memory windows of exposed slots, by slot index (cold: exposure changes only).
+    /// Kept here, not in the slot, so a slot has no drop glue on the free path.
+    windows: Mutex<HashMap<u32, MemoryWindow>>,
     /// Per-thread counts and the release of this pool's memory (see [`life`]).
     life: Arc<Life<Arc<PoolInner>>>,
 }
@@ -386,6 +390,7 @@ impl MrPool {
             growth_events: AtomicU64::new(0),
             alloc_failures: AtomicU64::new(0),
             exposures: AtomicU64::new(0),
+            windows: Mutex::new(HashMap::new()),
             life: Arc::new(Life::new()),
         });
         for _ in 0..cfg.initial_chunks {
@@ -590,7 +595,17 @@ impl PoolInner {
         }
     }
 
+    /// A full magazine gives half its slots to the shared stack.
     #[cold]
+    #[inline(never)]
+    fn spill(&self, mag: &mut Magazine) {
+        let half = mag.slots.len() / 2;
+        self.free.push_many(&mag.slots[half..]);
+        mag.slots.truncate(half);
+    }
+
+    #[cold]
+    #[inline(never)]
     fn refill(&self, mag: &mut Magazine) -> Option<u32> {
         let n = self.free.pop_many(self.magazine / 2, &mut mag.slots);
         if n > 0 {
@@ -722,8 +737,8 @@ impl PoolInner {
 
     fn remote(&self, c: &Core, range: Range<u64>) -> Result<RemoteSlice> {
         let (start, len) = check_range(&range, u64::from(self.slot_size), "pool slot")?;
-        let rkey = match &c.window {
-            Some(w) => w.rkey,
+        let rkey = match c.window {
+            Some(rkey) => rkey,
             None if self.access.intersects(REMOTE_RIGHTS) => self.chunk_of(c.idx).rkey,
             None => {
                 return Err(einval(
@@ -741,12 +756,10 @@ impl PoolInner {
         })
     }
 
-    fn expose(
-        &self,
-        addr: u64,
-        lkey: u32,
-        access: AccessFlags,
-    ) -> Result<(Box<Window>, RemoteSlice)> {
+    /// Bind a fresh window over slot `c` (whose previous exposure, if any, ended).
+    #[cold]
+    fn expose(&self, c: &mut Core, access: AccessFlags) -> Result<RemoteSlice> {
+        self.unexpose(c);
         if access.is_empty() || !REMOTE_RIGHTS.contains(access) {
             return Err(einval(format!(
                 "expose takes remote rights (REMOTE_READ, REMOTE_WRITE, REMOTE_ATOMIC), not {access:?}"
@@ -772,19 +785,29 @@ impl PoolInner {
             rkey0,
             rkey0 as u8,
             BindInfo {
-                mr_lkey: lkey,
-                addr,
+                mr_lkey: c.lkey,
+                addr: c.addr,
                 length: u64::from(self.slot_size),
                 access,
             },
         )?;
         self.exposures.fetch_add(1, Ordering::Relaxed);
-        let r = RemoteSlice {
-            addr,
+        self.windows.lock().insert(c.idx, mw);
+        c.window = Some(rkey);
+        Ok(RemoteSlice {
+            addr: c.addr,
             len: u64::from(self.slot_size),
             rkey,
-        };
-        Ok((Box::new(Window { _mw: mw, rkey }), r))
+        })
+    }
+
+    /// End slot `c`'s exposure: its window is deallocated (unbound), its rkey dead.
+    #[cold]
+    fn unexpose(&self, c: &mut Core) {
+        if c.window.take().is_some() {
+            let mw = self.windows.lock().remove(&c.idx);
+            drop(mw);
+        }
     }
 }
 
@@ -793,45 +816,53 @@ impl PoolInner {
 /// [`life`]), and the protocol continues on memory the magazine holds.
 #[inline(always)]
 fn release(pool: PoolPtr, idx: u32) {
-    let keep = MAGAZINES.try_with(|m| {
+    let closing = MAGAZINES.try_with(|m| {
         let mut m = m.borrow_mut();
         let mag = {
             // SAFETY: slot `idx` is live until `bump` below counts it free, so the pool is.
             let p = unsafe { pool.get() };
             let mag = p.magazine_in(&mut m);
             if mag.slots.len() >= p.magazine {
-                let half = mag.slots.len() / 2;
-                p.free.push_many(&mag.slots[half..]);
-                mag.slots.truncate(half);
+                p.spill(mag);
             }
             mag
         };
         mag.slots.push(idx);
         bump(&mag.cell.frees);
-        mag.life.after_free()
-    });
-    let keep = match keep {
-        Ok(k) => k,
-        // Thread-local storage destroyed: the shared stack and the shared count.
-        Err(_) => {
-            let life = {
-                // SAFETY: as above (the slot is counted free only below).
-                let p = unsafe { pool.get() };
-                p.free.push(idx);
-                p.life.clone()
-            };
-            life.count_free_shared()
+        if mag.life.closing_after_free() {
+            Some(mag.life.clone())
+        } else {
+            None
         }
-    };
-    // The last slot of a closed pool: its memory goes now, outside any borrow of it.
-    drop(keep);
+    });
+    match closing {
+        Ok(None) => {}
+        // The pool is closing: maybe that was its last slot.
+        Ok(Some(life)) => settle(&life),
+        Err(_) => release_without_tls(pool, idx),
+    }
 }
 
-/// The memory window of an exposed slot (deallocated, so unbound, on drop).
-#[derive(Debug)]
-struct Window {
-    _mw: MemoryWindow,
-    rkey: u32,
+/// After a free seen closing: the last slot of a closed pool frees its memory now, outside
+/// any borrow of the pool.
+#[cold]
+#[inline(never)]
+fn settle(life: &Life<Arc<PoolInner>>) {
+    drop(life.settle());
+}
+
+/// Thread-local storage destroyed (a free from a TLS destructor): the shared stack and the
+/// shared count.
+#[cold]
+#[inline(never)]
+fn release_without_tls(pool: PoolPtr, idx: u32) {
+    let life = {
+        // SAFETY: slot `idx` is live until it is counted free below, so the pool is.
+        let p = unsafe { pool.get() };
+        p.free.push(idx);
+        p.life.clone()
+    };
+    drop(life.count_free_shared());
 }
 
 /// What both kinds of slot carry.
@@ -840,7 +871,9 @@ struct Core {
     idx: u32,
     lkey: u32,
     addr: u64,
-    window: Option<Box<Window>>,
+    /// The rkey of the slot's window while it is exposed (the window is in
+    /// `PoolInner::windows`).
+    window: Option<u32>,
 }
 
 /// The methods `Slot` and `OwnedSlot` share, with their docs and examples (`$alloc` is the
@@ -994,12 +1027,9 @@ macro_rules! slot_api {
             #[doc = "assert_eq!(s.expose(A::REMOTE_READ).unwrap_err().errno(), mrkit::Errno::EINVAL);"]
             #[doc = "```"]
             pub fn expose(&mut self, access: AccessFlags) -> Result<RemoteSlice> {
-                // The old exposure ends first: its rkey stops working.
-                self.core.window = None;
-                let (addr, lkey) = (self.core.addr, self.core.lkey);
-                let (w, r) = self.pool().expose(addr, lkey, access)?;
-                self.core.window = Some(w);
-                Ok(r)
+                let pool = self.pool_ptr();
+                // SAFETY: `self` is a live slot of the pool for this call.
+                unsafe { pool.get() }.expose(&mut self.core, access)
             }
 
             #[doc = "End the slot's exposure: its rkey stops working (the window is deallocated). Nothing happens when the slot is not exposed."]
@@ -1016,7 +1046,9 @@ macro_rules! slot_api {
             #[doc = "assert!(!s.is_exposed() && s.remote(0..8).is_err());"]
             #[doc = "```"]
             pub fn unexpose(&mut self) {
-                self.core.window = None;
+                let pool = self.pool_ptr();
+                // SAFETY: `self` is a live slot of the pool for this call.
+                unsafe { pool.get() }.unexpose(&mut self.core)
             }
 
             #[doc = "Whether the slot is exposed (see [`Slot::expose`])."]
@@ -1121,13 +1153,18 @@ impl Slot<'_> {
     fn pool(&self) -> &PoolInner {
         self.pool
     }
+    fn pool_ptr(&self) -> PoolPtr {
+        PoolPtr::new(self.pool)
+    }
 }
 
 impl Drop for Slot<'_> {
     #[inline(always)]
     fn drop(&mut self) {
         // The exposure ends before the slot can be handed out again.
-        self.core.window = None;
+        if self.core.window.is_some() {
+            self.pool.unexpose(&mut self.core);
+        }
         release(PoolPtr::new(self.pool), self.core.idx);
     }
 }
@@ -1159,12 +1196,19 @@ impl OwnedSlot {
         // SAFETY: `self` is a live slot of the pool for the borrow of `self`.
         unsafe { self.pool.get() }
     }
+    fn pool_ptr(&self) -> PoolPtr {
+        self.pool
+    }
 }
 
 impl Drop for OwnedSlot {
     #[inline(always)]
     fn drop(&mut self) {
-        self.core.window = None;
+        // The exposure ends before the slot can be handed out again.
+        if self.core.window.is_some() {
+            // SAFETY: the slot is live until `release` below.
+            unsafe { self.pool.get() }.unexpose(&mut self.core);
+        }
         release(self.pool, self.core.idx);
     }
 }
