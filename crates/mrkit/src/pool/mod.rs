@@ -221,6 +221,10 @@ struct PoolInner {
     remote: AccessFlags,
     thp: bool,
     magazine: usize,
+    /// The memory windows of exposed slots, by slot index (cold: exposure changes only).
+    /// Kept here, not in the slot, so a slot has no drop glue on the free path. Declared
+    /// before `chunks` so that windows are unbound before the chunk MRs are deregistered.
+    windows: Mutex<HashMap<u32, MemoryWindow>>,
     /// Registered chunks; each cell is set once (under `grow_lock`) before any of its slot
     /// indices is pushed on `free`, so a reader holding an index always finds its chunk.
     chunks: Box<[OnceLock<Chunk>]>,
@@ -235,9 +239,6 @@ struct PoolInner {
     growth_events: AtomicU64,
     alloc_failures: AtomicU64,
     exposures: AtomicU64,
-    /// The memory windows of exposed slots, by slot index (cold: exposure changes only).
-    /// Kept here, not in the slot, so a slot has no drop glue on the free path.
-    windows: Mutex<HashMap<u32, MemoryWindow>>,
     /// Per-thread counts and the release of this pool's memory (see [`life`]).
     life: Arc<Life<Arc<PoolInner>>>,
 }
@@ -383,6 +384,7 @@ impl MrPool {
             remote: cfg.remote,
             thp: cfg.thp,
             magazine: cfg.magazine.max(2),
+            windows: Mutex::new(HashMap::new()),
             chunks: (0..max_chunks).map(|_| OnceLock::new()).collect(),
             nchunks: AtomicUsize::new(0),
             free: FreeStack::new(cap as u32),
@@ -390,7 +392,6 @@ impl MrPool {
             growth_events: AtomicU64::new(0),
             alloc_failures: AtomicU64::new(0),
             exposures: AtomicU64::new(0),
-            windows: Mutex::new(HashMap::new()),
             life: Arc::new(Life::new()),
         });
         for _ in 0..cfg.initial_chunks {
