@@ -136,7 +136,10 @@ fn last_frees_race_the_closing_handle() {
                     // This thread still holds its slot: the memory must be there.
                     assert_eq!(r.load(Ordering::SeqCst), 0, "released while a slot is live");
                     bump(&cell.frees);
-                    drop(l.after_free());
+                    // The free path of `pool::release`.
+                    if l.closing_after_free(&cell) {
+                        drop(l.settle());
+                    }
                 })
             })
             .collect();
@@ -153,7 +156,8 @@ fn last_frees_race_the_closing_handle() {
 }
 
 /// A slot allocated on one thread and freed on another while the handle is still open, then
-/// the handle closes with one slot still live elsewhere: released only by that last free.
+/// the handle closes with one slot still live elsewhere, freed through the shared count (a
+/// thread whose thread-local storage is gone): released only by that last free.
 #[test]
 fn close_with_a_live_slot_waits_for_it() {
     model(|| {
@@ -166,10 +170,9 @@ fn close_with_a_live_slot_waits_for_it() {
         bump(&main.frees);
         let (l, r) = (life.clone(), released.clone());
         let t = loom::thread::spawn(move || {
-            let cell = l.register();
             assert_eq!(r.load(Ordering::SeqCst), 0, "released while a slot is live");
-            bump(&cell.frees);
-            drop(l.after_free());
+            // A free without thread-local storage (the shared cell).
+            drop(l.count_free_shared());
         });
         drop(life.close());
         t.join().unwrap();

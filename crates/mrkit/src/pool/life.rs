@@ -9,8 +9,9 @@
 //! released by [`Life::settle`] once the pool is closing and the sum is zero.
 //!
 //! The race to get right: a free that counts itself just as the last handle closes the pool.
-//! The freeing thread stores its count, then loads `closing`; the closing thread stores
-//! `closing`, then reads every count. With a full barrier between the store and the load on
+//! The freeing thread stores its count, then loads `closing` (a copy in its own cell, on the
+//! line it just wrote); the closing thread stores `closing` (in every cell), then reads every
+//! count. With a full barrier between the store and the load on
 //! both sides (Dekker), at least one of them sees the other: the closer sees the free, or the
 //! freer sees `closing` and settles itself. So the last settle in lock order sees every free,
 //! and the keepalive is released exactly once, when no slot is left. The barrier is asymmetric:
@@ -38,6 +39,11 @@ pub struct Cell {
     pub allocs: AtomicU64,
     /// Slots freed by this thread.
     pub frees: AtomicU64,
+    /// The pool's `closing`, copied onto the line this thread writes on every free (so the
+    /// check after a free reads no other line). Set under the state lock, by `close` for every
+    /// registered cell (release) and by `register` for cells made after it; read (acquire) by
+    /// the cell's thread after each free.
+    pub closing: AtomicBool,
 }
 
 /// Add one to a counter only the calling thread writes.
@@ -58,8 +64,9 @@ struct State<K> {
 
 /// The lifetime protocol of one pool (see the module docs).
 pub struct Life<K> {
-    /// Set once, when the last handle is dropped. Release store / acquire load: a thread that
-    /// sees it also sees every allocation the closer saw (no allocation happens after it).
+    /// Set once, under the state lock, when the last handle is dropped (then copied into every
+    /// cell). Release store / acquire load: a thread that sees it (here or in its cell) also
+    /// sees every allocation the closer saw (no allocation happens after it).
     closing: AtomicBool,
     /// Counts of the allocations and frees made where no per-thread cell was reachable
     /// (thread-local storage already destroyed): read-modify-writes, cold.
@@ -161,7 +168,12 @@ impl<K> Life<K> {
     /// A new cell for the calling thread (cold: once per thread and pool).
     pub fn register(&self) -> Arc<CachePadded<Cell>> {
         let c = Arc::new(CachePadded::new(Cell::default()));
-        self.state.lock().cells.push(c.clone());
+        let mut st = self.state.lock();
+        // Relaxed: `close` sets `closing` under this lock, which orders both accesses.
+        if self.closing.load(Ordering::Relaxed) {
+            c.closing.store(true, Ordering::Relaxed);
+        }
+        st.cells.push(c.clone());
         c
     }
 
@@ -196,30 +208,37 @@ impl<K> Life<K> {
         barrier::heavy()
     }
 
-    /// Called by a thread right after it counted a free: the keepalive when the pool is closing
-    /// and that was its last slot (drop it outside any pool borrow), else `None`.
-    #[inline(always)]
+    /// Called right after a free was counted in the shared cell: the keepalive when the pool
+    /// is closing and that was its last slot (drop it outside any pool borrow), else `None`.
     pub fn after_free(&self) -> Option<K> {
-        if self.closing_after_free() {
+        self.light_barrier();
+        // Acquire: pairs with the release store in `close` (see the field).
+        if self.closing.load(Ordering::Acquire) {
             self.settle()
         } else {
             None
         }
     }
 
-    /// The first half of [`Life::after_free`]: whether the pool is closing, seen after the
-    /// free's count (then [`Life::settle`] must follow).
+    /// Called by a thread right after it counted a free in its `cell`: whether the pool is
+    /// closing (then [`Life::settle`] must follow, outside any pool borrow).
     #[inline(always)]
-    pub fn closing_after_free(&self) -> bool {
+    pub fn closing_after_free(&self, cell: &Cell) -> bool {
         self.light_barrier();
-        // Acquire: pairs with the release store in `close` (see the field).
-        self.closing.load(Ordering::Acquire)
+        // Acquire: pairs with the release store in `close` (see `Cell::closing`).
+        cell.closing.load(Ordering::Acquire)
     }
 
     /// The last handle is gone: no allocation follows. The keepalive when no slot is live.
     pub fn close(&self) -> Option<K> {
-        // Release: see the field.
-        self.closing.store(true, Ordering::Release);
+        {
+            let st = self.state.lock();
+            // Release: see the fields.
+            self.closing.store(true, Ordering::Release);
+            for c in &st.cells {
+                c.closing.store(true, Ordering::Release);
+            }
+        }
         if !self.heavy_barrier() {
             // Without the barrier a free may be invisible here *and* have missed `closing`:
             // keep the pool (a leak, never a use after free).

@@ -830,7 +830,7 @@ fn release(pool: PoolPtr, idx: u32) {
         };
         mag.slots.push(idx);
         bump(&mag.cell.frees);
-        if mag.life.closing_after_free() {
+        if mag.life.closing_after_free(&mag.cell) {
             Some(mag.life.clone())
         } else {
             None
