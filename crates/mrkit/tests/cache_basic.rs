@@ -315,7 +315,6 @@ fn handles_are_send_and_sync() {
     check::<mrkit::cache::RegHandle>();
     check::<MrPool>();
     check::<mrkit::pool::Slot<'static>>();
-    check::<mrkit::pool::InFlight<'static>>();
     check::<mrkit::pool::OwnedSlot>();
 }
 

@@ -1,4 +1,4 @@
-//! MR pool: carving, growth, limits, ownership (post/complete/quarantine), concurrency, and
+//! MR pool: carving, growth, limits, slicing, slots as registered memory, concurrency, and
 //! the seed scenario (16384 x 4 KiB) against per-message registration with data verified.
 
 mod cache_util;
@@ -8,8 +8,8 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::Instant;
 
 use cache_util::*;
-use mrkit::pool::{MrPool, PoolConfig, QpDrained};
-use mrkit::{AccessFlags, Buffer};
+use mrkit::pool::{MrPool, OwnedSlot, PoolConfig, Slot};
+use mrkit::{AccessFlags, Buffer, DeviceWritable, Errno, LocalSlice, Registered};
 
 fn small(max_chunks: usize) -> PoolConfig {
     PoolConfig {
@@ -37,8 +37,8 @@ fn carves_grows_and_fails_at_the_limit() {
         // The slot's keys translate to the slot's bytes on the device.
         assert_translates_key(&ctx, &pd, s.lkey(), s.addr(), 4096);
         let chunks = pool.chunks();
-        let (base, lkey, rkey) = chunks[s.chunk() as usize];
-        assert_eq!((s.lkey(), s.rkey()), (lkey, rkey));
+        let (base, lkey, _rkey) = chunks[s.chunk() as usize];
+        assert_eq!(s.lkey(), lkey);
         assert_eq!(s.addr(), base + s.offset());
         held.push(s);
     }
@@ -61,46 +61,114 @@ fn slices_and_bytes() {
     let pool = MrPool::new(&pd, small(1)).unwrap();
     let mut s = pool.alloc().unwrap();
     s.as_mut_slice().fill(7);
-    let l = s.local(100..200);
+    let l = s.local(100..200).unwrap();
     assert_eq!((l.addr, l.len, l.lkey), (s.addr() + 100, 100, s.lkey()));
-    let r = s.remote(0..4096);
-    assert_eq!((r.addr, r.len, r.rkey), (s.addr(), 4096, s.rkey()));
+    assert_eq!(s.local(0..4096).unwrap(), s.local_all());
+    assert_eq!(s.local(4096..4096).unwrap().len, 0);
     assert!(s.as_slice().iter().all(|&b| b == 7));
-    let o = pool.alloc_owned().unwrap();
+    let mut o = pool.alloc_owned().unwrap();
     assert_ne!(o.addr(), s.addr());
+    o.as_mut_slice().fill(9);
+    let l = o.local(0..10).unwrap();
+    assert_eq!((l.addr, l.len, l.lkey), (o.addr(), 10, o.lkey()));
+    // Outside the slot, reversed, or overflowing: EINVAL on both kinds, never a panic.
+    #[allow(clippy::reversed_empty_ranges)]
+    for r in [
+        0..4097,
+        4096..4097,
+        10..5,
+        u64::MAX - 1..u64::MAX,
+        1..u64::MAX,
+    ] {
+        assert_eq!(
+            s.local(r.clone()).unwrap_err().errno(),
+            Errno::EINVAL,
+            "{r:?}"
+        );
+        assert_eq!(
+            o.local(r.clone()).unwrap_err().errno(),
+            Errno::EINVAL,
+            "{r:?}"
+        );
+        assert_eq!(
+            s.remote(r.clone()).unwrap_err().errno(),
+            Errno::EINVAL,
+            "{r:?}"
+        );
+        assert_eq!(
+            o.remote(r.clone()).unwrap_err().errno(),
+            Errno::EINVAL,
+            "{r:?}"
+        );
+    }
+    // No remote rights by default: no remote descriptor.
+    assert_eq!(s.remote(0..64).unwrap_err().errno(), Errno::EINVAL);
+    assert_eq!(o.remote(0..64).unwrap_err().errno(), Errno::EINVAL);
+    // Chunk-wide remote rights, when asked for explicitly, give the chunk's rkey.
+    let wide = MrPool::new(
+        &pd,
+        PoolConfig {
+            access: AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ,
+            ..small(1)
+        },
+    )
+    .unwrap();
+    let w = wide.alloc().unwrap();
+    let r = w.remote(8..16).unwrap();
+    assert_eq!(
+        (r.addr, r.len, r.rkey),
+        (w.addr() + 8, 8, wide.chunks()[0].2)
+    );
 }
 
+/// Both kinds of slot are registered memory a work request can carry (read or written by the
+/// device), alone or in a scatter/gather list.
 #[test]
-fn completion_returns_slot_lost_completion_quarantines() {
-    let (_ctx, pd) = open();
+fn slots_are_registered_memory() {
+    fn writable<T: DeviceWritable>(_: &T) {}
+    fn owned_static<T: DeviceWritable + Send + Sync + 'static>() {}
+    owned_static::<OwnedSlot>();
+    let (ctx, pd) = open();
     let pool = MrPool::new(&pd, small(1)).unwrap();
-    let s = pool.alloc().unwrap();
-    let idx = s.index();
-    let wr = s.post(41);
-    assert_eq!(pool.stats().in_flight, 1);
-    // Wrong completion: refused, token back.
-    let wr = wr.complete(42).unwrap_err();
-    let s = wr.complete(41).unwrap();
-    assert_eq!(pool.stats().in_flight, 0);
-    let wr = s.post(43);
-    drop(wr); // QP destroyed, completion never comes
-    let st = pool.stats();
-    assert_eq!((st.quarantined, st.in_flight, st.in_use), (1, 0, 0));
-    assert_eq!(st.free, 15);
-    // The quarantined slot is never handed out again.
-    let all: Vec<_> = (0..15).map(|_| pool.alloc().unwrap()).collect();
-    assert!(all.iter().all(|s| s.index() != idx));
-    assert!(pool.alloc().is_err());
-    drop(all);
-    // Explicit quarantine of a posted slot.
-    let s = pool.alloc().unwrap();
-    pool.quarantine(s.post(1));
-    assert_eq!(pool.stats().quarantined, 2);
-    // SAFETY: no QP exists in this test; nothing can write the slots.
-    let n = pool.reclaim_quarantined(unsafe { QpDrained::assert_no_pending_work() });
-    assert_eq!(n, 2);
-    let st = pool.stats();
-    assert_eq!((st.quarantined, st.free, st.reclaimed), (0, 16, 2));
+    let s: Slot<'_> = pool.alloc().unwrap();
+    let o = pool.alloc_owned().unwrap();
+    writable(&s);
+    writable(&o);
+    assert_eq!((Registered::len(&s), Registered::len(&o)), (4096, 4096));
+    let mut v = Vec::new();
+    s.sges(16..32, &mut v).unwrap();
+    o.sges(0..4096, &mut v).unwrap();
+    assert_eq!(
+        v,
+        vec![
+            LocalSlice {
+                addr: s.addr() + 16,
+                len: 16,
+                lkey: s.lkey()
+            },
+            LocalSlice {
+                addr: o.addr(),
+                len: 4096,
+                lkey: o.lkey()
+            },
+        ]
+    );
+    for l in &v {
+        assert_translates_key(&ctx, &pd, l.lkey, l.addr, u64::from(l.len));
+    }
+    assert_eq!(s.sges(0..4097, &mut v).unwrap_err().errno(), Errno::EINVAL);
+    assert_eq!(v.len(), 2, "a refused range appends nothing");
+    // A list of owned slots is one piece of registered memory spanning them.
+    let list: Vec<OwnedSlot> = (0..3).map(|_| pool.alloc_owned().unwrap()).collect();
+    writable(&list);
+    let mut v = Vec::new();
+    list.sges(4000..8200, &mut v).unwrap();
+    assert_eq!(v.len(), 3);
+    assert_eq!((v[0].addr, v[0].len), (list[0].addr() + 4000, 96));
+    assert_eq!((v[1].addr, v[1].len), (list[1].addr(), 4096));
+    assert_eq!((v[2].addr, v[2].len), (list[2].addr(), 8));
+    drop((s, o, list));
+    assert_eq!(pool.stats().in_use, 0);
 }
 
 #[test]
@@ -199,12 +267,11 @@ fn seed_scenario_16384_messages_per_message_vs_pool() {
         let sge = s.local_all();
         pooled += t0.elapsed();
         check(sge.lkey, sge.addr, i); // verification (not timed)
-        posted.push(s.post(i as u64));
+        posted.push(s); // held, as a queue pair holds a posted slot until its completion
     }
     let t0 = Instant::now();
-    assert_eq!(pool.stats().in_flight, N as u64);
-    for (i, wr) in posted.into_iter().enumerate() {
-        let s = wr.complete(i as u64).unwrap();
+    assert_eq!(pool.stats().in_use, N as u64);
+    for (i, s) in posted.into_iter().enumerate() {
         assert!(s.as_slice().iter().all(|&x| x == (i % 251) as u8));
     }
     pooled += t0.elapsed();

@@ -2,6 +2,13 @@
 //!
 //! * `pool_alloc_free_ns`: one `MrPool::alloc` + drop of a 4 KiB slot, one thread.
 //! * `pool_alloc_free_ns_2threads`: the same, two threads at once (ns per pair per thread).
+//! * `owned_slot_same_thread_ns`: one `MrPool::alloc_owned` + drop (a `'static` slot), one
+//!   thread: the borrowed figure above plus what owning costs (no reference count is taken).
+//! * `owned_slot_cross_thread_ns`: owned slots allocated on one thread and dropped on another
+//!   (the posting thread / completion thread shape), handed over 1,024 at a time through a
+//!   channel; ns per slot. `pool_slot_cross_thread_ns`: the same with borrowed slots (the
+//!   floor: the hand-over and the magazine exchange, without ownership). These three: the
+//!   fastest of 5 runs (the machine's other load only ever adds time).
 //! * `cache_hit_ns_p50`: median of `RegCache::get` + drop on one cached range, one thread.
 //! * `cache_hit_ns_p50_2threads`: the same, two threads hitting the *same* entry at once
 //!   (mean of the two threads' medians): the case where a cache line written by every hit
@@ -25,7 +32,7 @@
 //! * `cache_miss_overhead_ns`: a miss (get + drop + invalidate, i.e. register + deregister
 //!   through the cache) minus a bare `reg_mr` + `dereg_mr` of the same range (medians).
 //! * `per_message_reg_ns` / `pooled_ns`: the seed scenario, 16384 messages of 4 KiB: one
-//!   `reg_mr` + `dereg_mr` per message vs pool slot alloc + post + complete + free. The
+//!   `reg_mr` + `dereg_mr` per message vs pool slot alloc + SGE + hold + free. The
 //!   payload write is identical work on both sides and is *excluded* from these two keys
 //!   (on small VMs it is memory-bandwidth bound, ~1 µs per cold 4 KiB, and would hide the
 //!   registration cost the seed measured); the human output also shows both with the write.
@@ -36,7 +43,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use mrkit::cache::{CacheConfig, MonitorMode, RegCache};
-use mrkit::pool::{MrPool, PoolConfig};
+use mrkit::pool::{MrPool, OwnedSlot, PoolConfig, Slot};
 use mrkit::{AccessFlags, Buffer, Context, DeviceConfig, ProtectionDomain};
 use mrkit_soft::UserMemory;
 
@@ -73,6 +80,57 @@ fn pool_alloc_free(pool: &MrPool, n: u64) -> f64 {
         drop(s);
     }
     t0.elapsed().as_nanos() as f64 / n as f64
+}
+
+/// `MrPool::alloc_owned` + drop on one thread, ns per pair.
+fn owned_alloc_free(pool: &MrPool, n: u64) -> f64 {
+    drop(pool.alloc_owned().expect("pool alloc"));
+    let t0 = Instant::now();
+    for _ in 0..n {
+        let s = pool.alloc_owned().expect("pool alloc");
+        black_box(&s);
+        drop(s);
+    }
+    t0.elapsed().as_nanos() as f64 / n as f64
+}
+
+/// Slots handed from thread to thread per batch in the cross-thread rows.
+const HANDOVER: usize = 1024;
+
+/// `n` slots made by `alloc` on this thread and dropped on another, `HANDOVER` at a time
+/// (the batch vectors travel back for reuse, so no allocation is timed); ns per slot.
+fn cross_thread<T: Send>(n: usize, alloc: impl Fn() -> T) -> f64 {
+    let (tx, rx) = std::sync::mpsc::sync_channel::<Vec<T>>(2);
+    let (back_tx, back) = std::sync::mpsc::channel::<Vec<T>>();
+    let t0 = Instant::now();
+    std::thread::scope(|s| {
+        s.spawn(move || {
+            for mut v in rx {
+                v.clear(); // the slots are freed here, on the consumer thread
+                if back_tx.send(v).is_err() {
+                    break;
+                }
+            }
+        });
+        for _ in 0..n / HANDOVER {
+            let mut v = back
+                .try_recv()
+                .unwrap_or_else(|_| Vec::with_capacity(HANDOVER));
+            for _ in 0..HANDOVER {
+                v.push(alloc());
+            }
+            if tx.send(v).is_err() {
+                break;
+            }
+        }
+        drop(tx);
+    });
+    t0.elapsed().as_nanos() as f64 / (n / HANDOVER * HANDOVER) as f64
+}
+
+/// The fastest of `runs` measurements.
+fn best_of(runs: usize, mut f: impl FnMut() -> f64) -> f64 {
+    (0..runs).map(|_| f()).fold(f64::INFINITY, f64::min)
 }
 
 fn cache_hit(cache: &RegCache, addr: u64) -> f64 {
@@ -472,7 +530,8 @@ fn per_message(pd: &ProtectionDomain, write: bool) -> f64 {
     t0.elapsed().as_nanos() as f64 / MSGS as f64
 }
 
-/// Seed scenario through the pool: alloc, (write,) post, complete, free.
+/// Seed scenario through the pool: alloc, (write,) SGE, hold (as a queue pair holds a posted
+/// slot until its completion), free.
 fn pooled(pool: &MrPool, write: bool) -> f64 {
     let t0 = Instant::now();
     let mut posted = Vec::with_capacity(MSGS);
@@ -482,12 +541,9 @@ fn pooled(pool: &MrPool, write: bool) -> f64 {
             s.as_mut_slice().fill(i as u8);
         }
         black_box(s.local_all());
-        posted.push(s.post(i as u64));
+        posted.push(s);
     }
-    for (i, wr) in posted.into_iter().enumerate() {
-        let s = wr.complete(i as u64).expect("completion");
-        drop(s);
-    }
+    drop(black_box(posted));
     t0.elapsed().as_nanos() as f64 / MSGS as f64
 }
 
@@ -591,6 +647,13 @@ fn measure() -> Result<(Rows, Rows, Option<String>), String> {
         let b = s.spawn(|| pool_alloc_free(&pool, 10_000_000));
         (a.join().unwrap_or(f64::NAN) + b.join().unwrap_or(f64::NAN)) / 2.0
     });
+    let owned_same = best_of(5, || owned_alloc_free(&pool, 4_000_000));
+    let owned_cross = best_of(5, || {
+        cross_thread::<OwnedSlot>(1 << 20, || pool.alloc_owned().expect("pool alloc"))
+    });
+    let borrowed_cross = best_of(5, || {
+        cross_thread::<Slot<'_>>(1 << 20, || pool.alloc().expect("pool alloc"))
+    });
     let cfg = match RegCache::new(&pd, CacheConfig::default()) {
         Ok(_) => CacheConfig::default(),
         Err(e) => {
@@ -632,6 +695,9 @@ fn measure() -> Result<(Rows, Rows, Option<String>), String> {
     let mut rows = vec![
         row("pool_alloc_free_ns", one),
         row("pool_alloc_free_ns_2threads", two),
+        row("owned_slot_same_thread_ns", owned_same),
+        row("owned_slot_cross_thread_ns", owned_cross),
+        row("pool_slot_cross_thread_ns", borrowed_cross),
         row("cache_hit_ns_p50", hit),
         row("cache_hit_ns_p50_2threads", hit2),
         row("cache_miss_overhead_ns", miss),
@@ -671,6 +737,8 @@ pub fn run(json: bool) -> u8 {
     } else {
         let target = |k: &str| match k {
             "pool_alloc_free_ns" | "pool_alloc_free_ns_2threads" => "<= 20 ns",
+            "owned_slot_same_thread_ns" => "<= 15 ns",
+            "owned_slot_cross_thread_ns" => "<= 30 ns",
             "cache_hit_ns_p50" | "cache_hit_ns_p50_2threads" => "<= 30 ns",
             "cache_hit_ns_p50_n64" | "cache_hit_ns_p50_n64_2threads" => "<= 15 ns",
             "cache_hit_ns_p50_n65536" | "cache_hit_ns_p50_n65536_2threads" => "<= 25 ns",

@@ -540,7 +540,7 @@ impl BounceBuffer {
             .map(|s| {
                 let l = left.min(s.len() as u64);
                 left -= l;
-                s.local(l as u32)
+                s.local(0..l).expect("within the slot")
             })
             .collect()
     }

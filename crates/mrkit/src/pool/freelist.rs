@@ -21,9 +21,6 @@ pub struct FreeStack {
     /// that owns `i` (a pusher before its release-CAS publishes `i`); read by poppers after
     /// an acquire load of `head`; a stale read is harmless because the tag makes the CAS fail.
     next: Box<[AtomicU32]>,
-    /// Number of indices on the stack (approximate between a CAS and this update; for
-    /// statistics only, never for correctness).
-    len: AtomicU64,
 }
 
 impl FreeStack {
@@ -32,23 +29,7 @@ impl FreeStack {
         FreeStack {
             head: AtomicU64::new(u64::from(NIL)),
             next: (0..capacity).map(|_| AtomicU32::new(NIL)).collect(),
-            len: AtomicU64::new(0),
         }
-    }
-
-    /// Capacity (highest index + 1).
-    pub fn capacity(&self) -> u32 {
-        self.next.len() as u32
-    }
-
-    /// Approximate number of indices on the stack.
-    pub fn len(&self) -> u64 {
-        self.len.load(Ordering::Relaxed)
-    }
-
-    /// True when (approximately) empty.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 
     /// Push a chain of indices (each must be owned by the caller, i.e. not on the stack).
@@ -61,8 +42,6 @@ impl FreeStack {
             self.next[w[0] as usize].store(w[1], Ordering::Relaxed);
         }
         let last = *idx.last().expect("non-empty");
-        // Counted before publication so a racing pop can never make `len` underflow.
-        self.len.fetch_add(idx.len() as u64, Ordering::Relaxed);
         let mut h = self.head.load(Ordering::Acquire);
         loop {
             self.next[last as usize].store(h as u32, Ordering::Relaxed);
@@ -86,40 +65,50 @@ impl FreeStack {
 
     /// Pop one index.
     pub fn pop(&self) -> Option<u32> {
+        let mut v = Vec::with_capacity(1);
+        self.pop_many(1, &mut v);
+        v.pop()
+    }
+
+    /// Pop up to `n` indices into `out` with one compare-and-swap of the head (a magazine
+    /// refill costs one contended operation, not one per index); returns how many.
+    ///
+    /// The chain is read from the links before the swap. If the swap succeeds, the head and
+    /// its tag did not change since they were loaded, so no push or pop happened in between
+    /// and the links read were those of the stack as it was (every link was written before the
+    /// release swap that published it, and the acquire load of the head synchronises with
+    /// every earlier swap, all of them read-modify-writes of one location). A link read while
+    /// the stack changed can be anything, but then the tag makes the swap fail and the walk is
+    /// redone.
+    pub fn pop_many(&self, n: usize, out: &mut Vec<u32>) -> usize {
+        let mark = out.len();
+        if n == 0 {
+            return 0;
+        }
         let mut h = self.head.load(Ordering::Acquire);
         loop {
-            let top = h as u32;
-            if top == NIL {
-                return None;
+            out.truncate(mark);
+            let mut cur = h as u32;
+            while cur != NIL && out.len() - mark < n {
+                out.push(cur);
+                // Relaxed: ordered by the acquire load of `head` (see above).
+                cur = self.next[cur as usize].load(Ordering::Relaxed);
             }
-            let next = self.next[top as usize].load(Ordering::Relaxed);
+            if out.len() == mark {
+                return 0;
+            }
             let tag = (h >> 32).wrapping_add(1);
-            let new = (tag << 32) | u64::from(next);
+            let new = (tag << 32) | u64::from(cur);
+            // Acquire on success: we own the popped indices and read nothing else of them;
+            // release: the tag bump publishes nothing, but keeps every head update a release
+            // so later poppers synchronise with all earlier pushes (see above).
             match self
                 .head
                 .compare_exchange_weak(h, new, Ordering::AcqRel, Ordering::Acquire)
             {
-                Ok(_) => {
-                    self.len.fetch_sub(1, Ordering::Relaxed);
-                    return Some(top);
-                }
+                Ok(_) => return out.len() - mark,
                 Err(cur) => h = cur,
             }
         }
-    }
-
-    /// Pop up to `n` indices into `out`; returns how many were popped.
-    pub fn pop_many(&self, n: usize, out: &mut Vec<u32>) -> usize {
-        let mut k = 0;
-        while k < n {
-            match self.pop() {
-                Some(i) => {
-                    out.push(i);
-                    k += 1;
-                }
-                None => break,
-            }
-        }
-        k
     }
 }

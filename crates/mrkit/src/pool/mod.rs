@@ -1,49 +1,86 @@
 //! # MR pool: a few big registrations carved into fixed slots
 //!
-//! The seed's fix for "one `ibv_reg_mr` per 4 KiB message": register one 64 MiB chunk once and
-//! hand out 16384 slots of 4 KiB by offset. [`MrPool`] does that as a service:
+//! The fix for "one `ibv_reg_mr` per 4 KiB message": register one 64 MiB chunk once and hand
+//! out 16384 slots of 4 KiB by offset. [`MrPool`] does that as a service:
 //!
-//! * **Chunks**: `chunk_size` bytes each (64 MiB default; 1 GiB for big pools), clamped to the
-//!   device's `max_mr_size` so no MR is ever refused or silently truncated. The pool starts
-//!   with `initial_chunks` and grows by one chunk at a time, up to `max_chunks`.
+//! * **Chunks**: `chunk_size` bytes each (64 MiB default), clamped to the device's
+//!   `max_mr_size` so no MR is ever refused or silently truncated. The pool starts with
+//!   `initial_chunks` and grows by one chunk at a time, up to `max_chunks`.
 //! * **Slots**: `slot_size` bytes; slot `i` lives in chunk `i / slots_per_chunk` at offset
-//!   `(i % slots_per_chunk) * slot_size`. A [`Slot`] carries its address, lkey and rkey as
-//!   plain fields: getting a key is a load, never a lock.
-//! * **Hot path without shared locks**: each thread keeps a magazine (a small `Vec` of free
+//!   `(i % slots_per_chunk) * slot_size`. A slot carries its address and lkey as plain fields:
+//!   getting a key is a load, never a lock.
+//! * **Two kinds of slot, one protocol.** A [`Slot`] borrows its pool (cheapest; it cannot
+//!   outlive the [`MrPool`] handle it came from). An [`OwnedSlot`] is `'static`: it may outlive
+//!   every handle, and the pool's memory stays until the last slot returns. Both implement
+//!   [`Registered`] and [`DeviceWritable`], so a work request posted through
+//!   [`QueuePair`](crate::QueuePair) takes either by value and its completion hands it back:
+//!   the slot cannot be touched, freed or reused while the device may write it, because the
+//!   queue pair owns it until then (and destroys its QP before freeing what it still holds).
+//! * **Least privilege.** Chunks are registered with local rights only ([`PoolConfig::access`]
+//!   defaults to `LOCAL_WRITE`): their rkeys grant a peer nothing. A slot is made reachable
+//!   from a peer with [`Slot::expose`], which binds a memory window over exactly that slot with
+//!   exactly the rights asked (which [`PoolConfig::remote`] must allow); the window's rkey
+//!   stops working when the exposure ends ([`Slot::unexpose`], or when the slot is freed).
+//! * **Hot path without shared writes**: each thread keeps a magazine (a small `Vec` of free
 //!   indices) per pool; alloc pops and free pushes locally, with no atomic read-modify-write.
-//!   Empty and full magazines exchange half their capacity with a lock-free Treiber stack
-//!   ([`freelist::FreeStack`]). Only growth takes a mutex. Statistics are per-thread counters
-//!   written by their owner thread alone and summed by [`MrPool::stats`].
-//! * **DMA ownership**: [`Slot::post`] moves the slot into an [`InFlight`] token (no CPU access
-//!   to its bytes exists any more); only [`InFlight::complete`] with the matching work-request
-//!   id gives the [`Slot`] back. Dropping an `InFlight` (lost completion: QP destroyed, error,
-//!   cancelled future) sends the slot to **quarantine**, never to the free list; quarantined
-//!   slots come back only through [`MrPool::reclaim_quarantined`] with a [`QpDrained`] proof.
-//!
-//! Remote access caveat: a [`RemoteSlice`] carries the rkey of the whole chunk MR, so a peer
-//! holding it could address the whole chunk, not only the slot (bind a memory window over the
-//! slot when peers are not trusted).
+//!   Empty and full magazines exchange half their capacity with a lock-free stack in one
+//!   compare-and-swap. Only growth takes a mutex. Each thread counts its own allocations and
+//!   frees; [`MrPool::stats`] sums them, and the same counts tell when the last owned slot of a
+//!   dropped pool returned (no per-slot reference count: freeing on another thread than the
+//!   allocating one shares no cache line).
 //!
 //! ```
 //! use mrkit::pool::{MrPool, PoolConfig};
-//! let ctx = mrkit::Context::open_default().unwrap();
+//! use mrkit::Registered;
+//! let ctx = mrkit::Context::open(mrkit::DeviceConfig::rxe());
 //! let pd = ctx.alloc_pd().unwrap();
 //! let pool = MrPool::new(&pd, PoolConfig { chunk_size: 1 << 20, ..PoolConfig::default() }).unwrap();
 //! let mut s = pool.alloc().unwrap();
 //! s.as_mut_slice()[0] = 42;
-//! let sge = s.local_all();
-//! assert_eq!(sge.len, 4096);
-//! let wr = s.post(7); // the slot is now owned by the (would-be) work request
-//! let s = wr.complete(7).unwrap(); // the completion returns it
-//! assert_eq!(s.as_slice()[0], 42);
+//! assert_eq!(Registered::len(&s), 4096);
+//! let sge = s.local(0..64).unwrap(); // what a work request carries
+//! assert_eq!((sge.addr, sge.len, sge.lkey), (s.addr(), 64, s.lkey()));
+//! // No remote rights unless asked for:
+//! assert_eq!(s.remote(0..64).unwrap_err().errno(), mrkit::Errno::EINVAL);
 //! drop(s); // back to this thread's magazine
 //! assert_eq!(pool.stats().in_use, 0);
 //! ```
+//!
+//! Posting a slot: the queue pair owns it until its completion.
+//!
+//! ```
+//! # use mrkit::{AccessFlags as A, Buffer, QpCap, QueuePair, WcStatus};
+//! # use mrkit::pool::{MrPool, PoolConfig};
+//! # let ctx = mrkit::Context::open(mrkit::DeviceConfig::rxe());
+//! # let pd = ctx.alloc_pd().unwrap();
+//! # let mut q1 = QueuePair::new(&pd, QpCap::default()).unwrap();
+//! # let q2 = QueuePair::new(&pd, QpCap::default()).unwrap();
+//! # QueuePair::connect(&q1, &q2, A::REMOTE_WRITE).unwrap();
+//! # let dst = pd.register(Buffer::new(4096).unwrap(), A::LOCAL_WRITE | A::REMOTE_WRITE).unwrap();
+//! let pool = MrPool::new(&pd, PoolConfig { chunk_size: 1 << 20, ..PoolConfig::default() }).unwrap();
+//! let mut s = pool.alloc_owned().unwrap();
+//! s.as_mut_slice().fill(7);
+//! let t = q1.post_write(s, 0..4096, dst.remote(0..4096).unwrap()).unwrap();
+//! let (wc, _slot) = q1.wait_all().unwrap().pop().unwrap(); // the slot comes back
+//! assert_eq!((wc.wr_id, wc.status), (t.wr_id(), WcStatus::Success));
+//! assert!(dst.as_slice().iter().all(|&b| b == 7));
+//! ```
 
+#[cfg(not(loom))]
+mod freelist;
+#[cfg(loom)]
+#[doc(hidden)]
 pub mod freelist;
-pub mod sync;
+#[cfg(not(loom))]
+mod life;
+#[cfg(loom)]
+#[doc(hidden)]
+pub mod life;
+mod ptr;
+mod sync;
 
 use std::cell::RefCell;
+use std::collections::HashMap;
 use std::fmt;
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -53,11 +90,30 @@ use crossbeam_utils::CachePadded;
 use parking_lot::Mutex;
 
 use crate::buffer::{Buffer, BufferOptions};
-use crate::verbs::{LocalSlice, MemoryRegion, ProtectionDomain, RemoteSlice};
-use crate::{AccessFlags, Errno, Error, Result};
+use crate::qp::registered::{check_range, DeviceWritable, Registered};
+use crate::verbs::{LocalSlice, MemoryRegion, MemoryWindow, ProtectionDomain, RemoteSlice};
+use crate::{AccessFlags, BindInfo, Errno, Error, MwType, Result};
 use freelist::FreeStack;
+use life::{bump, Cell, Life};
+use ptr::PoolPtr;
 
-/// Pool shape and limits.
+/// The rights a memory window can grant.
+const REMOTE_RIGHTS: AccessFlags = AccessFlags::REMOTE_READ
+    .union(AccessFlags::REMOTE_WRITE)
+    .union(AccessFlags::REMOTE_ATOMIC);
+
+/// Pool shape, limits and rights.
+///
+/// ```
+/// use mrkit::pool::PoolConfig;
+/// use mrkit::AccessFlags;
+/// let cfg = PoolConfig::default();
+/// assert_eq!(cfg.access, AccessFlags::LOCAL_WRITE); // least privilege
+/// assert!(cfg.remote.is_empty());
+/// // A pool whose slots peers may write, one slot at a time:
+/// let cfg = PoolConfig { remote: AccessFlags::REMOTE_WRITE, ..PoolConfig::default() };
+/// # let _ = cfg;
+/// ```
 #[derive(Debug, Clone)]
 pub struct PoolConfig {
     /// Bytes per slot (power of two, >= 64).
@@ -69,8 +125,16 @@ pub struct PoolConfig {
     pub initial_chunks: usize,
     /// Growth limit in chunks.
     pub max_chunks: usize,
-    /// Access rights of every chunk MR.
+    /// Rights of every chunk MR. Default `LOCAL_WRITE`: the chunk rkeys grant nothing
+    /// remotely. Adding `REMOTE_*` here makes a slot's [`Slot::remote`] carry its *chunk's*
+    /// rkey, with which a peer can reach every slot of the chunk: for trusted peers only;
+    /// prefer [`PoolConfig::remote`].
     pub access: AccessFlags,
+    /// Remote rights (`REMOTE_READ`, `REMOTE_WRITE`, `REMOTE_ATOMIC`) a slot may be exposed
+    /// with through its own memory window ([`Slot::expose`]). Default empty. When not empty the
+    /// chunks are registered with `MW_BIND` (not with these rights). `REMOTE_WRITE` and
+    /// `REMOTE_ATOMIC` need `LOCAL_WRITE` in [`PoolConfig::access`].
+    pub remote: AccessFlags,
     /// Back chunks with transparent huge pages (2 MiB aligned, `MADV_HUGEPAGE`): 512x fewer
     /// translation entries.
     pub thp: bool,
@@ -85,7 +149,8 @@ impl Default for PoolConfig {
             chunk_size: 64 << 20,
             initial_chunks: 1,
             max_chunks: 16,
-            access: AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ | AccessFlags::REMOTE_WRITE,
+            access: AccessFlags::LOCAL_WRITE,
+            remote: AccessFlags::empty(),
             thp: true,
             magazine: 64,
         }
@@ -93,46 +158,33 @@ impl Default for PoolConfig {
 }
 
 /// A snapshot of the pool's counters.
+///
+/// ```
+/// # use mrkit::pool::{MrPool, PoolConfig};
+/// # let ctx = mrkit::Context::open(mrkit::DeviceConfig::rxe());
+/// # let pd = ctx.alloc_pd().unwrap();
+/// let pool = MrPool::new(&pd, PoolConfig { chunk_size: 1 << 20, ..PoolConfig::default() }).unwrap();
+/// let s = pool.alloc().unwrap();
+/// let st = pool.stats();
+/// assert_eq!((st.total, st.in_use, st.free, st.chunks), (256, 1, 255, 1));
+/// # drop(s);
+/// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PoolStats {
     /// Slots in registered chunks.
     pub total: u64,
     /// Slots free (in magazines or the shared stack).
     pub free: u64,
-    /// Slots held by users: owned by the CPU or posted.
+    /// Slots held by users (borrowed or owned; in the CPU's hands or posted).
     pub in_use: u64,
-    /// Of `in_use`, slots posted to work requests and not completed yet.
-    pub in_flight: u64,
-    /// Slots in quarantine (lost completions), not reusable until reclaimed.
-    pub quarantined: u64,
     /// Chunks registered.
     pub chunks: u64,
     /// Growth events (chunks added after creation).
     pub growth_events: u64,
     /// Allocations refused (pool at `max_chunks` and empty, or growth failed).
     pub alloc_failures: u64,
-    /// Slots reclaimed from quarantine.
-    pub reclaimed: u64,
-}
-
-/// Per-thread counters. Each field is written only by the owner thread (plain load + store,
-/// no read-modify-write, no shared cache line on the hot path) and read by `stats()`.
-#[derive(Debug, Default)]
-struct ThreadCounters {
-    /// Slots allocated by this thread.
-    allocs: AtomicU64,
-    /// Slots freed (returned to the free list) by this thread.
-    frees: AtomicU64,
-    /// Slots posted by this thread.
-    posts: AtomicU64,
-    /// Completions (InFlight -> Slot) on this thread.
-    completions: AtomicU64,
-}
-
-#[inline]
-fn bump(c: &AtomicU64) {
-    // Single writer: a plain store of load + 1 (no lock prefix).
-    c.store(c.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+    /// Slot exposures made ([`Slot::expose`]).
+    pub exposures: u64,
 }
 
 struct Chunk {
@@ -166,26 +218,29 @@ struct PoolInner {
     /// log2(slots_per_chunk).
     spc_shift: u32,
     access: AccessFlags,
+    remote: AccessFlags,
     thp: bool,
     magazine: usize,
+    /// The memory windows of exposed slots, by slot index (cold: exposure changes only).
+    /// Kept here, not in the slot, so a slot has no drop glue on the free path. Declared
+    /// before `chunks` so that windows are unbound before the chunk MRs are deregistered.
+    windows: Mutex<HashMap<u32, MemoryWindow>>,
     /// Registered chunks; each cell is set once (under `grow_lock`) before any of its slot
     /// indices is pushed on `free`, so a reader holding an index always finds its chunk.
     chunks: Box<[OnceLock<Chunk>]>,
-    /// Chunks published (written under `grow_lock`, read by stats).
+    /// Chunks published. Release store after the chunk cell is set (under `grow_lock`),
+    /// acquire load by readers that then look at the chunks.
     nchunks: AtomicUsize,
     /// Shared free list under the magazines.
     free: FreeStack,
     /// Serialises growth (cold path only).
     grow_lock: Mutex<()>,
-    /// Quarantined slot indices (cold path: lost completions).
-    quarantine: Mutex<Vec<u32>>,
-    /// Cold-path counters (growth, failures, quarantine, reclaim): written rarely.
+    /// Cold-path counters (relaxed: statistics only).
     growth_events: AtomicU64,
     alloc_failures: AtomicU64,
-    quarantined_total: AtomicU64,
-    reclaimed: AtomicU64,
-    /// Every thread's counters (registered once per thread, cold).
-    counters: Mutex<Vec<Arc<CachePadded<ThreadCounters>>>>,
+    exposures: AtomicU64,
+    /// Per-thread counts and the release of this pool's memory (see [`life`]).
+    life: Arc<Life<Arc<PoolInner>>>,
 }
 
 /// One thread's cache of free slots for one pool.
@@ -193,8 +248,10 @@ struct Magazine {
     pool_id: u64,
     pool: Weak<PoolInner>,
     slots: Vec<u32>,
-    /// Cache-line padded: two threads' counters never share a line.
-    counters: Arc<CachePadded<ThreadCounters>>,
+    /// This thread's counts (cache-line padded: two threads' counts never share a line).
+    cell: Arc<CachePadded<Cell>>,
+    /// Held here so a free can finish its protocol after the pool is gone.
+    life: Arc<Life<Arc<PoolInner>>>,
 }
 
 impl Drop for Magazine {
@@ -210,37 +267,95 @@ thread_local! {
     static MAGAZINES: RefCell<Vec<Magazine>> = const { RefCell::new(Vec::new()) };
 }
 
+/// The last [`MrPool`] handle's drop starts the pool's release.
+#[derive(Debug)]
+struct Handle {
+    inner: Arc<PoolInner>,
+}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        // No allocation follows; when no slot is live this hands back the keepalive, dropped
+        // here while `self.inner` still holds the pool (the memory goes with `inner` below).
+        drop(self.inner.life.close());
+    }
+}
+
 /// A pool of fixed-size slots carved out of a few large MRs. Cheap to share (`&MrPool` is
-/// `Sync`); slots borrow the pool, so it outlives them.
+/// `Sync`, clones share the pool). Its memory stays registered until the last handle is dropped
+/// *and* the last slot is returned.
+///
+/// ```
+/// use mrkit::pool::{MrPool, PoolConfig};
+/// let ctx = mrkit::Context::open(mrkit::DeviceConfig::rxe());
+/// let pd = ctx.alloc_pd().unwrap();
+/// let pool = MrPool::new(&pd, PoolConfig { chunk_size: 1 << 20, ..PoolConfig::default() }).unwrap();
+/// let owned = pool.alloc_owned().unwrap();
+/// drop(pool); // the owned slot keeps the pool's memory
+/// assert_eq!(owned.as_slice().len(), 4096);
+/// ```
 #[derive(Debug, Clone)]
 pub struct MrPool {
-    inner: Arc<PoolInner>,
+    h: Arc<Handle>,
 }
 
 fn enomem(msg: String) -> Error {
     Error::new(Errno::ENOMEM, msg)
 }
 
+fn einval(msg: String) -> Error {
+    Error::new(Errno::EINVAL, msg)
+}
+
 impl MrPool {
     /// Create a pool and register its initial chunks.
+    ///
+    /// EINVAL for a slot size that is not a power of two >= 64, a chunk that holds no slot,
+    /// more than 2^32 - 1 slots, remote rights in [`PoolConfig::remote`] other than
+    /// `REMOTE_READ`/`REMOTE_WRITE`/`REMOTE_ATOMIC`, or write rights there without
+    /// `LOCAL_WRITE` in [`PoolConfig::access`]; the errno of `reg_mr` otherwise.
+    ///
+    /// ```
+    /// use mrkit::pool::{MrPool, PoolConfig};
+    /// let ctx = mrkit::Context::open(mrkit::DeviceConfig::rxe());
+    /// let pd = ctx.alloc_pd().unwrap();
+    /// let pool = MrPool::new(&pd, PoolConfig { chunk_size: 1 << 20, ..PoolConfig::default() }).unwrap();
+    /// assert_eq!(pool.chunk_size(), 1 << 20);
+    /// let bad = PoolConfig { slot_size: 1000, ..PoolConfig::default() };
+    /// assert_eq!(MrPool::new(&pd, bad).unwrap_err().errno(), mrkit::Errno::EINVAL);
+    /// ```
     pub fn new(pd: &ProtectionDomain, cfg: PoolConfig) -> Result<MrPool> {
-        if !cfg.slot_size.is_power_of_two() || cfg.slot_size < 64 {
-            return Err(Error::new(
-                Errno::EINVAL,
-                format!("slot_size {} must be a power of two >= 64", cfg.slot_size),
+        if !cfg.slot_size.is_power_of_two() || cfg.slot_size < 64 || cfg.slot_size > 1 << 31 {
+            return Err(einval(format!(
+                "slot_size {} must be a power of two from 64 to 2^31",
+                cfg.slot_size
+            )));
+        }
+        if !REMOTE_RIGHTS.contains(cfg.remote) {
+            return Err(einval(format!(
+                "PoolConfig::remote {:?} may only hold REMOTE_READ, REMOTE_WRITE and REMOTE_ATOMIC",
+                cfg.remote
+            )));
+        }
+        if cfg
+            .remote
+            .intersects(AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_ATOMIC)
+            && !cfg.access.contains(AccessFlags::LOCAL_WRITE)
+        {
+            return Err(einval(
+                "slots exposed with REMOTE_WRITE or REMOTE_ATOMIC need LOCAL_WRITE in \
+                 PoolConfig::access (as ibv_bind_mw requires of the MR)"
+                    .to_string(),
             ));
         }
         let max_mr = pd.context().query_device().max_mr_size;
         let chunk =
             (cfg.chunk_size as u64).min(max_mr) / cfg.slot_size as u64 * cfg.slot_size as u64;
         if chunk == 0 {
-            return Err(Error::new(
-                Errno::EINVAL,
-                format!(
-                    "chunk_size {} (clamped to max_mr_size {max_mr}) holds no slot of {} bytes",
-                    cfg.chunk_size, cfg.slot_size
-                ),
-            ));
+            return Err(einval(format!(
+                "chunk_size {} (clamped to max_mr_size {max_mr}) holds no slot of {} bytes",
+                cfg.chunk_size, cfg.slot_size
+            )));
         }
         // Slots per chunk: a power of two, so slot -> (chunk, offset) is a shift and a mask.
         let spc = 1u64 << (63 - (chunk / cfg.slot_size as u64).leading_zeros());
@@ -250,11 +365,13 @@ impl MrPool {
             .checked_mul(max_chunks as u64)
             .filter(|c| *c < u64::from(freelist::NIL))
             .ok_or_else(|| {
-                Error::new(
-                    Errno::EINVAL,
-                    "pool would exceed 2^32 - 1 slots; use bigger slots".to_string(),
-                )
+                einval("pool would exceed 2^32 - 1 slots; use bigger slots".to_string())
             })?;
+        let access = if cfg.remote.is_empty() {
+            cfg.access
+        } else {
+            cfg.access | AccessFlags::MW_BIND
+        };
         let inner = Arc::new_cyclic(|me| PoolInner {
             me: me.clone(),
             id: NEXT_POOL_ID.fetch_add(1, Ordering::Relaxed),
@@ -263,115 +380,165 @@ impl MrPool {
             chunk_size: chunk,
             slots_per_chunk: spc as u32,
             spc_shift: spc.trailing_zeros(),
-            access: cfg.access,
+            access,
+            remote: cfg.remote,
             thp: cfg.thp,
             magazine: cfg.magazine.max(2),
+            windows: Mutex::new(HashMap::new()),
             chunks: (0..max_chunks).map(|_| OnceLock::new()).collect(),
             nchunks: AtomicUsize::new(0),
             free: FreeStack::new(cap as u32),
             grow_lock: Mutex::new(()),
-            quarantine: Mutex::new(Vec::new()),
             growth_events: AtomicU64::new(0),
             alloc_failures: AtomicU64::new(0),
-            quarantined_total: AtomicU64::new(0),
-            reclaimed: AtomicU64::new(0),
-            counters: Mutex::new(Vec::new()),
+            exposures: AtomicU64::new(0),
+            life: Arc::new(Life::new()),
         });
         for _ in 0..cfg.initial_chunks {
             inner.add_chunk()?;
         }
+        // The slots' keepalive: released by the life protocol once the last handle is gone
+        // and no slot is live (a failed creation above frees the pool right away).
+        inner.life.arm(inner.clone());
         export::add(&inner);
-        Ok(MrPool { inner })
+        Ok(MrPool {
+            h: Arc::new(Handle { inner }),
+        })
+    }
+
+    fn inner(&self) -> &PoolInner {
+        &self.h.inner
     }
 
     /// Process-unique id of this pool (as in the `"pool"` section of
     /// [`stat_export::snapshot`](crate::stat_export::snapshot)).
+    ///
+    /// ```
+    /// # use mrkit::pool::{MrPool, PoolConfig};
+    /// # let ctx = mrkit::Context::open(mrkit::DeviceConfig::rxe());
+    /// # let pd = ctx.alloc_pd().unwrap();
+    /// let cfg = PoolConfig { chunk_size: 1 << 20, ..PoolConfig::default() };
+    /// let (a, b) = (MrPool::new(&pd, cfg.clone()).unwrap(), MrPool::new(&pd, cfg).unwrap());
+    /// assert_ne!(a.id(), b.id());
+    /// assert_eq!(a.id(), a.clone().id());
+    /// ```
     pub fn id(&self) -> u64 {
-        self.inner.id
+        self.inner().id
     }
 
     /// Bytes per slot.
+    ///
+    /// ```
+    /// # use mrkit::pool::{MrPool, PoolConfig};
+    /// # let ctx = mrkit::Context::open(mrkit::DeviceConfig::rxe());
+    /// # let pd = ctx.alloc_pd().unwrap();
+    /// let cfg = PoolConfig { slot_size: 256, chunk_size: 1 << 20, ..PoolConfig::default() };
+    /// assert_eq!(MrPool::new(&pd, cfg).unwrap().slot_size(), 256);
+    /// ```
     pub fn slot_size(&self) -> usize {
-        self.inner.slot_size as usize
+        self.inner().slot_size as usize
     }
 
-    /// Bytes per chunk MR (after clamping).
+    /// Bytes per chunk MR (after clamping to `max_mr_size` and rounding down to a power-of-two
+    /// number of slots).
+    ///
+    /// ```
+    /// # use mrkit::pool::{MrPool, PoolConfig};
+    /// # let ctx = mrkit::Context::open(mrkit::DeviceConfig::rxe());
+    /// # let pd = ctx.alloc_pd().unwrap();
+    /// let cfg = PoolConfig { chunk_size: 3 << 20, ..PoolConfig::default() };
+    /// assert_eq!(MrPool::new(&pd, cfg).unwrap().chunk_size(), 2 << 20);
+    /// ```
     pub fn chunk_size(&self) -> u64 {
-        self.inner.chunk_size
+        self.inner().chunk_size
     }
 
-    /// `(base address, lkey, rkey)` of every registered chunk.
+    /// `(base address, lkey, rkey)` of every registered chunk. The rkeys grant a peer only
+    /// what [`PoolConfig::access`] holds (nothing remote by default).
+    ///
+    /// ```
+    /// # use mrkit::pool::{MrPool, PoolConfig};
+    /// # let ctx = mrkit::Context::open(mrkit::DeviceConfig::rxe());
+    /// # let pd = ctx.alloc_pd().unwrap();
+    /// let pool = MrPool::new(&pd, PoolConfig { chunk_size: 1 << 20, ..PoolConfig::default() }).unwrap();
+    /// let s = pool.alloc().unwrap();
+    /// let (base, lkey, _rkey) = pool.chunks()[s.chunk() as usize];
+    /// assert_eq!((s.addr(), s.lkey()), (base + s.offset(), lkey));
+    /// ```
     pub fn chunks(&self) -> Vec<(u64, u32, u32)> {
-        self.inner
+        self.inner()
             .chunks
             .iter()
             .filter_map(|c| c.get().map(|c| (c.base, c.lkey, c.rkey)))
             .collect()
     }
 
-    /// Allocate a slot (zero-copy buffer for one message). Fast path: a pop from this thread's
-    /// magazine. ENOMEM when the pool is at `max_chunks` and every slot is taken.
+    /// Allocate a slot borrowed from this handle (zero-copy buffer for one message). Fast
+    /// path: a pop from this thread's magazine. ENOMEM when the pool is at `max_chunks` and
+    /// every slot is taken.
+    ///
+    /// ```
+    /// # use mrkit::pool::{MrPool, PoolConfig};
+    /// # let ctx = mrkit::Context::open(mrkit::DeviceConfig::rxe());
+    /// # let pd = ctx.alloc_pd().unwrap();
+    /// let cfg = PoolConfig { chunk_size: 8192, max_chunks: 1, ..PoolConfig::default() };
+    /// let pool = MrPool::new(&pd, cfg).unwrap();
+    /// let (a, b) = (pool.alloc().unwrap(), pool.alloc().unwrap());
+    /// assert_ne!(a.addr(), b.addr());
+    /// assert_eq!(pool.alloc().unwrap_err().errno(), mrkit::Errno::ENOMEM);
+    /// ```
     #[inline(always)]
     pub fn alloc(&self) -> Result<Slot<'_>> {
-        let inner = &*self.inner;
-        let got = MAGAZINES.try_with(|m| {
-            let mut m = m.borrow_mut();
-            let mag = inner.magazine_in(&mut m);
-            let idx = match mag.slots.pop() {
-                Some(i) => Some(i),
-                None => inner.refill(mag),
-            };
-            if idx.is_some() {
-                bump(&mag.counters.allocs);
-            }
-            idx
-        });
-        let idx = match got {
-            Ok(Some(i)) => i,
-            Ok(None) => return Err(inner.fail()),
-            // Thread-local storage already destroyed (alloc from a TLS destructor): go to
-            // the shared stack directly, uncounted per thread.
-            Err(_) => match inner.free.pop().or_else(|| inner.grow_and_pop()) {
-                Some(i) => i,
-                None => return Err(inner.fail()),
-            },
-        };
-        Ok(inner.slot(idx))
+        let inner = self.inner();
+        let idx = inner.take()?;
+        Ok(Slot {
+            pool: inner,
+            core: inner.core(idx),
+        })
     }
 
-    /// Allocate a slot that owns a handle to the pool (`'static`, e.g. to keep in a
-    /// long-lived structure or a bounce buffer). Costs one reference-count increment more.
+    /// Allocate a slot that may outlive every handle (`'static`: to keep in a long-lived
+    /// structure, hand to another thread or post through a `QueuePair` of any lifetime). It
+    /// costs what [`MrPool::alloc`] costs: it holds no reference count; the pool's memory is
+    /// kept until the last slot returns (see the module docs).
+    ///
+    /// ```
+    /// # use mrkit::pool::{MrPool, PoolConfig};
+    /// # let ctx = mrkit::Context::open(mrkit::DeviceConfig::rxe());
+    /// # let pd = ctx.alloc_pd().unwrap();
+    /// let pool = MrPool::new(&pd, PoolConfig { chunk_size: 1 << 20, ..PoolConfig::default() }).unwrap();
+    /// let mut s = pool.alloc_owned().unwrap();
+    /// let t = std::thread::spawn(move || {
+    ///     s.as_mut_slice()[0] = 1;
+    ///     drop(s); // freed on another thread
+    /// });
+    /// t.join().unwrap();
+    /// assert_eq!(pool.stats().in_use, 0);
+    /// ```
+    #[inline(always)]
     pub fn alloc_owned(&self) -> Result<OwnedSlot> {
-        let s = self.alloc()?;
-        let o = OwnedSlot {
-            pool: self.clone(),
-            idx: s.idx,
-            addr: s.addr,
-            lkey: s.lkey,
-            rkey: s.rkey,
-        };
-        std::mem::forget(s);
-        Ok(o)
-    }
-
-    /// Quarantine an in-flight slot whose completion will never come (same as dropping it).
-    pub fn quarantine(&self, wr: InFlight<'_>) {
-        drop(wr);
-    }
-
-    /// Return quarantined slots to the free list; returns how many.
-    pub fn reclaim_quarantined(&self, _proof: QpDrained) -> usize {
-        let v = std::mem::take(&mut *self.inner.quarantine.lock());
-        self.inner.free.push_many(&v);
-        self.inner
-            .reclaimed
-            .fetch_add(v.len() as u64, Ordering::Relaxed);
-        v.len()
+        let inner = self.inner();
+        let idx = inner.take()?;
+        Ok(OwnedSlot {
+            pool: PoolPtr::new(inner),
+            core: inner.core(idx),
+        })
     }
 
     /// Counters.
+    ///
+    /// ```
+    /// # use mrkit::pool::{MrPool, PoolConfig};
+    /// # let ctx = mrkit::Context::open(mrkit::DeviceConfig::rxe());
+    /// # let pd = ctx.alloc_pd().unwrap();
+    /// let pool = MrPool::new(&pd, PoolConfig { chunk_size: 1 << 20, ..PoolConfig::default() }).unwrap();
+    /// let held: Vec<_> = (0..3).map(|_| pool.alloc_owned().unwrap()).collect();
+    /// assert_eq!(pool.stats().in_use, 3);
+    /// drop(held);
+    /// assert_eq!(pool.stats().in_use, 0);
+    /// ```
     pub fn stats(&self) -> PoolStats {
-        self.inner.stats()
+        self.inner().stats()
     }
 }
 
@@ -389,23 +556,57 @@ impl PoolInner {
     fn new_magazine<'m>(&self, mags: &'m mut Vec<Magazine>) -> &'m mut Magazine {
         // Drop magazines of pools that are gone.
         mags.retain(|m| m.pool.strong_count() > 0);
-        let counters = Arc::new(CachePadded::new(ThreadCounters::default()));
-        self.counters.lock().push(counters.clone());
-        let me = self.self_weak();
         mags.push(Magazine {
             pool_id: self.id,
-            pool: me,
+            pool: self.me.clone(),
             slots: Vec::with_capacity(self.magazine),
-            counters,
+            cell: self.life.register(),
+            life: self.life.clone(),
         });
         mags.last_mut().expect("just pushed")
     }
 
-    fn self_weak(&self) -> Weak<PoolInner> {
-        self.me.clone()
+    /// A free slot index, counted as allocated.
+    #[inline(always)]
+    fn take(&self) -> Result<u32> {
+        let got = MAGAZINES.try_with(|m| {
+            let mut m = m.borrow_mut();
+            let mag = self.magazine_in(&mut m);
+            let idx = match mag.slots.pop() {
+                Some(i) => Some(i),
+                None => self.refill(mag),
+            };
+            if idx.is_some() {
+                bump(&mag.cell.allocs);
+            }
+            idx
+        });
+        match got {
+            Ok(Some(i)) => Ok(i),
+            Ok(None) => Err(self.fail()),
+            // Thread-local storage already destroyed (alloc from a TLS destructor): go to
+            // the shared stack directly, counted in the shared cell.
+            Err(_) => match self.free.pop().or_else(|| self.grow_and_pop()) {
+                Some(i) => {
+                    self.life.count_alloc_shared();
+                    Ok(i)
+                }
+                None => Err(self.fail()),
+            },
+        }
+    }
+
+    /// A full magazine gives half its slots to the shared stack.
+    #[cold]
+    #[inline(never)]
+    fn spill(&self, mag: &mut Magazine) {
+        let half = mag.slots.len() / 2;
+        self.free.push_many(&mag.slots[half..]);
+        mag.slots.truncate(half);
     }
 
     #[cold]
+    #[inline(never)]
     fn refill(&self, mag: &mut Magazine) -> Option<u32> {
         let n = self.free.pop_many(self.magazine / 2, &mut mag.slots);
         if n > 0 {
@@ -483,332 +684,537 @@ impl PoolInner {
         self.alloc_failures.fetch_add(1, Ordering::Relaxed);
         enomem(format!(
             "MR pool exhausted: {} chunks of {} bytes are in use and max_chunks is reached; \
-             raise max_chunks, free slots, or reclaim quarantined slots",
+             raise max_chunks or free slots",
             self.nchunks.load(Ordering::Relaxed),
             self.chunk_size
         ))
     }
 
     #[inline(always)]
-    fn slot(&self, idx: u32) -> Slot<'_> {
-        let (c, k) = (idx >> self.spc_shift, idx & (self.slots_per_chunk - 1));
-        let chunk = self.chunks[c as usize]
+    fn chunk_of(&self, idx: u32) -> &Chunk {
+        self.chunks[(idx >> self.spc_shift) as usize]
             .get()
-            .expect("slot index of an unpublished chunk");
-        Slot {
-            pool: self,
-            idx,
-            addr: chunk.base + u64::from(k) * u64::from(self.slot_size),
-            lkey: chunk.lkey,
-            rkey: chunk.rkey,
-        }
+            .expect("slot index of an unpublished chunk")
     }
 
     #[inline(always)]
-    fn release(&self, idx: u32) {
-        let done = MAGAZINES.try_with(|m| {
-            let mut m = m.borrow_mut();
-            let mag = self.magazine_in(&mut m);
-            if mag.slots.len() >= self.magazine {
-                let half = mag.slots.len() / 2;
-                self.free.push_many(&mag.slots[half..]);
-                mag.slots.truncate(half);
-            }
-            mag.slots.push(idx);
-            bump(&mag.counters.frees);
-        });
-        if done.is_err() {
-            self.free.push(idx);
+    fn core(&self, idx: u32) -> Core {
+        let k = idx & (self.slots_per_chunk - 1);
+        let chunk = self.chunk_of(idx);
+        Core {
+            idx,
+            lkey: chunk.lkey,
+            addr: chunk.base + u64::from(k) * u64::from(self.slot_size),
+            window: None,
         }
-    }
-
-    fn count(&self, f: impl Fn(&ThreadCounters) -> &AtomicU64) -> u64 {
-        self.counters
-            .lock()
-            .iter()
-            .map(|c| f(c).load(Ordering::Relaxed))
-            .sum()
     }
 
     fn stats(&self) -> PoolStats {
         let chunks = self.nchunks.load(Ordering::Acquire) as u64;
         let total = chunks * u64::from(self.slots_per_chunk);
-        let allocs = self.count(|c| &c.allocs);
-        let frees = self.count(|c| &c.frees);
-        let posts = self.count(|c| &c.posts);
-        let completions = self.count(|c| &c.completions);
-        let qt = self.quarantined_total.load(Ordering::Relaxed);
-        let reclaimed = self.reclaimed.load(Ordering::Relaxed);
-        let in_use = allocs.saturating_sub(frees).saturating_sub(qt);
-        let quarantined = qt.saturating_sub(reclaimed);
+        let in_use = self.life.live().min(total);
         PoolStats {
             total,
-            free: total.saturating_sub(in_use).saturating_sub(quarantined),
+            free: total - in_use,
             in_use,
-            in_flight: posts.saturating_sub(completions).saturating_sub(qt),
-            quarantined,
             chunks,
             growth_events: self.growth_events.load(Ordering::Relaxed),
             alloc_failures: self.alloc_failures.load(Ordering::Relaxed),
-            reclaimed,
+            exposures: self.exposures.load(Ordering::Relaxed),
         }
     }
 
-    fn counters_here(&self, f: impl FnOnce(&ThreadCounters)) {
-        let _ = MAGAZINES.try_with(|m| {
-            let mut m = m.borrow_mut();
-            f(&self.magazine_in(&mut m).counters);
-        });
+    // --- slot operations shared by `Slot` and `OwnedSlot` ---
+
+    fn local(&self, c: &Core, range: Range<u64>) -> Result<LocalSlice> {
+        let (start, len) = check_range(&range, u64::from(self.slot_size), "pool slot")?;
+        Ok(LocalSlice {
+            addr: c.addr + start,
+            // A slot is at most 2^31 bytes.
+            len: len as u32,
+            lkey: c.lkey,
+        })
+    }
+
+    fn remote(&self, c: &Core, range: Range<u64>) -> Result<RemoteSlice> {
+        let (start, len) = check_range(&range, u64::from(self.slot_size), "pool slot")?;
+        let rkey = match c.window {
+            Some(rkey) => rkey,
+            None if self.access.intersects(REMOTE_RIGHTS) => self.chunk_of(c.idx).rkey,
+            None => {
+                return Err(einval(
+                    "the slot has no remote rights: expose it (Slot::expose, with rights \
+                     PoolConfig::remote allows) or give the chunks remote rights \
+                     (PoolConfig::access, trusted peers only)"
+                        .to_string(),
+                ))
+            }
+        };
+        Ok(RemoteSlice {
+            addr: c.addr + start,
+            len,
+            rkey,
+        })
+    }
+
+    /// Bind a fresh window over slot `c` (whose previous exposure, if any, ended).
+    #[cold]
+    fn expose(&self, c: &mut Core, access: AccessFlags) -> Result<RemoteSlice> {
+        self.unexpose(c);
+        if access.is_empty() || !REMOTE_RIGHTS.contains(access) {
+            return Err(einval(format!(
+                "expose takes remote rights (REMOTE_READ, REMOTE_WRITE, REMOTE_ATOMIC), not {access:?}"
+            )));
+        }
+        if !self.remote.contains(access) {
+            return Err(einval(format!(
+                "this pool allows exposing slots with {:?} (PoolConfig::remote), not {access:?}",
+                self.remote
+            )));
+        }
+        // A type-1 window: a type-2 window is bound by a work request on the QP the peer
+        // comes through, which the pool does not have. mrkit0 executes the type-1 bind
+        // directly for the window's PD (on mlx5 `ibv_bind_mw` posts it on a QP's send queue).
+        // A fresh window per exposure: its rkey is the device's next key for the window
+        // table, so an ended exposure's rkey is not reused until the table has cycled through
+        // every index 256 times.
+        let mw = self.pd.alloc_mw(MwType::Type1)?;
+        let rkey0 = mw.rkey();
+        let rkey = self.pd.context().provider().bind_mw(
+            self.pd.handle(),
+            0,
+            rkey0,
+            rkey0 as u8,
+            BindInfo {
+                mr_lkey: c.lkey,
+                addr: c.addr,
+                length: u64::from(self.slot_size),
+                access,
+            },
+        )?;
+        self.exposures.fetch_add(1, Ordering::Relaxed);
+        self.windows.lock().insert(c.idx, mw);
+        c.window = Some(rkey);
+        Ok(RemoteSlice {
+            addr: c.addr,
+            len: u64::from(self.slot_size),
+            rkey,
+        })
+    }
+
+    /// End slot `c`'s exposure: its window is deallocated (unbound), its rkey dead.
+    #[cold]
+    fn unexpose(&self, c: &mut Core) {
+        if c.window.take().is_some() {
+            let mw = self.windows.lock().remove(&c.idx);
+            drop(mw);
+        }
     }
 }
 
-/// Proof that no work request referencing quarantined slots can still complete (their QP was
-/// destroyed, or moved to error and its queues fully flushed). The data path hands one out
-/// when it observes that; otherwise the caller asserts it.
+/// Put slot `idx` back on the calling thread's magazine and count it free. The pool is reached
+/// through `pool` only until the count is stored: after it the pool may be gone (see
+/// [`life`]), and the protocol continues on memory the magazine holds.
+#[inline(always)]
+fn release(pool: PoolPtr, idx: u32) {
+    let closing = MAGAZINES.try_with(|m| {
+        let mut m = m.borrow_mut();
+        let mag = {
+            // SAFETY: slot `idx` is live until `bump` below counts it free, so the pool is.
+            let p = unsafe { pool.get() };
+            let mag = p.magazine_in(&mut m);
+            if mag.slots.len() >= p.magazine {
+                p.spill(mag);
+            }
+            mag
+        };
+        mag.slots.push(idx);
+        bump(&mag.cell.frees);
+        if mag.life.closing_after_free(&mag.cell) {
+            Some(mag.life.clone())
+        } else {
+            None
+        }
+    });
+    match closing {
+        Ok(None) => {}
+        // The pool is closing: maybe that was its last slot.
+        Ok(Some(life)) => settle(&life),
+        Err(_) => release_without_tls(pool, idx),
+    }
+}
+
+/// After a free seen closing: the last slot of a closed pool frees its memory now, outside
+/// any borrow of the pool.
+#[cold]
+#[inline(never)]
+fn settle(life: &Life<Arc<PoolInner>>) {
+    drop(life.settle());
+}
+
+/// Thread-local storage destroyed (a free from a TLS destructor): the shared stack and the
+/// shared count.
+#[cold]
+#[inline(never)]
+fn release_without_tls(pool: PoolPtr, idx: u32) {
+    let life = {
+        // SAFETY: slot `idx` is live until it is counted free below, so the pool is.
+        let p = unsafe { pool.get() };
+        p.free.push(idx);
+        p.life.clone()
+    };
+    drop(life.count_free_shared());
+}
+
+/// What both kinds of slot carry.
 #[derive(Debug)]
-pub struct QpDrained(());
-
-impl QpDrained {
-    /// Assert that every QP that had quarantined slots posted is destroyed or flushed.
-    ///
-    /// # Safety
-    /// If a work request that used a quarantined slot can still execute, reclaiming lets the
-    /// device write into a slot that was handed to someone else (the late-DMA corruption
-    /// quarantine exists to prevent).
-    pub unsafe fn assert_no_pending_work() -> QpDrained {
-        QpDrained(())
-    }
+struct Core {
+    idx: u32,
+    lkey: u32,
+    addr: u64,
+    /// The rkey of the slot's window while it is exposed (the window is in
+    /// `PoolInner::windows`).
+    window: Option<u32>,
 }
 
-/// A slot owned by the CPU: read and write its bytes, build SGEs, or post it.
-/// Dropping it returns it to the pool.
+/// The methods `Slot` and `OwnedSlot` share, with their docs and examples (`$alloc` is the
+/// `MrPool` method that makes one).
+macro_rules! slot_api {
+    ($ty:ty, $alloc:literal) => {
+        impl $ty {
+            #[doc = "Slot index in the pool."]
+            #[doc = ""]
+            #[doc = "```"]
+            #[doc = "# let ctx = mrkit::Context::open(mrkit::DeviceConfig::rxe());"]
+            #[doc = "# let pd = ctx.alloc_pd().unwrap();"]
+            #[doc = "let pool = mrkit::pool::MrPool::new(&pd, mrkit::pool::PoolConfig { chunk_size: 1 << 20, ..Default::default() }).unwrap();"]
+            #[doc = concat!("let (a, b) = (pool.", $alloc, "().unwrap(), pool.", $alloc, "().unwrap());")]
+            #[doc = "assert_ne!(a.index(), b.index());"]
+            #[doc = "```"]
+            pub fn index(&self) -> u32 {
+                self.core.idx
+            }
+
+            #[doc = "Address of the first byte (also its iova: chunks are registered with iova = address)."]
+            #[doc = ""]
+            #[doc = "```"]
+            #[doc = "# let ctx = mrkit::Context::open(mrkit::DeviceConfig::rxe());"]
+            #[doc = "# let pd = ctx.alloc_pd().unwrap();"]
+            #[doc = "let pool = mrkit::pool::MrPool::new(&pd, mrkit::pool::PoolConfig { chunk_size: 1 << 20, ..Default::default() }).unwrap();"]
+            #[doc = concat!("let s = pool.", $alloc, "().unwrap();")]
+            #[doc = "assert_eq!(s.addr(), s.as_slice().as_ptr() as u64);"]
+            #[doc = "assert_eq!(s.addr() % 4096, 0);"]
+            #[doc = "```"]
+            pub fn addr(&self) -> u64 {
+                self.core.addr
+            }
+
+            #[doc = "Bytes in the slot (the pool's slot size)."]
+            #[doc = ""]
+            #[doc = "```"]
+            #[doc = "# let ctx = mrkit::Context::open(mrkit::DeviceConfig::rxe());"]
+            #[doc = "# let pd = ctx.alloc_pd().unwrap();"]
+            #[doc = "let pool = mrkit::pool::MrPool::new(&pd, mrkit::pool::PoolConfig { chunk_size: 1 << 20, ..Default::default() }).unwrap();"]
+            #[doc = concat!("assert_eq!(pool.", $alloc, "().unwrap().len(), 4096);")]
+            #[doc = "```"]
+            #[allow(clippy::len_without_is_empty)]
+            pub fn len(&self) -> usize {
+                self.pool().slot_size as usize
+            }
+
+            #[doc = "lkey of the chunk MR (what an SGE over the slot carries)."]
+            #[doc = ""]
+            #[doc = "```"]
+            #[doc = "# let ctx = mrkit::Context::open(mrkit::DeviceConfig::rxe());"]
+            #[doc = "# let pd = ctx.alloc_pd().unwrap();"]
+            #[doc = "let pool = mrkit::pool::MrPool::new(&pd, mrkit::pool::PoolConfig { chunk_size: 1 << 20, ..Default::default() }).unwrap();"]
+            #[doc = concat!("let s = pool.", $alloc, "().unwrap();")]
+            #[doc = "assert_eq!(s.lkey(), pool.chunks()[0].1);"]
+            #[doc = "```"]
+            pub fn lkey(&self) -> u32 {
+                self.core.lkey
+            }
+
+            #[doc = "Chunk number."]
+            #[doc = ""]
+            #[doc = "```"]
+            #[doc = "# let ctx = mrkit::Context::open(mrkit::DeviceConfig::rxe());"]
+            #[doc = "# let pd = ctx.alloc_pd().unwrap();"]
+            #[doc = "let pool = mrkit::pool::MrPool::new(&pd, mrkit::pool::PoolConfig { chunk_size: 1 << 20, ..Default::default() }).unwrap();"]
+            #[doc = concat!("assert_eq!(pool.", $alloc, "().unwrap().chunk(), 0);")]
+            #[doc = "```"]
+            pub fn chunk(&self) -> u32 {
+                self.core.idx >> self.pool().spc_shift
+            }
+
+            #[doc = "Offset of the slot inside its chunk MR."]
+            #[doc = ""]
+            #[doc = "```"]
+            #[doc = "# let ctx = mrkit::Context::open(mrkit::DeviceConfig::rxe());"]
+            #[doc = "# let pd = ctx.alloc_pd().unwrap();"]
+            #[doc = "let pool = mrkit::pool::MrPool::new(&pd, mrkit::pool::PoolConfig { chunk_size: 1 << 20, ..Default::default() }).unwrap();"]
+            #[doc = concat!("let s = pool.", $alloc, "().unwrap();")]
+            #[doc = "assert_eq!(s.addr(), pool.chunks()[s.chunk() as usize].0 + s.offset());"]
+            #[doc = "```"]
+            pub fn offset(&self) -> u64 {
+                let p = self.pool();
+                u64::from(self.core.idx & (p.slots_per_chunk - 1)) * u64::from(p.slot_size)
+            }
+
+            #[doc = "A local SGE over `range` (offsets into the slot); EINVAL when the range is reversed or leaves the slot."]
+            #[doc = ""]
+            #[doc = "```"]
+            #[doc = "# let ctx = mrkit::Context::open(mrkit::DeviceConfig::rxe());"]
+            #[doc = "# let pd = ctx.alloc_pd().unwrap();"]
+            #[doc = "let pool = mrkit::pool::MrPool::new(&pd, mrkit::pool::PoolConfig { chunk_size: 1 << 20, ..Default::default() }).unwrap();"]
+            #[doc = concat!("let s = pool.", $alloc, "().unwrap();")]
+            #[doc = "let l = s.local(100..200).unwrap();"]
+            #[doc = "assert_eq!((l.addr, l.len, l.lkey), (s.addr() + 100, 100, s.lkey()));"]
+            #[doc = "assert_eq!(s.local(0..4097).unwrap_err().errno(), mrkit::Errno::EINVAL);"]
+            #[doc = "```"]
+            pub fn local(&self, range: Range<u64>) -> Result<LocalSlice> {
+                self.pool().local(&self.core, range)
+            }
+
+            #[doc = "A local SGE over the whole slot."]
+            #[doc = ""]
+            #[doc = "```"]
+            #[doc = "# let ctx = mrkit::Context::open(mrkit::DeviceConfig::rxe());"]
+            #[doc = "# let pd = ctx.alloc_pd().unwrap();"]
+            #[doc = "let pool = mrkit::pool::MrPool::new(&pd, mrkit::pool::PoolConfig { chunk_size: 1 << 20, ..Default::default() }).unwrap();"]
+            #[doc = concat!("let s = pool.", $alloc, "().unwrap();")]
+            #[doc = "assert_eq!(s.local_all(), s.local(0..4096).unwrap());"]
+            #[doc = "```"]
+            pub fn local_all(&self) -> LocalSlice {
+                LocalSlice {
+                    addr: self.core.addr,
+                    len: self.pool().slot_size,
+                    lkey: self.core.lkey,
+                }
+            }
+
+            #[doc = "What a peer needs to reach `range` of this slot (offsets into the slot): the exposure's rkey while the slot is exposed ([`Slot::expose`]), else the chunk's rkey when the chunks have remote rights ([`PoolConfig::access`]). EINVAL when the range leaves the slot or the slot has no remote rights."]
+            #[doc = ""]
+            #[doc = "```"]
+            #[doc = "use mrkit::AccessFlags as A;"]
+            #[doc = "# let ctx = mrkit::Context::open(mrkit::DeviceConfig::rxe());"]
+            #[doc = "# let pd = ctx.alloc_pd().unwrap();"]
+            #[doc = "let cfg = mrkit::pool::PoolConfig { chunk_size: 1 << 20, remote: A::REMOTE_READ, ..Default::default() };"]
+            #[doc = "let pool = mrkit::pool::MrPool::new(&pd, cfg).unwrap();"]
+            #[doc = concat!("let mut s = pool.", $alloc, "().unwrap();")]
+            #[doc = "assert!(s.remote(0..8).is_err()); // not exposed"]
+            #[doc = "let whole = s.expose(A::REMOTE_READ).unwrap();"]
+            #[doc = "let part = s.remote(8..16).unwrap();"]
+            #[doc = "assert_eq!((part.addr, part.len, part.rkey), (whole.addr + 8, 8, whole.rkey));"]
+            #[doc = "```"]
+            pub fn remote(&self, range: Range<u64>) -> Result<RemoteSlice> {
+                self.pool().remote(&self.core, range)
+            }
+
+            #[doc = "Make this slot reachable by peers with `access` (remote rights that [`PoolConfig::remote`] allows), through a memory window bound over exactly this slot: the returned descriptor's rkey reaches no other byte of the chunk. A previous exposure of the slot ends first. The exposure ends with [`Slot::unexpose`] or when the slot is freed; its rkey then stops working (a peer using it gets `REM_ACCESS_ERR`). EINVAL for rights the pool does not allow; the errno of `ibv_alloc_mw` (ENOMEM at `max_mw`) or of the bind otherwise."]
+            #[doc = ""]
+            #[doc = "```"]
+            #[doc = "use mrkit::AccessFlags as A;"]
+            #[doc = "# let ctx = mrkit::Context::open(mrkit::DeviceConfig::rxe());"]
+            #[doc = "# let pd = ctx.alloc_pd().unwrap();"]
+            #[doc = "let cfg = mrkit::pool::PoolConfig { chunk_size: 1 << 20, remote: A::REMOTE_WRITE, ..Default::default() };"]
+            #[doc = "let pool = mrkit::pool::MrPool::new(&pd, cfg).unwrap();"]
+            #[doc = concat!("let mut s = pool.", $alloc, "().unwrap();")]
+            #[doc = "let r = s.expose(A::REMOTE_WRITE).unwrap(); // send `r` to the peer"]
+            #[doc = "assert_eq!((r.addr, r.len), (s.addr(), 4096));"]
+            #[doc = "assert_ne!(r.rkey, pool.chunks()[0].2);"]
+            #[doc = "assert!(s.is_exposed());"]
+            #[doc = "// Rights the pool does not allow:"]
+            #[doc = "assert_eq!(s.expose(A::REMOTE_READ).unwrap_err().errno(), mrkit::Errno::EINVAL);"]
+            #[doc = "```"]
+            pub fn expose(&mut self, access: AccessFlags) -> Result<RemoteSlice> {
+                let pool = self.pool_ptr();
+                // SAFETY: `self` is a live slot of the pool for this call.
+                unsafe { pool.get() }.expose(&mut self.core, access)
+            }
+
+            #[doc = "End the slot's exposure: its rkey stops working (the window is deallocated). Nothing happens when the slot is not exposed."]
+            #[doc = ""]
+            #[doc = "```"]
+            #[doc = "use mrkit::AccessFlags as A;"]
+            #[doc = "# let ctx = mrkit::Context::open(mrkit::DeviceConfig::rxe());"]
+            #[doc = "# let pd = ctx.alloc_pd().unwrap();"]
+            #[doc = "let cfg = mrkit::pool::PoolConfig { chunk_size: 1 << 20, remote: A::REMOTE_READ, ..Default::default() };"]
+            #[doc = "let pool = mrkit::pool::MrPool::new(&pd, cfg).unwrap();"]
+            #[doc = concat!("let mut s = pool.", $alloc, "().unwrap();")]
+            #[doc = "s.expose(A::REMOTE_READ).unwrap();"]
+            #[doc = "s.unexpose();"]
+            #[doc = "assert!(!s.is_exposed() && s.remote(0..8).is_err());"]
+            #[doc = "```"]
+            pub fn unexpose(&mut self) {
+                let pool = self.pool_ptr();
+                // SAFETY: `self` is a live slot of the pool for this call.
+                unsafe { pool.get() }.unexpose(&mut self.core)
+            }
+
+            #[doc = "Whether the slot is exposed (see [`Slot::expose`])."]
+            #[doc = ""]
+            #[doc = "```"]
+            #[doc = "# let ctx = mrkit::Context::open(mrkit::DeviceConfig::rxe());"]
+            #[doc = "# let pd = ctx.alloc_pd().unwrap();"]
+            #[doc = "let pool = mrkit::pool::MrPool::new(&pd, mrkit::pool::PoolConfig { chunk_size: 1 << 20, ..Default::default() }).unwrap();"]
+            #[doc = concat!("assert!(!pool.", $alloc, "().unwrap().is_exposed());")]
+            #[doc = "```"]
+            pub fn is_exposed(&self) -> bool {
+                self.core.window.is_some()
+            }
+
+            #[doc = "The slot's bytes."]
+            #[doc = ""]
+            #[doc = "```"]
+            #[doc = "# let ctx = mrkit::Context::open(mrkit::DeviceConfig::rxe());"]
+            #[doc = "# let pd = ctx.alloc_pd().unwrap();"]
+            #[doc = "let pool = mrkit::pool::MrPool::new(&pd, mrkit::pool::PoolConfig { chunk_size: 1 << 20, ..Default::default() }).unwrap();"]
+            #[doc = concat!("let s = pool.", $alloc, "().unwrap();")]
+            #[doc = "assert_eq!(s.as_slice().len(), 4096);"]
+            #[doc = "```"]
+            pub fn as_slice(&self) -> &[u8] {
+                // SAFETY: the slot is live while `self` is (the pool with it), its index is
+                // owned by `self` alone (on no free list, in no other slot value), and `&self`
+                // excludes a `&mut` from `as_mut_slice` for the borrow.
+                unsafe { ptr::bytes(self.core.addr, self.pool().slot_size as usize) }
+            }
+
+            #[doc = "The slot's bytes, mutably (no work request can hold the slot while `&mut` is held)."]
+            #[doc = ""]
+            #[doc = "```"]
+            #[doc = "# let ctx = mrkit::Context::open(mrkit::DeviceConfig::rxe());"]
+            #[doc = "# let pd = ctx.alloc_pd().unwrap();"]
+            #[doc = "let pool = mrkit::pool::MrPool::new(&pd, mrkit::pool::PoolConfig { chunk_size: 1 << 20, ..Default::default() }).unwrap();"]
+            #[doc = concat!("let mut s = pool.", $alloc, "().unwrap();")]
+            #[doc = "s.as_mut_slice()[..5].copy_from_slice(b\"hello\");"]
+            #[doc = "assert_eq!(&s.as_slice()[..5], b\"hello\");"]
+            #[doc = "```"]
+            pub fn as_mut_slice(&mut self) -> &mut [u8] {
+                let len = self.pool().slot_size as usize;
+                // SAFETY: as in `as_slice`; `&mut self` makes the access exclusive.
+                unsafe { ptr::bytes_mut(self.core.addr, len) }
+            }
+        }
+
+        // SAFETY: `sges` gives slices inside the slot (checked by `local`) with the chunk MR's
+        // lkey; the chunk stays registered and mapped while the slot lives (a `Slot` borrows a
+        // pool handle; an `OwnedSlot` keeps the pool through the lifetime protocol); the slot
+        // index is owned by this value alone until it is dropped, so nothing else can reuse
+        // the memory while a work request holds the value.
+        unsafe impl Registered for $ty {
+            fn len(&self) -> u64 {
+                u64::from(self.pool().slot_size)
+            }
+            fn sges(&self, range: Range<u64>, out: &mut Vec<LocalSlice>) -> Result<()> {
+                out.push(self.local(range)?);
+                Ok(())
+            }
+        }
+
+        // SAFETY: owned: no other reference to the slot's bytes exists while a work request
+        // holds the value (CPU access needs the value itself).
+        unsafe impl DeviceWritable for $ty {}
+    };
+}
+
+/// A slot borrowed from an [`MrPool`] handle: read and write its bytes, build SGEs, post it
+/// by value through a [`QueuePair`](crate::QueuePair) (which hands it back with the
+/// completion), expose it to a peer. Dropping it returns it to the pool.
+///
+/// ```
+/// # use mrkit::pool::{MrPool, PoolConfig};
+/// # let ctx = mrkit::Context::open(mrkit::DeviceConfig::rxe());
+/// # let pd = ctx.alloc_pd().unwrap();
+/// let pool = MrPool::new(&pd, PoolConfig { chunk_size: 1 << 20, ..PoolConfig::default() }).unwrap();
+/// let s = pool.alloc().unwrap();
+/// assert_eq!(pool.stats().in_use, 1);
+/// drop(s);
+/// assert_eq!(pool.stats().in_use, 0);
+/// ```
+///
+/// It cannot outlive the handle it was borrowed from:
+///
+/// ```compile_fail
+/// # use mrkit::pool::{MrPool, PoolConfig};
+/// # let ctx = mrkit::Context::open(mrkit::DeviceConfig::rxe());
+/// # let pd = ctx.alloc_pd().unwrap();
+/// let pool = MrPool::new(&pd, PoolConfig { chunk_size: 1 << 20, ..PoolConfig::default() }).unwrap();
+/// let s = pool.alloc().unwrap();
+/// drop(pool); // error: `pool` is borrowed by `s`
+/// s.as_slice();
+/// ```
 #[derive(Debug)]
 pub struct Slot<'p> {
     pool: &'p PoolInner,
-    idx: u32,
-    addr: u64,
-    lkey: u32,
-    rkey: u32,
+    core: Core,
 }
 
-impl<'p> Slot<'p> {
-    /// Slot index in the pool.
-    pub fn index(&self) -> u32 {
-        self.idx
+impl Slot<'_> {
+    fn pool(&self) -> &PoolInner {
+        self.pool
     }
-    /// Address of the first byte (also the iova: chunks are registered with iova = address).
-    pub fn addr(&self) -> u64 {
-        self.addr
-    }
-    /// Bytes in the slot.
-    pub fn len(&self) -> usize {
-        self.pool.slot_size as usize
-    }
-    /// Never true (slots are at least 64 bytes).
-    pub fn is_empty(&self) -> bool {
-        false
-    }
-    /// lkey of the chunk MR.
-    pub fn lkey(&self) -> u32 {
-        self.lkey
-    }
-    /// rkey of the chunk MR.
-    pub fn rkey(&self) -> u32 {
-        self.rkey
-    }
-    /// Chunk number.
-    pub fn chunk(&self) -> u32 {
-        self.idx / self.pool.slots_per_chunk
-    }
-    /// Offset of the slot inside its chunk MR.
-    pub fn offset(&self) -> u64 {
-        u64::from(self.idx % self.pool.slots_per_chunk) * u64::from(self.pool.slot_size)
-    }
-    /// SGE over `range` (offsets within the slot). Panics when the range leaves the slot.
-    pub fn local(&self, range: Range<u32>) -> LocalSlice {
-        assert!(
-            range.start <= range.end && range.end <= self.pool.slot_size,
-            "range outside slot"
-        );
-        LocalSlice {
-            addr: self.addr + u64::from(range.start),
-            len: range.end - range.start,
-            lkey: self.lkey,
-        }
-    }
-    /// SGE over the whole slot.
-    pub fn local_all(&self) -> LocalSlice {
-        self.local(0..self.pool.slot_size)
-    }
-    /// Remote descriptor over `range` (offsets within the slot).
-    pub fn remote(&self, range: Range<u32>) -> RemoteSlice {
-        let l = self.local(range);
-        RemoteSlice {
-            addr: l.addr,
-            len: u64::from(l.len),
-            rkey: self.rkey,
-        }
-    }
-    /// The slot's bytes.
-    pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: [addr, addr + slot_size) lies inside a chunk mapping owned by the pool, which
-        // outlives `'p`; the slot index is owned exclusively by this value (it is on no free
-        // list and no other Slot/InFlight has it), so no `&mut` alias exists.
-        unsafe { std::slice::from_raw_parts(self.addr as *const u8, self.len()) }
-    }
-    /// The slot's bytes, mutably.
-    pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        // SAFETY: as in `as_slice`; `&mut self` makes the access exclusive.
-        unsafe { std::slice::from_raw_parts_mut(self.addr as *mut u8, self.len()) }
-    }
-    /// Hand the slot to a work request with id `wr_id`: the CPU loses access until the
-    /// completion returns it.
-    pub fn post(self, wr_id: u64) -> InFlight<'p> {
-        let wr = InFlight {
-            pool: self.pool,
-            idx: self.idx,
-            addr: self.addr,
-            lkey: self.lkey,
-            rkey: self.rkey,
-            wr_id,
-        };
-        self.pool.counters_here(|c| bump(&c.posts));
-        std::mem::forget(self);
-        wr
+    fn pool_ptr(&self) -> PoolPtr {
+        PoolPtr::new(self.pool)
     }
 }
 
 impl Drop for Slot<'_> {
     #[inline(always)]
     fn drop(&mut self) {
-        self.pool.release(self.idx);
-    }
-}
-
-/// A slot owned by an outstanding work request. It gives no access to the bytes. Only
-/// [`complete`](Self::complete) returns the [`Slot`]; dropping it quarantines the slot.
-#[derive(Debug)]
-#[must_use = "dropping an in-flight slot quarantines it; complete it with its work completion"]
-pub struct InFlight<'p> {
-    pool: &'p PoolInner,
-    idx: u32,
-    addr: u64,
-    lkey: u32,
-    rkey: u32,
-    wr_id: u64,
-}
-
-impl<'p> InFlight<'p> {
-    /// Work-request id this slot was posted with.
-    pub fn wr_id(&self) -> u64 {
-        self.wr_id
-    }
-    /// Slot index.
-    pub fn index(&self) -> u32 {
-        self.idx
-    }
-    /// SGE over the whole slot (to build the work request).
-    pub fn local_all(&self) -> LocalSlice {
-        LocalSlice {
-            addr: self.addr,
-            len: self.pool.slot_size,
-            lkey: self.lkey,
+        // The exposure ends before the slot can be handed out again.
+        if self.core.window.is_some() {
+            self.pool.unexpose(&mut self.core);
         }
-    }
-    /// Remote descriptor over the whole slot.
-    pub fn remote_all(&self) -> RemoteSlice {
-        RemoteSlice {
-            addr: self.addr,
-            len: u64::from(self.pool.slot_size),
-            rkey: self.rkey,
-        }
-    }
-    /// The completion of work request `wr_id` arrived: get the slot back. A mismatched id is
-    /// refused (the token is returned in `Err`).
-    pub fn complete(self, wr_id: u64) -> std::result::Result<Slot<'p>, InFlight<'p>> {
-        if wr_id != self.wr_id {
-            return Err(self);
-        }
-        let s = Slot {
-            pool: self.pool,
-            idx: self.idx,
-            addr: self.addr,
-            lkey: self.lkey,
-            rkey: self.rkey,
-        };
-        self.pool.counters_here(|c| bump(&c.completions));
-        std::mem::forget(self);
-        Ok(s)
+        release(PoolPtr::new(self.pool), self.core.idx);
     }
 }
 
-impl Drop for InFlight<'_> {
-    fn drop(&mut self) {
-        // Lost completion: never reuse; the device may still write this slot.
-        self.pool.quarantine.lock().push(self.idx);
-        self.pool.quarantined_total.fetch_add(1, Ordering::Relaxed);
-        tracing::debug!(slot = self.idx, wr_id = self.wr_id, "pool slot quarantined");
-    }
-}
+slot_api!(Slot<'_>, "alloc");
 
-/// A slot holding its pool alive (see [`MrPool::alloc_owned`]). Dropping it frees the slot.
+/// A slot that may outlive every [`MrPool`] handle (see [`MrPool::alloc_owned`]): the same
+/// operations as [`Slot`], `'static`, `Send` and `Sync`. Dropping it frees the slot; the last
+/// slot of a pool whose handles are gone frees the pool.
+///
+/// ```
+/// # use mrkit::pool::{MrPool, PoolConfig, OwnedSlot};
+/// # let ctx = mrkit::Context::open(mrkit::DeviceConfig::rxe());
+/// # let pd = ctx.alloc_pd().unwrap();
+/// struct Message { buf: OwnedSlot }
+/// let pool = MrPool::new(&pd, PoolConfig { chunk_size: 1 << 20, ..PoolConfig::default() }).unwrap();
+/// let m = Message { buf: pool.alloc_owned().unwrap() };
+/// drop(pool);
+/// assert_eq!(m.buf.len(), 4096);
+/// ```
 #[derive(Debug)]
 pub struct OwnedSlot {
-    pool: MrPool,
-    idx: u32,
-    addr: u64,
-    lkey: u32,
-    rkey: u32,
+    pool: PoolPtr,
+    core: Core,
 }
 
 impl OwnedSlot {
-    /// Address (= iova) of the first byte.
-    pub fn addr(&self) -> u64 {
-        self.addr
+    fn pool(&self) -> &PoolInner {
+        // SAFETY: `self` is a live slot of the pool for the borrow of `self`.
+        unsafe { self.pool.get() }
     }
-    /// Bytes in the slot.
-    pub fn len(&self) -> usize {
-        self.pool.inner.slot_size as usize
-    }
-    /// Never true.
-    pub fn is_empty(&self) -> bool {
-        false
-    }
-    /// lkey.
-    pub fn lkey(&self) -> u32 {
-        self.lkey
-    }
-    /// rkey.
-    pub fn rkey(&self) -> u32 {
-        self.rkey
-    }
-    /// SGE over the first `len` bytes.
-    pub fn local(&self, len: u32) -> LocalSlice {
-        assert!(len <= self.pool.inner.slot_size, "range outside slot");
-        LocalSlice {
-            addr: self.addr,
-            len,
-            lkey: self.lkey,
-        }
-    }
-    /// The bytes.
-    pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: the slot lies in a chunk mapping kept alive by `self.pool`; the index is owned
-        // exclusively by this value.
-        unsafe { std::slice::from_raw_parts(self.addr as *const u8, self.len()) }
-    }
-    /// The bytes, mutably.
-    pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        // SAFETY: as in `as_slice`; `&mut self` makes the access exclusive.
-        unsafe { std::slice::from_raw_parts_mut(self.addr as *mut u8, self.len()) }
+    fn pool_ptr(&self) -> PoolPtr {
+        self.pool
     }
 }
 
 impl Drop for OwnedSlot {
+    #[inline(always)]
     fn drop(&mut self) {
-        self.pool.inner.release(self.idx);
+        // The exposure ends before the slot can be handed out again.
+        if self.core.window.is_some() {
+            // SAFETY: the slot is live until `release` below.
+            unsafe { self.pool.get() }.unexpose(&mut self.core);
+        }
+        release(self.pool, self.core.idx);
     }
 }
+
+slot_api!(OwnedSlot, "alloc_owned");
 
 /// `mrkit stat` section `"pool"`: `{"pools": [{"id", "slot_size", "chunk_size", <PoolStats
 /// fields>}, ...]}` for every live pool of the process. Pools are listed through weak
@@ -846,12 +1252,10 @@ mod export {
                     "total": s.total,
                     "free": s.free,
                     "in_use": s.in_use,
-                    "in_flight": s.in_flight,
-                    "quarantined": s.quarantined,
                     "chunks": s.chunks,
                     "growth_events": s.growth_events,
                     "alloc_failures": s.alloc_failures,
-                    "reclaimed": s.reclaimed,
+                    "exposures": s.exposures,
                 })
             })
             .collect();

@@ -96,17 +96,7 @@ impl Owned {
     fn local(&self, range: Range<u64>) -> Result<LocalSlice> {
         match self {
             Owned::Mr(m) => m.local(range),
-            Owned::Slot(s) => {
-                if range.start > range.end || range.end > s.len() as u64 {
-                    return Err(Error::new(Errno::EINVAL, "range outside the pool slot"));
-                }
-                let l = s.local(s.len() as u32);
-                Ok(LocalSlice {
-                    addr: l.addr + range.start,
-                    len: (range.end - range.start) as u32,
-                    lkey: l.lkey,
-                })
-            }
+            Owned::Slot(s) => s.local(range),
         }
     }
     /// The bytes (only reachable once the buffer is back from its completion).
