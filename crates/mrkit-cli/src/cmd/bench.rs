@@ -247,7 +247,7 @@ fn pool_per_message(n: u64) -> Result<f64, String> {
 /// One registration-cache scenario: `lookups` gets over `buffers` buffers of 64 KiB with room
 /// for `max_entries` entries.
 fn cache_scenario(buffers: usize, max_entries: usize, lookups: u64) -> Value {
-    use mrkit::cache::{CacheConfig, MonitorMode, RegCache};
+    use mrkit::cache::{CacheConfig, RegCache};
     let run = || -> Result<Value, String> {
         let ctx = mrkit::Context::open(DeviceConfig::rxe());
         let pd = ctx.alloc_pd().map_err(|e| e.to_string())?;
@@ -255,7 +255,6 @@ fn cache_scenario(buffers: usize, max_entries: usize, lookups: u64) -> Value {
             &pd,
             CacheConfig {
                 max_entries,
-                monitor: MonitorMode::ExplicitOnly,
                 ..CacheConfig::default()
             },
         )
@@ -268,7 +267,7 @@ fn cache_scenario(buffers: usize, max_entries: usize, lookups: u64) -> Value {
             // A strided walk over the working set (every buffer, in a scrambled order).
             let b = &bufs[(i as usize * 7 + i as usize / buffers) % buffers];
             let h = cache
-                .get(b.addr(), 64 << 10, AccessFlags::LOCAL_WRITE)
+                .get_ref(b.as_slice(), AccessFlags::empty())
                 .map_err(|e| e.to_string())?;
             std::hint::black_box(h.lkey());
         }
@@ -729,7 +728,7 @@ fn report(raw: &Value, points: &[Point], floors: &[Floor], pm: &PerMessage) -> S
         let _ = writeln!(s, "\nNote: {e}");
     }
     let _ = writeln!(s, "\n## Registration cache\n");
-    let _ = writeln!(s, "`mrkit::cache::RegCache` (page-rounded entries, explicit invalidation), lookups of 64 KiB buffers in a scrambled order; each lookup is `get` + drop of the handle.\n");
+    let _ = writeln!(s, "`mrkit::cache::RegCache` (page-rounded entries, userfaultfd monitor), lookups of 64 KiB buffers in a scrambled order; each lookup is `get_ref` + drop of the handle.\n");
     let _ = writeln!(s, "| scenario | lookups | hit rate | hits (fast path) | misses | evictions | ns / lookup |\n|---|---:|---:|---:|---:|---:|---:|");
     for c in raw["cache"].as_array().into_iter().flatten() {
         let name = format!("{} buffers, room for {}", c["buffers"], c["max_entries"]);

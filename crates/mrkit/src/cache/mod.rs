@@ -69,12 +69,28 @@
 //! long an unused cached range keeps its VMA split. The userfaultfd attach (WP mode) splits
 //! VMAs the same way and is likewise reference counted and undone at deregistration.
 
-pub mod index;
-pub mod lease;
-pub mod monitor;
+mod index;
+mod lease;
+mod monitor;
 mod sync;
 
+/// Not API: the cache's internals, reachable for this crate's own tests only (the loom model
+/// checks the real lease code; the monitor tests count its attachments). No stability promise.
+#[doc(hidden)]
+pub mod test_support {
+    /// The lease core (see the `lease` module of the cache).
+    pub mod lease {
+        pub use crate::cache::lease::{lease, Handle, Hold, LeaseSet, Retire};
+    }
+    /// The userfaultfd monitor (see the `monitor` module of the cache).
+    pub mod monitor {
+        pub use crate::cache::monitor::{global, Monitor, IDLE_CAP};
+    }
+}
+
+use std::any::Any;
 use std::cell::RefCell;
+use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
@@ -82,12 +98,14 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex, RwLock};
 
 use crate::pool::{MrPool, OwnedSlot};
+use crate::qp::registered::{check_range, DeviceWritable, Registered};
 use crate::verbs::{LocalSlice, ProtectionDomain, RemoteSlice};
 use crate::{AccessFlags, Errno, Error, Result};
 use index::IntervalIndex;
 use lease::mem::Slots;
 use lease::{Handle, Hold, LeaseSet, Retire};
 use monitor::{Monitor, Pending};
+use mrkit_soft::OwnedMemory;
 
 /// How a miss decides what to register.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -110,14 +128,75 @@ pub enum Shape {
 }
 
 /// Invalidation source besides explicit [`RegCache::invalidate`].
+///
+/// The default, [`MonitorMode::Userfaultfd`], is what makes the safe entry points sound for
+/// borrowed memory: a cached registration outlives the borrow it was made from, and the
+/// monitor is what drops it when that memory is unmapped, so a later lookup at the same
+/// address never gets keys that translate to the old pages. Without it the application
+/// makes that promise itself, which is why [`MonitorMode::explicit_only`] is `unsafe`.
+///
+/// ```
+/// use mrkit::cache::{CacheConfig, MonitorMode};
+/// assert_eq!(CacheConfig::default().monitor, MonitorMode::Userfaultfd);
+/// // SAFETY: this program calls `invalidate` before it frees or unmaps cached memory.
+/// let cfg = CacheConfig { monitor: unsafe { MonitorMode::explicit_only() }, ..Default::default() };
+/// assert!(matches!(cfg.monitor, MonitorMode::ExplicitOnly(_)));
+/// ```
+///
+/// Choosing explicit invalidation without `unsafe` does not compile:
+///
+/// ```compile_fail,E0133
+/// use mrkit::cache::MonitorMode;
+/// let m = MonitorMode::explicit_only();
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MonitorMode {
     /// userfaultfd events (UNMAP, REMOVE, REMAP). [`RegCache::new`] fails loudly when
     /// userfaultfd is unavailable.
     Userfaultfd,
-    /// Only explicit invalidation: the application promises to call
+    /// Only explicit invalidation: the application has promised (through the `unsafe`
+    /// [`MonitorMode::explicit_only`], the only way to make the token) to call
     /// [`RegCache::invalidate`] before it unmaps or `MADV_DONTNEED`s cached memory.
-    ExplicitOnly,
+    ExplicitOnly(ExplicitInvalidation),
+}
+
+/// Proof that the application took on [`MonitorMode::explicit_only`]'s contract; made only by
+/// that `unsafe` function.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExplicitInvalidation(());
+
+impl MonitorMode {
+    /// Explicit invalidation only: no userfaultfd monitor (for processes that cannot use
+    /// userfaultfd, or that free memory only through their own allocator).
+    ///
+    /// # Safety
+    ///
+    /// For every cache configured with this mode: once memory the cache has registered is
+    /// unmapped, remapped (`mremap`, `MAP_FIXED`) or discarded (`MADV_DONTNEED`,
+    /// `MADV_REMOVE`, `MADV_FREE`), by any code in the process (an allocator returning freed
+    /// memory to the kernel included), the caller must not look up any of it again until
+    /// [`RegCache::invalidate`] over it has returned (or the cache is dropped). In practice:
+    /// invalidate before unmapping. A cached registration pins the pages that were mapped
+    /// when it was made; a lookup that finds it hands out keys through which the device reads
+    /// and writes those old pages, not the memory now at that address, and that holds for
+    /// the handles of the safe entry points ([`RegCache::get_ref`], [`RegCache::get_mut`],
+    /// [`RegCache::get_owned`]) too.
+    ///
+    /// ```
+    /// use mrkit::cache::{CacheConfig, MonitorMode, RegCache};
+    /// use mrkit::{AccessFlags, Context};
+    /// let pd = Context::open_default().unwrap().alloc_pd().unwrap();
+    /// // SAFETY: every buffer below is a `Vec` that stays alive until after `invalidate`.
+    /// let cfg = CacheConfig { monitor: unsafe { MonitorMode::explicit_only() }, ..Default::default() };
+    /// let cache = RegCache::new(&pd, cfg).unwrap();
+    /// let mut v = vec![0u8; 8192];
+    /// drop(cache.get_mut(&mut v, AccessFlags::LOCAL_WRITE).unwrap());
+    /// cache.invalidate(v.as_ptr() as u64, v.len() as u64);
+    /// drop(v);
+    /// ```
+    pub const unsafe fn explicit_only() -> MonitorMode {
+        MonitorMode::ExplicitOnly(ExplicitInvalidation(()))
+    }
 }
 
 /// Cache configuration.
@@ -286,7 +365,30 @@ struct Entry {
     /// The monitor attach has been released (once, by [`Entry::retire`]; keys are taken
     /// and deregistered at every call).
     retired: AtomicBool,
+    /// What keeps the memory alive while remote rights over it exist (owned path with remote
+    /// rights): released by [`Entry::retire`] once the keys are deregistered.
+    owners: Mutex<Vec<Owner>>,
+    /// May be merged with neighbours (false for owned entries: their range is the owner's).
+    mergeable: bool,
 }
+
+/// What an owned registration keeps alive.
+type Owner = Arc<dyn Any + Send + Sync>;
+
+/// An owned request with remote rights: the owner the entry keeps, and the bytes it owns (the
+/// registration never reaches past them).
+struct OwnerRange {
+    owner: Owner,
+    start: u64,
+    end: u64,
+}
+
+/// Rights that let something other than a handle's work request reach the memory: a peer
+/// holding the rkey (READ, WRITE, atomics, flushes) or a memory window bound to the MR.
+const REMOTE_RIGHTS: AccessFlags = AccessFlags::REMOTE
+    .union(AccessFlags::MW_BIND)
+    .union(AccessFlags::FLUSH_GLOBAL)
+    .union(AccessFlags::FLUSH_PERSISTENT);
 
 /// What a hit checks: `(start, end, access)`.
 #[derive(Debug, Clone, Copy)]
@@ -393,6 +495,13 @@ impl Entry {
                 m.detach(self.span.0, self.span.1 - self.span.0);
             }
         }
+        // The owner goes only once no registration over its memory can appear any more: a
+        // placeholder killed while its registration runs keeps it until the registration has
+        // finished (published or failed; its keys then go at the next retire or in `Drop`).
+        if self.ready().is_some() || self.failed.load(Ordering::Acquire) {
+            let owners = std::mem::take(&mut *self.owners.lock());
+            drop(owners);
+        }
     }
 }
 
@@ -457,17 +566,18 @@ impl RegHandle {
     pub fn rkey(&self) -> u32 {
         self.pieces().first().map(|p| p.rkey).unwrap_or(0)
     }
-    /// SGEs covering `[addr, addr+len)` (split at piece boundaries and at 4 GiB - 1 per SGE).
-    /// `None` when the range is not inside the registration.
-    pub fn sges(&self, addr: u64, len: u64) -> Option<Vec<LocalSlice>> {
+    /// SGEs covering `[addr, addr+len)` (absolute addresses; split at piece boundaries and at
+    /// 4 GiB - 1 per SGE). `None` when the range is not inside the registration. (The
+    /// [`Registered::sges`] of a handle takes offsets from [`range`](Self::range)'s start.)
+    pub fn sges_at(&self, addr: u64, len: u64) -> Option<Vec<LocalSlice>> {
         self.split(addr, len, |a, l, p| LocalSlice {
             addr: a,
             len: l as u32,
             lkey: p.lkey,
         })
     }
-    /// Remote descriptors covering `[addr, addr+len)`.
-    pub fn remotes(&self, addr: u64, len: u64) -> Option<Vec<RemoteSlice>> {
+    /// Remote descriptors covering `[addr, addr+len)` (absolute addresses).
+    pub fn remotes_at(&self, addr: u64, len: u64) -> Option<Vec<RemoteSlice>> {
         self.split(addr, len, |a, l, p| RemoteSlice {
             addr: a,
             len: l,
@@ -507,6 +617,240 @@ impl Clone for RegHandle {
 // Dropping the `Handle` gives its count back; the last release of a dead entry deregisters
 // it (see [`lease`]).
 
+impl RegHandle {
+    /// Append the SGEs of `len` bytes at absolute `addr` to `out` (EINVAL, `out` unchanged,
+    /// when they are not inside the registration).
+    fn push_sges(&self, addr: u64, len: u64, out: &mut Vec<LocalSlice>) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        match self.sges_at(addr, len) {
+            Some(v) => {
+                out.extend(v);
+                Ok(())
+            }
+            None => Err(Error::new(
+                Errno::EINVAL,
+                format!("{len} bytes at {addr:#x} are not inside the cached registration"),
+            )),
+        }
+    }
+}
+
+// SAFETY: a raw handle's memory is kept valid by `get_raw`'s contract for as long as the
+// handle lives (its whole registered range, which `len`/`sges` span); the SGEs come from the
+// registration's pieces, which stay registered while the handle lives.
+unsafe impl Registered for RegHandle {
+    fn len(&self) -> u64 {
+        let (s, e) = self.range();
+        e - s
+    }
+    fn sges(&self, range: Range<u64>, out: &mut Vec<LocalSlice>) -> Result<()> {
+        let (off, len) = check_range(&range, Registered::len(self), "cache registration")?;
+        self.push_sges(self.range().0 + off, len, out)
+    }
+}
+// SAFETY: `get_raw`'s contract covers device writes (nothing else touches the bytes while a
+// work request that writes them is outstanding).
+unsafe impl DeviceWritable for RegHandle {}
+
+/// The error of a borrowed lookup asking for rights a borrow cannot back.
+fn borrowed_rights_error(access: AccessFlags, what: &str) -> Error {
+    let msg = if access.intersects(REMOTE_RIGHTS) {
+        format!(
+            "{what} cannot grant remote rights ({access:?}): the cached registration, and the \
+             rkey a peer holds, outlive the borrow, so a peer could reach the memory after it \
+             is freed or while it is borrowed immutably; register memory peers may reach \
+             through RegCache::get_owned (the cache then keeps it alive)"
+        )
+    } else {
+        format!(
+            "{what} cannot let the device write ({access:?}): use RegCache::get_mut with an \
+             exclusive borrow"
+        )
+    };
+    Error::new(Errno::EINVAL, msg)
+}
+
+/// A registration over memory the cache co-owns ([`RegCache::get_owned`]). Offsets in
+/// [`Registered::sges`] and [`RegOwned::remote`] run over the range it was asked for.
+///
+/// ```
+/// use std::sync::Arc;
+/// use mrkit::cache::{CacheConfig, RegCache};
+/// use mrkit::{AccessFlags, Buffer, Context, Registered};
+/// let pd = Context::open_default().unwrap().alloc_pd().unwrap();
+/// let cache = RegCache::new(&pd, CacheConfig::default()).unwrap();
+/// let buf = Arc::new(Buffer::new(8192).unwrap());
+/// let acc = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ;
+/// let h = cache.get_owned(&buf, 4096..8192, acc).unwrap();
+/// assert_eq!(h.len(), 4096);
+/// let r = h.remote(0..4096).unwrap();
+/// assert_eq!((r.addr, r.len, r.rkey), (buf.addr() + 4096, 4096, h.rkey()));
+/// ```
+#[derive(Debug, Clone)]
+pub struct RegOwned<M> {
+    h: RegHandle,
+    mem: Arc<M>,
+    addr: u64,
+    len: u64,
+}
+
+impl<M: OwnedMemory> RegOwned<M> {
+    /// The memory (shared with the caller and, with remote rights, the cached entry).
+    pub fn memory(&self) -> &Arc<M> {
+        &self.mem
+    }
+    /// lkey of the registration (of its first MR when it was split).
+    pub fn lkey(&self) -> u32 {
+        self.h.lkey_for(self.addr).unwrap_or(0)
+    }
+    /// rkey of the registration (of its first MR when it was split).
+    pub fn rkey(&self) -> u32 {
+        self.h.rkey_for(self.addr).unwrap_or(0)
+    }
+    /// Rights of the registration (a superset of the requested ones).
+    pub fn access(&self) -> AccessFlags {
+        self.h.access()
+    }
+    /// What a peer needs to reach `range` (offsets into the memory): `EINVAL` outside it or
+    /// when the range spans two MRs (a registration split above `max_chunk`; see
+    /// [`remotes`](Self::remotes)).
+    pub fn remote(&self, range: Range<u64>) -> Result<RemoteSlice> {
+        let mut v = self.remotes(range.clone())?;
+        match v.len() {
+            1 => Ok(v.remove(0)),
+            0 => Ok(RemoteSlice {
+                addr: self.addr + range.start,
+                len: 0,
+                rkey: self.rkey(),
+            }),
+            n => Err(Error::new(
+                Errno::EINVAL,
+                format!("the range spans {n} memory regions: use RegOwned::remotes"),
+            )),
+        }
+    }
+    /// Remote descriptors for `range`, one per MR it spans.
+    pub fn remotes(&self, range: Range<u64>) -> Result<Vec<RemoteSlice>> {
+        let (off, len) = check_range(&range, self.len, "cache handle")?;
+        if len == 0 {
+            return Ok(Vec::new());
+        }
+        self.h
+            .remotes_at(self.addr + off, len)
+            .ok_or_else(|| Error::new(Errno::EINVAL, "range outside the registration"))
+    }
+    /// Whether the registration is still cached (see [`RegHandle::is_cached`]).
+    pub fn is_cached(&self) -> bool {
+        self.h.is_cached()
+    }
+}
+
+// SAFETY: the handle holds the owner (an `Arc`), whose `OwnedMemory` contract keeps
+// `[addr, addr + len)` mapped at that address while it lives; the SGEs are cut from those bytes
+// and carry the pieces' lkeys, registered while the handle lives.
+unsafe impl<M: OwnedMemory> Registered for RegOwned<M> {
+    fn len(&self) -> u64 {
+        self.len
+    }
+    fn sges(&self, range: Range<u64>, out: &mut Vec<LocalSlice>) -> Result<()> {
+        let (off, len) = check_range(&range, self.len, "cache handle")?;
+        self.h.push_sges(self.addr + off, len, out)
+    }
+}
+// SAFETY: owned memory is device-shared by its `OwnedMemory` contract: no `&mut` to the bytes is
+// reachable through the `Arc`, and reads through another clone race with the device exactly as
+// they race with a peer's RDMA WRITE, which that contract already admits (read after the
+// completion).
+unsafe impl<M: OwnedMemory> DeviceWritable for RegOwned<M> {}
+
+/// A registration of borrowed bytes the device only reads ([`RegCache::get_ref`]).
+#[derive(Debug, Clone)]
+pub struct RegRef<'a> {
+    h: RegHandle,
+    mem: &'a [u8],
+}
+
+impl<'a> RegRef<'a> {
+    /// lkey of the registration at the first byte (the SGEs of [`Registered::sges`] carry
+    /// the right key for every byte).
+    pub fn lkey(&self) -> u32 {
+        self.h.lkey_for(self.mem.as_ptr() as u64).unwrap_or(0)
+    }
+    /// The borrowed bytes.
+    pub fn as_slice(&self) -> &'a [u8] {
+        self.mem
+    }
+    /// Rights of the registration (a superset of the requested ones).
+    pub fn access(&self) -> AccessFlags {
+        self.h.access()
+    }
+    /// Whether the registration is still cached (see [`RegHandle::is_cached`]).
+    pub fn is_cached(&self) -> bool {
+        self.h.is_cached()
+    }
+}
+
+// SAFETY: the handle borrows the bytes for its whole life and the SGEs are cut from them; the
+// device only reads through a `RegRef` (it is not `DeviceWritable`), and no remote right was
+// granted for them by this path.
+unsafe impl Registered for RegRef<'_> {
+    fn len(&self) -> u64 {
+        self.mem.len() as u64
+    }
+    fn sges(&self, range: Range<u64>, out: &mut Vec<LocalSlice>) -> Result<()> {
+        let (off, len) = check_range(&range, self.mem.len() as u64, "borrowed memory")?;
+        self.h.push_sges(self.mem.as_ptr() as u64 + off, len, out)
+    }
+}
+
+/// A registration of exclusively borrowed bytes the device may write ([`RegCache::get_mut`]).
+#[derive(Debug)]
+pub struct RegMut<'a> {
+    h: RegHandle,
+    mem: &'a mut [u8],
+}
+
+impl RegMut<'_> {
+    /// lkey of the registration at the first byte (the SGEs of [`Registered::sges`] carry
+    /// the right key for every byte).
+    pub fn lkey(&self) -> u32 {
+        self.h.lkey_for(self.mem.as_ptr() as u64).unwrap_or(0)
+    }
+    /// The borrowed bytes (not while a work request holds the handle: it is moved or
+    /// borrowed by it).
+    pub fn as_slice(&self) -> &[u8] {
+        self.mem
+    }
+    /// The borrowed bytes, mutably.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        self.mem
+    }
+    /// Rights of the registration (a superset of the requested ones).
+    pub fn access(&self) -> AccessFlags {
+        self.h.access()
+    }
+    /// Whether the registration is still cached (see [`RegHandle::is_cached`]).
+    pub fn is_cached(&self) -> bool {
+        self.h.is_cached()
+    }
+}
+
+// SAFETY: as `RegRef`: the handle borrows the bytes (exclusively) for its whole life.
+unsafe impl Registered for RegMut<'_> {
+    fn len(&self) -> u64 {
+        self.mem.len() as u64
+    }
+    fn sges(&self, range: Range<u64>, out: &mut Vec<LocalSlice>) -> Result<()> {
+        let (off, len) = check_range(&range, self.mem.len() as u64, "borrowed memory")?;
+        self.h.push_sges(self.mem.as_ptr() as u64 + off, len, out)
+    }
+}
+// SAFETY: the borrow is exclusive: while a work request holds the handle (by value or `&mut`),
+// nothing else can reach the bytes.
+unsafe impl DeviceWritable for RegMut<'_> {}
+
 /// A registration or, when registration was impossible, a bounce buffer from the pool.
 #[derive(Debug)]
 pub enum Registration {
@@ -532,18 +876,6 @@ impl BounceBuffer {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
-    /// SGEs over the bounce slots (post these instead of the original memory).
-    pub fn sges(&self) -> Vec<LocalSlice> {
-        let mut left = self.len;
-        self.slots
-            .iter()
-            .map(|s| {
-                let l = left.min(s.len() as u64);
-                left -= l;
-                s.local(l as u32)
-            })
-            .collect()
-    }
     /// Copy `src` into the bounce slots (before a send/write).
     pub fn copy_in(&mut self, src: &[u8]) {
         let mut off = 0;
@@ -563,6 +895,52 @@ impl BounceBuffer {
         }
     }
 }
+
+// SAFETY: the bounce buffer owns its pool slots (each keeps its registered chunk alive); the
+// SGEs are cut from the slots with their lkeys, in order.
+unsafe impl Registered for BounceBuffer {
+    fn len(&self) -> u64 {
+        self.len
+    }
+    fn sges(&self, range: Range<u64>, out: &mut Vec<LocalSlice>) -> Result<()> {
+        check_range(&range, self.len, "bounce buffer")?;
+        let mut base = 0u64;
+        for s in &self.slots {
+            let l = s.len() as u64;
+            let (a, b) = (range.start.max(base), range.end.min(base + l));
+            if a < b {
+                let whole = s.local(s.len() as u32);
+                out.push(LocalSlice {
+                    addr: whole.addr + (a - base),
+                    len: (b - a) as u32,
+                    lkey: whole.lkey,
+                });
+            }
+            base += l;
+        }
+        Ok(())
+    }
+}
+// SAFETY: owned slots: nothing else references them while a work request holds the buffer.
+unsafe impl DeviceWritable for BounceBuffer {}
+
+// SAFETY: either variant upholds the contract itself.
+unsafe impl Registered for Registration {
+    fn len(&self) -> u64 {
+        match self {
+            Registration::Mr(h) => Registered::len(h),
+            Registration::Bounce(b) => b.len,
+        }
+    }
+    fn sges(&self, range: Range<u64>, out: &mut Vec<LocalSlice>) -> Result<()> {
+        match self {
+            Registration::Mr(h) => h.sges(range, out),
+            Registration::Bounce(b) => b.sges(range, out),
+        }
+    }
+}
+// SAFETY: as above (a raw handle under `get_or_bounce_raw`'s contract, or owned slots).
+unsafe impl DeviceWritable for Registration {}
 
 /// Per-thread counters, written by their owner only.
 #[derive(Debug, Default)]
@@ -790,12 +1168,12 @@ impl RegCache {
                     format!(
                         "{e}; the cache cannot see munmap/madvise without it. Allow userfaultfd \
                          (root, CAP_SYS_PTRACE, vm.unprivileged_userfaultfd=1 or access to \
-                         /dev/userfaultfd) or choose MonitorMode::ExplicitOnly and call \
-                         invalidate() before freeing cached memory"
+                         /dev/userfaultfd) or choose the unsafe MonitorMode::explicit_only() \
+                         and call invalidate() before freeing cached memory"
                     ),
                 )
             })?),
-            MonitorMode::ExplicitOnly => None,
+            MonitorMode::ExplicitOnly(_) => None,
         };
         let page = rustix::param::page_size() as u64;
         let max_mr = pd.context().query_device().max_mr_size;
@@ -835,32 +1213,246 @@ impl RegCache {
         self.inner.id
     }
 
-    /// A registration covering `[addr, addr+len)` with at least `access`.
+    /// A registration of `range` (offsets into `mem`) over memory the cache then
+    /// **co-owns**: the handle, and with remote rights the cached entry too, keep `mem` alive,
+    /// so the rkey stays sound for as long as a peer can use it (until the entry is
+    /// invalidated, evicted or idle-released, and its last handle is dropped). With remote
+    /// rights the registration covers at most `mem`'s own bytes. `EINVAL` for a range outside
+    /// `mem` or empty.
     ///
-    /// The caller guarantees the range is mapped memory it may register; the cache guarantees
-    /// the returned keys translate to the pages mapped at the time of the call (not to pages
-    /// of an earlier mapping at the same address).
+    /// Use this path for memory peers read or write (any of `REMOTE_READ`, `REMOTE_WRITE`,
+    /// `REMOTE_ATOMIC`, `MW_BIND`, the flush rights). While an entry with remote rights holds
+    /// `mem`, `Arc::get_mut` on it fails: peers may write it at any time, so the process gets
+    /// no `&mut` to it until [`invalidate`](Self::invalidate) (or eviction) has deregistered
+    /// the entry. With local rights only, the entry keeps nothing and `mem` is the caller's
+    /// again once the handle is dropped.
     ///
-    /// **Known soundness hole:** this is a safe function on a raw address, but the device (and
-    /// every peer given the rkey) may read and write the range while the registration is
-    /// cached, which the type system does not see: registering memory safe code treats as
-    /// immutable or frees is undefined behaviour. Treat calls as `unsafe` until the cache gets
-    /// an owned/borrowed entry point and an `unsafe` raw one.
+    /// ```
+    /// use std::sync::Arc;
+    /// use mrkit::cache::{CacheConfig, RegCache};
+    /// use mrkit::{AccessFlags, Buffer, Context};
+    /// let pd = Context::open_default().unwrap().alloc_pd().unwrap();
+    /// let cache = RegCache::new(&pd, CacheConfig::default()).unwrap();
+    /// let io = Arc::new(Buffer::new(64 << 10).unwrap());
+    /// let all = 0..io.len() as u64;
+    /// let acc = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE;
+    /// let h = cache.get_owned(&io, all.clone(), acc).unwrap();
+    /// let for_peer = h.remote(0..4096).unwrap(); // hand this to the peer
+    /// drop(h);
+    /// // The entry keeps the buffer (and the rkey) alive; the next lookup is a hit.
+    /// assert_eq!(cache.get_owned(&io, all, acc).unwrap().rkey(), for_peer.rkey);
+    /// assert_eq!(Arc::strong_count(&io), 2);
+    /// cache.invalidate(io.addr(), io.len() as u64);
+    /// assert_eq!(Arc::strong_count(&io), 1); // deregistered: the buffer is ours alone again
+    /// ```
+    pub fn get_owned<M: OwnedMemory>(
+        &self,
+        mem: &Arc<M>,
+        range: Range<u64>,
+        access: AccessFlags,
+    ) -> Result<RegOwned<M>> {
+        let (base, size) = mem.range();
+        let (off, len) = check_range(&range, size, "owned memory")?;
+        let addr = base + off;
+        let h = match self.fast_hit(addr, len, access) {
+            Some(h) => h,
+            None => {
+                let own = access.intersects(REMOTE_RIGHTS).then(|| OwnerRange {
+                    owner: mem.clone(),
+                    start: base,
+                    end: base + size,
+                });
+                self.get_slow(addr, len, access, false, own.as_ref())
+                    .map_err(|(e, _)| e)?
+            }
+        };
+        Ok(RegOwned {
+            h,
+            mem: mem.clone(),
+            addr,
+            len,
+        })
+    }
+
+    /// A registration of borrowed bytes the device only **reads** (SEND, RDMA WRITE source):
+    /// the handle borrows `mem` for `'a`. `access` may hold no write and no remote right:
+    /// `EINVAL` otherwise (see [`get_mut`](Self::get_mut) and [`get_owned`](Self::get_owned)).
+    ///
+    /// ```
+    /// use mrkit::cache::{CacheConfig, RegCache};
+    /// use mrkit::{AccessFlags, Context, Registered};
+    /// let pd = Context::open_default().unwrap().alloc_pd().unwrap();
+    /// let cache = RegCache::new(&pd, CacheConfig::default()).unwrap();
+    /// let msg = String::from("hello");
+    /// let h = cache.get_ref(msg.as_bytes(), AccessFlags::empty()).unwrap();
+    /// let mut sges = Vec::new();
+    /// h.sges(0..5, &mut sges).unwrap(); // what a SEND of "hello" posts
+    /// assert_eq!((sges[0].addr, sges[0].len), (msg.as_ptr() as u64, 5));
+    /// ```
+    ///
+    /// Remote rights on borrowed memory are refused: the cached registration (and the rkey a
+    /// peer holds) would outlive the borrow.
+    ///
+    /// ```
+    /// # use mrkit::cache::{CacheConfig, RegCache};
+    /// # use mrkit::{AccessFlags, Context, Errno};
+    /// # let pd = Context::open_default().unwrap().alloc_pd().unwrap();
+    /// # let cache = RegCache::new(&pd, CacheConfig::default()).unwrap();
+    /// let s = String::from("immutable");
+    /// let err = cache.get_ref(s.as_bytes(), AccessFlags::REMOTE_WRITE).unwrap_err();
+    /// assert_eq!(err.errno(), Errno::EINVAL);
+    /// ```
+    pub fn get_ref<'a>(&self, mem: &'a [u8], access: AccessFlags) -> Result<RegRef<'a>> {
+        if access.is_writable() || access.intersects(REMOTE_RIGHTS) {
+            return Err(borrowed_rights_error(access, "get_ref (a shared borrow)"));
+        }
+        let h = self.get_local(mem.as_ptr() as u64, mem.len() as u64, access)?;
+        Ok(RegRef { h, mem })
+    }
+
+    /// A registration of borrowed bytes the device may **write** (RDMA READ destination,
+    /// receive buffer, atomic result; also readable): the handle borrows `mem` exclusively for
+    /// `'a`. Ask for `LOCAL_WRITE` where the device writes (an MR without it completes such
+    /// a work request with a local protection error, as on hardware). Remote rights are
+    /// refused with `EINVAL`: use [`get_owned`](Self::get_owned).
+    ///
+    /// ```
+    /// use mrkit::cache::{CacheConfig, RegCache};
+    /// use mrkit::{AccessFlags, Context, DeviceWritable};
+    /// let pd = Context::open_default().unwrap().alloc_pd().unwrap();
+    /// let cache = RegCache::new(&pd, CacheConfig::default()).unwrap();
+    /// let mut block = vec![0u8; 4096];
+    /// for _ in 0..3 {
+    ///     let mut h = cache.get_mut(&mut block, AccessFlags::LOCAL_WRITE).unwrap();
+    ///     fn post_read_into(_dst: impl DeviceWritable) {}
+    ///     h.as_mut_slice()[0] += 1; // the CPU may write too, between work requests
+    ///     post_read_into(&mut h);
+    /// } // each handle drop ends the borrow; the registration stays cached
+    /// assert_eq!(block[0], 3);
+    /// assert_eq!(cache.stats().misses, 1);
+    /// ```
+    ///
+    /// A handle cannot outlive the memory it borrows:
+    ///
+    /// ```compile_fail,E0505
+    /// # use mrkit::cache::{CacheConfig, RegCache};
+    /// # use mrkit::{AccessFlags, Buffer, Context};
+    /// # let pd = Context::open_default().unwrap().alloc_pd().unwrap();
+    /// # let cache = RegCache::new(&pd, CacheConfig::default()).unwrap();
+    /// let mut buf = Buffer::new(4096).unwrap();
+    /// let h = cache.get_mut(buf.as_mut_slice(), AccessFlags::LOCAL_WRITE).unwrap();
+    /// drop(buf); // error: `buf` is still borrowed by `h`
+    /// let _keep = h;
+    /// ```
+    pub fn get_mut<'a>(&self, mem: &'a mut [u8], access: AccessFlags) -> Result<RegMut<'a>> {
+        if access.intersects(REMOTE_RIGHTS) {
+            return Err(borrowed_rights_error(access, "get_mut (a borrow)"));
+        }
+        let h = self.get_local(mem.as_ptr() as u64, mem.len() as u64, access)?;
+        Ok(RegMut { h, mem })
+    }
+
     #[inline]
-    pub fn get(&self, addr: u64, len: u64, access: AccessFlags) -> Result<RegHandle> {
+    fn get_local(&self, addr: u64, len: u64, access: AccessFlags) -> Result<RegHandle> {
         if let Some(h) = self.fast_hit(addr, len, access) {
             return Ok(h);
         }
-        self.get_slow(addr, len, access, false).map_err(|(e, _)| e)
+        self.get_slow(addr, len, access, false, None)
+            .map_err(|(e, _)| e)
     }
 
-    /// Like [`get`](Self::get), but when the memory cannot be registered (device limits
-    /// after eviction) and a bounce pool is configured, return pool slots to copy through.
-    pub fn get_or_bounce(&self, addr: u64, len: u64, access: AccessFlags) -> Result<Registration> {
+    /// A registration covering `[addr, addr+len)` with at least `access`, on a raw address.
+    ///
+    /// The cache guarantees the returned keys translate to the pages mapped at the time of
+    /// the call (not to pages of an earlier mapping at the same address). Prefer the safe
+    /// entry points ([`get_owned`](Self::get_owned), [`get_ref`](Self::get_ref),
+    /// [`get_mut`](Self::get_mut)); this one is for memory no Rust value owns (a C caller's,
+    /// a custom allocator's).
+    ///
+    /// # Safety
+    ///
+    /// The registration may cover more than the requested bytes: the whole pages around them,
+    /// with [`Shape::Merge`] the neighbouring raw registrations of the same kind (rights are
+    /// the union), with [`Shape::WholeAllocation`] the whole mapping; [`RegHandle::range`]
+    /// says which. For all of those bytes the caller guarantees:
+    ///
+    /// * they stay mapped, and are not freed or reused for data the device must not touch,
+    ///   for as long as any handle from this call (or a clone) lives; where a work request
+    ///   lets the device write them, nothing else reads or writes them until it completes;
+    /// * with remote rights (`REMOTE_*`, `MW_BIND`, flushes), for as long as the entry stays
+    ///   registered, which outlives the handles: until [`invalidate`](Self::invalidate) over
+    ///   them has returned (or the entry was evicted or idle-released) and every handle has
+    ///   been dropped. Peers holding the rkey may read and write them at any time until then.
+    ///   The userfaultfd monitor does not shorten this: it drops an entry at the first
+    ///   lookup after the unmap, not at the unmap;
+    /// * with local rights only and [`MonitorMode::explicit_only`], the contract of that
+    ///   mode (invalidate before unmapping).
+    ///
+    /// ```
+    /// use mrkit::cache::{CacheConfig, RegCache};
+    /// use mrkit::{AccessFlags, Context};
+    /// let pd = Context::open_default().unwrap().alloc_pd().unwrap();
+    /// let cache = RegCache::new(&pd, CacheConfig::default()).unwrap();
+    /// let v = vec![0u8; 1 << 16];
+    /// // SAFETY: `v` outlives the handle and the entry (invalidated before `v` is dropped);
+    /// // the local rights let nothing but this handle's work requests reach it.
+    /// let h = unsafe { cache.get_raw(v.as_ptr() as u64, v.len() as u64, AccessFlags::empty()) }.unwrap();
+    /// assert!(h.range().0 <= v.as_ptr() as u64);
+    /// drop(h);
+    /// cache.invalidate(v.as_ptr() as u64, v.len() as u64);
+    /// ```
+    ///
+    /// Registering a raw address without `unsafe` does not compile (the issue this closes: a
+    /// safe lookup on an immutable `String`, changed by a loopback RDMA WRITE through the
+    /// rkey):
+    ///
+    /// ```compile_fail,E0133
+    /// # use mrkit::cache::{CacheConfig, RegCache};
+    /// # use mrkit::{AccessFlags, Context};
+    /// # let pd = Context::open_default().unwrap().alloc_pd().unwrap();
+    /// # let cache = RegCache::new(&pd, CacheConfig::default()).unwrap();
+    /// let s = String::from("immutable");
+    /// let h = cache.get_raw(s.as_ptr() as u64, s.len() as u64, AccessFlags::REMOTE_WRITE);
+    /// ```
+    #[inline]
+    pub unsafe fn get_raw(&self, addr: u64, len: u64, access: AccessFlags) -> Result<RegHandle> {
+        if let Some(h) = self.fast_hit(addr, len, access) {
+            return Ok(h);
+        }
+        self.get_slow(addr, len, access, false, None)
+            .map_err(|(e, _)| e)
+    }
+
+    /// Like [`get_raw`](Self::get_raw), but when the memory cannot be registered (device
+    /// limits after eviction) and a bounce pool is configured ([`CacheConfig::bounce`]),
+    /// return pool slots to copy through instead.
+    ///
+    /// # Safety
+    ///
+    /// As [`get_raw`](Self::get_raw).
+    ///
+    /// ```
+    /// use mrkit::cache::{CacheConfig, RegCache, Registration};
+    /// use mrkit::{AccessFlags, Context};
+    /// let pd = Context::open_default().unwrap().alloc_pd().unwrap();
+    /// let cache = RegCache::new(&pd, CacheConfig::default()).unwrap();
+    /// let v = vec![7u8; 4096];
+    /// // SAFETY: `v` outlives the handle; local rights only.
+    /// match unsafe { cache.get_or_bounce_raw(v.as_ptr() as u64, 4096, AccessFlags::empty()) }.unwrap() {
+    ///     Registration::Mr(h) => assert!(h.lkey() != 0),
+    ///     Registration::Bounce(mut b) => b.copy_in(&v), // post `b` instead of `v`
+    /// }
+    /// ```
+    pub unsafe fn get_or_bounce_raw(
+        &self,
+        addr: u64,
+        len: u64,
+        access: AccessFlags,
+    ) -> Result<Registration> {
         if let Some(h) = self.fast_hit(addr, len, access) {
             return Ok(Registration::Mr(h));
         }
-        match self.get_slow(addr, len, access, false) {
+        match self.get_slow(addr, len, access, false, None) {
             Ok(h) => Ok(Registration::Mr(h)),
             Err((e, device_limit)) => {
                 let Some(pool) = self.inner.cfg.bounce.as_ref().filter(|_| device_limit) else {
@@ -1044,6 +1636,7 @@ impl RegCache {
         len: u64,
         access: AccessFlags,
         mut no_widen: bool,
+        own: Option<&OwnerRange>,
     ) -> std::result::Result<RegHandle, (Error, bool)> {
         let inner = &*self.inner;
         let c = &inner.shared.c;
@@ -1082,7 +1675,22 @@ impl RegCache {
             }
             // --- miss: shape outside the lock ---
             let (mut s, mut e) = self.shape(addr, end, no_widen);
+            if let Some(o) = own {
+                // Peers may reach every byte of the registration: only the owner's.
+                s = s.max(o.start);
+                e = e.min(o.end);
+            }
             let mut acc = access;
+            // Merge only with entries of the same kind: with remote rights the union would
+            // expose every member's bytes to peers, which only members that asked for remote
+            // rights themselves (raw callers, under their contract) have agreed to.
+            let remote = access.intersects(REMOTE_RIGHTS);
+            let joins = |x: &Entry| {
+                x.ready().is_some()
+                    && !x.is_dead()
+                    && x.mergeable
+                    && x.access.intersects(REMOTE_RIGHTS) == remote
+            };
             let placeholder;
             let mut superseded: Vec<Arc<Entry>> = Vec::new();
             let mut victims: Vec<Arc<Entry>> = Vec::new();
@@ -1094,11 +1702,11 @@ impl RegCache {
                 }) {
                     continue;
                 }
-                if let (Shape::Merge { cap }, false) = (inner.cfg.shape, no_widen) {
+                if let (Shape::Merge { cap }, false, None) = (inner.cfg.shape, no_widen, own) {
                     for _ in 0..3 {
                         let near: Vec<(u64, u64, AccessFlags)> = ix
                             .overlapping(s, e, true)
-                            .filter(|(_, _, _, x)| x.ready().is_some() && !x.is_dead())
+                            .filter(|(_, _, _, x)| joins(x))
                             .map(|(a, b, _, x)| (a, b, x.access))
                             .collect();
                         let ns = near.iter().map(|n| n.0).min().unwrap_or(s).min(s);
@@ -1115,9 +1723,7 @@ impl RegCache {
                     // Supersede every ready entry inside the merged range.
                     let ids: Vec<(u64, u64)> = ix
                         .overlapping(s, e, false)
-                        .filter(|(a, b, _, x)| {
-                            *a >= s && *b <= e && x.ready().is_some() && !x.is_dead()
-                        })
+                        .filter(|(a, b, _, x)| *a >= s && *b <= e && joins(x))
                         .map(|(a, _, id, _)| (a, id))
                         .collect();
                     for (a, id) in ids {
@@ -1148,6 +1754,8 @@ impl RegCache {
                     shared: inner.shared.clone(),
                     leases: LeaseSet::new(),
                     retired: AtomicBool::new(false),
+                    owners: Mutex::new(own.map(|o| o.owner.clone()).into_iter().collect()),
+                    mergeable: own.is_none(),
                 });
                 if fits {
                     ix.insert(s, e, placeholder.id, placeholder.clone());
