@@ -1,12 +1,105 @@
-//! # Registration cache: `get(addr, len, access)` → refcounted registration
+//! # Registration cache: look up, or register, the MR that covers your buffer
 //!
-//! For memory the application owns (not a pool): look up a live registration that covers
-//! the range with at least the requested rights, or register one, and keep it for reuse.
+//! For memory the application owns (not a pool): [`RegCache`] returns a handle on a live
+//! registration that covers the requested bytes with at least the requested rights (a *hit*),
+//! or registers one (a *miss*) and keeps it for the next lookup. Registering costs
+//! microseconds (pinning, translation); a hit costs nanoseconds.
 //!
-//! * **Index**: an interval index of live entries ([`index::IntervalIndex`]) under a
+//! ## The caller's contract
+//!
+//! A cached registration outlives the handle that made it: that is the point of a cache. So
+//! what keeps its memory valid is not the handle but the path it was made through:
+//!
+//! | path | memory | rights | valid while |
+//! |---|---|---|---|
+//! | [`RegCache::get_owned`] | `&Arc<M>`, `M:` [`OwnedMemory`] (e.g. [`Buffer`](crate::Buffer), `Vec<u8>`) | any | the handle lives; **with remote rights the entry co-owns `M`** until it is deregistered |
+//! | [`RegCache::get_ref`] | `&'a [u8]` | local, device reads | `'a` (the handle borrows) |
+//! | [`RegCache::get_mut`] | `&'a mut [u8]` | local, device may write | `'a` (the handle borrows exclusively) |
+//! | `unsafe` [`RegCache::get_raw`] | an address | any | the caller promises (see its `# Safety`) |
+//!
+//! * **What a handle guarantees**: while it lives, its keys stay registered and translate to
+//!   the pages mapped at the time of the lookup (never to an earlier mapping at the same
+//!   address), even if the range is invalidated meanwhile (it is then deregistered at the
+//!   last drop). Every handle implements [`Registered`] (and [`DeviceWritable`] where the
+//!   device may write: owned, `&mut`-borrowed, raw), so a work request can carry it; its
+//!   [`Registered::sges`] cover its own bytes only, one SGE per MR they span.
+//! * **Remote rights** (`REMOTE_READ`, `REMOTE_WRITE`, `REMOTE_ATOMIC`, `MW_BIND`, the flush
+//!   rights) outlive every handle: a peer that got the rkey can use it for as long as the
+//!   entry is cached, at any time. Only memory the cache itself keeps alive can back that:
+//!   the owned path gives the entry a clone of your `Arc` (released once the entry is
+//!   deregistered: [`RegCache::invalidate`], eviction, [`RegCache::scan_idle`], dropping the
+//!   cache), and registers no byte outside `M`. The borrowed paths refuse remote rights with
+//!   `EINVAL` (a borrow ends while the rkey would still work).
+//! * **When memory may be freed**: borrowed memory as soon as its handle is gone (the borrow
+//!   checker enforces it); owned memory whenever you like (the cache holds its own `Arc`;
+//!   with local rights only, the entry holds nothing and `Arc::get_mut` works again once the
+//!   handles are dropped). The entry left behind over freed borrowed memory is harmless: no
+//!   safe code can reach its keys without a new lookup, and the userfaultfd monitor (the
+//!   default [`MonitorMode`]) drops it when the memory is unmapped, so a lookup never finds
+//!   a stale translation. Without the monitor ([`MonitorMode::explicit_only`], `unsafe`) the
+//!   application promises to [`invalidate`](RegCache::invalidate) before unmapping.
+//! * **Which path to use**: buffers peers read or write (storage targets, one-sided
+//!   protocols) → owned, e.g. `Arc<Buffer>`; a message you send or a block you read into with
+//!   your own QP → borrowed; memory no Rust value owns (C callers) → raw.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use mrkit::cache::{CacheConfig, RegCache};
+//! use mrkit::{AccessFlags as A, Buffer, Context, Registered};
+//! let pd = Context::open_default().unwrap().alloc_pd().unwrap();
+//! let cache = RegCache::new(&pd, CacheConfig::default()).unwrap();
+//!
+//! // Borrowed: a local send buffer (the handle cannot outlive `msg`).
+//! let msg = b"ping".to_vec();
+//! let h = cache.get_ref(&msg, A::empty()).unwrap();
+//! let mut sge = Vec::new();
+//! h.sges(0..4, &mut sge).unwrap();
+//! drop(h);
+//!
+//! // Owned: an I/O buffer a peer writes into by its rkey.
+//! let io = Arc::new(Buffer::new(1 << 20).unwrap());
+//! let h = cache.get_owned(&io, 0..1 << 20, A::LOCAL_WRITE | A::REMOTE_WRITE).unwrap();
+//! let for_the_peer = h.remote(0..1 << 20).unwrap();
+//! # let _ = for_the_peer;
+//! ```
+//!
+//! The two programs this design rules out do not compile. An immutable `String` registered
+//! for remote writes through a raw address needs `unsafe` ([`RegCache::get_raw`]; the safe
+//! [`RegCache::get_ref`] refuses remote rights), and a handle cannot outlive the buffer it
+//! borrows:
+//!
+//! ```compile_fail,E0505
+//! # use mrkit::cache::{CacheConfig, RegCache};
+//! # use mrkit::{AccessFlags, Buffer, Context};
+//! # let pd = Context::open_default().unwrap().alloc_pd().unwrap();
+//! # let cache = RegCache::new(&pd, CacheConfig::default()).unwrap();
+//! let buf = Buffer::new(4096).unwrap();
+//! let h = cache.get_ref(buf.as_slice(), AccessFlags::empty()).unwrap();
+//! drop(buf); // error: `buf` is still borrowed by `h`
+//! let _use = h;
+//! ```
+//!
+//! Nor can a shared borrow be handed to the device as a write destination:
+//!
+//! ```compile_fail,E0277
+//! # use mrkit::cache::{CacheConfig, RegCache};
+//! # use mrkit::{AccessFlags, Context, DeviceWritable};
+//! # let pd = Context::open_default().unwrap().alloc_pd().unwrap();
+//! # let cache = RegCache::new(&pd, CacheConfig::default()).unwrap();
+//! fn rdma_read_into(_dst: impl DeviceWritable) {}
+//! let s = String::from("immutable");
+//! rdma_read_into(cache.get_ref(s.as_bytes(), AccessFlags::empty()).unwrap());
+//! ```
+//!
+//! `examples/storage_cache.rs` cycles owned I/O buffers through the cache and moves data by
+//! RDMA into and out of them with a loopback queue pair.
+//!
+//! ## Internals
+//!
+//! * **Index**: an interval index of live entries (`index::IntervalIndex`) under a
 //!   `RwLock` that is **never held across a device call**.
 //! * **Hit path** (its cost does not grow with the number of entries): each thread keeps,
-//!   per cache, a table of *holds* on its own *leases* ([`lease`]): an open-addressing table
+//!   per cache, a table of *holds* on its own *leases* (module `lease`): an open-addressing table
 //!   keyed by the 4 KiB page of the request address (16-byte slots, sized to the cache's
 //!   `max_entries`) plus a ring of the last 4 entries matched by range (lookups anywhere in a
 //!   large entry). A hit reads the table slot, checks range and rights in the lease's own
@@ -26,7 +119,7 @@
 //!   evicted, superseded, cache dropped) and no lease counts a handle. A kill sets a dead
 //!   bit in every lease's count word under the entry's lease-list mutex; hits and releases
 //!   are read-modify-writes of the same word, so either the kill counts a hit's handle or
-//!   the hit sees the bit and backs out (no fences, no Dekker pairs; see [`lease`]). The MR is
+//!   the hit sees the bit and backs out (no fences, no Dekker pairs; see the `lease` module). The MR is
 //!   deregistered exactly once, and never while a handle exists; an entry invalidated while
 //!   in use leaves the index at once and is retired by its last handle. Thread tables keep
 //!   an entry's memory (not its registration) until the slot is replaced, the table is
@@ -42,6 +135,13 @@
 //!   on read-only memory — retried unmerged), whole allocation (the VMA bounds from
 //!   `/proc/self/maps`, capped). Ranges above `max_chunk` (default 1 GiB, never above the
 //!   device's `max_mr_size`) are registered as several MRs; the handle yields the pieces.
+//!   Widening never grants a peer bytes nobody agreed to expose: an owned request with
+//!   remote rights is clamped to the owner's bytes and never merged (its entry holds the
+//!   owner in `Entry::owners`, dropped by `Entry::retire` after the deregistration, and only
+//!   once no registration over it can still be running); other requests merge only with
+//!   entries of the same kind (all with remote rights: raw callers, whose contract covers
+//!   the union; or all without).
+//!   Local-only widening is harmless: a handle's SGEs cover only its own bytes.
 //! * **Limits**: `max_entries` and `max_bytes` are enforced on every insert by evicting
 //!   idle entries (approximate LRU: a handle drop sets a "touched" bit, victim = idle entry
 //!   idle for longest). If the limit cannot be met because everything is in use, the new
@@ -51,12 +151,12 @@
 //!   spanning `idle_timeout` is released) and an optional background thread
 //!   ([`RegCache::start_idle_scanner`]).
 //! * **Invalidation**: [`RegCache::invalidate`] (explicit) and the userfaultfd monitor
-//!   ([`monitor`]): overlapping entries leave the index at once (new lookups miss); entries in
+//!   (module `monitor`): overlapping entries leave the index at once (new lookups miss); entries in
 //!   use are deregistered when their last handle drops. The monitor queue is bounded and
 //!   coalescing.
 //! * **Fallbacks**: on ENOMEM (max_mr, translation capacity, memlock) evict every idle entry
 //!   and retry; a widened shape that fails is retried with the page-rounded request; then an
-//!   opt-in bounce path through an [`MrPool`] ([`RegCache::get_or_bounce`]). Each counted.
+//!   opt-in bounce path through an [`MrPool`] ([`RegCache::get_or_bounce_raw`]). Each counted.
 //!
 //! ## fork
 //!
@@ -108,6 +208,18 @@ use monitor::{Monitor, Pending};
 use mrkit_soft::OwnedMemory;
 
 /// How a miss decides what to register.
+///
+/// ```
+/// use mrkit::cache::{CacheConfig, RegCache, Shape};
+/// use mrkit::{AccessFlags, Context};
+/// let pd = Context::open_default().unwrap().alloc_pd().unwrap();
+/// let cfg = CacheConfig { shape: Shape::Merge { cap: 1 << 20 }, ..Default::default() };
+/// let cache = RegCache::new(&pd, cfg).unwrap();
+/// let mut v = vec![0u8; 3 * 4096];
+/// drop(cache.get_mut(&mut v[..4096], AccessFlags::LOCAL_WRITE).unwrap());
+/// drop(cache.get_mut(&mut v[4096..8192], AccessFlags::LOCAL_WRITE).unwrap());
+/// assert_eq!(cache.stats().merges, 1); // one registration over both
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Shape {
     /// Exactly the requested bytes.
@@ -200,6 +312,21 @@ impl MonitorMode {
 }
 
 /// Cache configuration.
+///
+/// ```
+/// use std::time::Duration;
+/// use mrkit::cache::{CacheConfig, RegCache};
+/// use mrkit::Context;
+/// let pd = Context::open_default().unwrap().alloc_pd().unwrap();
+/// let cfg = CacheConfig {
+///     max_entries: 4096,
+///     max_bytes: 1 << 30,
+///     idle_timeout: Duration::from_secs(5),
+///     ..CacheConfig::default()
+/// };
+/// let cache = RegCache::new(&pd, cfg).unwrap();
+/// assert!(cache.is_monitored()); // the default monitor: userfaultfd
+/// ```
 #[derive(Debug, Clone)]
 pub struct CacheConfig {
     /// Registration shape.
@@ -216,7 +343,7 @@ pub struct CacheConfig {
     pub monitor: MonitorMode,
     /// Capacity of the pending-invalidation set (ranges; coalescing when full).
     pub pending_capacity: usize,
-    /// Opt-in bounce path for [`RegCache::get_or_bounce`].
+    /// Opt-in bounce path for [`RegCache::get_or_bounce_raw`].
     pub bounce: Option<MrPool>,
 }
 
@@ -236,6 +363,19 @@ impl Default for CacheConfig {
 }
 
 /// Counters (snapshot).
+///
+/// ```
+/// # use mrkit::cache::{CacheConfig, RegCache};
+/// # use mrkit::{AccessFlags, Context};
+/// # let pd = Context::open_default().unwrap().alloc_pd().unwrap();
+/// # let cache = RegCache::new(&pd, CacheConfig::default()).unwrap();
+/// let v = vec![1u8; 4096];
+/// for _ in 0..3 {
+///     drop(cache.get_ref(&v, AccessFlags::empty()).unwrap());
+/// }
+/// let st = cache.stats();
+/// assert_eq!((st.misses, st.hits, st.entries), (1, 2, 1));
+/// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct CacheStats {
     /// Lookups served by an existing registration (per-thread fast path + shared index).
@@ -286,6 +426,18 @@ pub struct CacheStats {
 }
 
 /// One MR of a registration.
+///
+/// ```
+/// use mrkit::cache::{CacheConfig, RegCache};
+/// use mrkit::{AccessFlags, Context};
+/// let pd = Context::open_default().unwrap().alloc_pd().unwrap();
+/// let cache = RegCache::new(&pd, CacheConfig::default()).unwrap();
+/// let v = vec![0u8; 8192];
+/// // SAFETY: `v` outlives the handle; local rights only.
+/// let h = unsafe { cache.get_raw(v.as_ptr() as u64, 8192, AccessFlags::empty()) }.unwrap();
+/// let p = h.pieces()[0];
+/// assert!(p.addr <= v.as_ptr() as u64 && p.len >= 8192 && p.lkey == h.lkey());
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Piece {
     /// First address (= iova).
@@ -523,6 +675,28 @@ impl Drop for Entry {
 
 /// A counted reference to a registration. While it lives the MR stays registered (even if
 /// its range is invalidated meanwhile: it is then deregistered at the last drop).
+///
+/// What [`RegCache::get_raw`] returns; the safe paths wrap one in [`RegOwned`], [`RegRef`]
+/// or [`RegMut`]. Its [`Registered`] offsets run over [`range`](Self::range).
+///
+/// ```
+/// use mrkit::cache::{CacheConfig, RegCache};
+/// use mrkit::{AccessFlags, Context, Registered};
+/// let pd = Context::open_default().unwrap().alloc_pd().unwrap();
+/// let cache = RegCache::new(&pd, CacheConfig::default()).unwrap();
+/// let v = vec![0u8; 4096];
+/// let a = v.as_ptr() as u64;
+/// // SAFETY: `v` outlives the handle; local rights only.
+/// let h = unsafe { cache.get_raw(a, 4096, AccessFlags::LOCAL_WRITE) }.unwrap();
+/// let (start, end) = h.range(); // page-rounded
+/// assert!(start <= a && a + 4096 <= end && h.access().contains(AccessFlags::LOCAL_WRITE));
+/// assert_eq!(h.lkey_for(a), Some(h.lkey()));
+/// assert_eq!(h.sges_at(a, 4096).unwrap()[0].addr, a);
+/// assert_eq!(h.len(), end - start);
+/// assert!(h.is_cached());
+/// cache.invalidate(a, 4096);
+/// assert!(!h.is_cached()); // still registered until `h` is dropped
+/// ```
 #[derive(Debug)]
 pub struct RegHandle {
     h: Handle<Entry>,
@@ -766,6 +940,17 @@ unsafe impl<M: OwnedMemory> Registered for RegOwned<M> {
 unsafe impl<M: OwnedMemory> DeviceWritable for RegOwned<M> {}
 
 /// A registration of borrowed bytes the device only reads ([`RegCache::get_ref`]).
+///
+/// ```
+/// # use mrkit::cache::{CacheConfig, RegCache};
+/// # use mrkit::{AccessFlags, Context};
+/// # let pd = Context::open_default().unwrap().alloc_pd().unwrap();
+/// # let cache = RegCache::new(&pd, CacheConfig::default()).unwrap();
+/// let msg = String::from("hello");
+/// let h = cache.get_ref(msg.as_bytes(), AccessFlags::empty()).unwrap();
+/// assert_eq!(h.as_slice(), b"hello");
+/// assert!(h.lkey() != 0 && h.is_cached() && !h.access().contains(AccessFlags::REMOTE_READ));
+/// ```
 #[derive(Debug, Clone)]
 pub struct RegRef<'a> {
     h: RegHandle,
@@ -806,6 +991,18 @@ unsafe impl Registered for RegRef<'_> {
 }
 
 /// A registration of exclusively borrowed bytes the device may write ([`RegCache::get_mut`]).
+///
+/// ```
+/// # use mrkit::cache::{CacheConfig, RegCache};
+/// # use mrkit::{AccessFlags, Context};
+/// # let pd = Context::open_default().unwrap().alloc_pd().unwrap();
+/// # let cache = RegCache::new(&pd, CacheConfig::default()).unwrap();
+/// let mut block = vec![0u8; 4096];
+/// let mut h = cache.get_mut(&mut block, AccessFlags::LOCAL_WRITE).unwrap();
+/// h.as_mut_slice()[0] = 9;
+/// assert_eq!(h.as_slice()[0], 9);
+/// assert!(h.access().contains(AccessFlags::LOCAL_WRITE) && h.lkey() != 0 && h.is_cached());
+/// ```
 #[derive(Debug)]
 pub struct RegMut<'a> {
     h: RegHandle,
@@ -852,6 +1049,29 @@ unsafe impl Registered for RegMut<'_> {
 unsafe impl DeviceWritable for RegMut<'_> {}
 
 /// A registration or, when registration was impossible, a bounce buffer from the pool.
+///
+/// ```
+/// use mrkit::cache::{CacheConfig, RegCache, Registration};
+/// use mrkit::pool::{MrPool, PoolConfig};
+/// use mrkit::{AccessFlags, Context, DeviceConfig, Registered};
+/// // A device with room for two MRs: one for the bounce pool, one for the cache.
+/// let ctx = Context::open(DeviceConfig::rxe().max_mr(2));
+/// let pd = ctx.alloc_pd().unwrap();
+/// let pool = MrPool::new(&pd, PoolConfig { chunk_size: 64 << 10, max_chunks: 1, thp: false, ..PoolConfig::default() }).unwrap();
+/// let cache = RegCache::new(&pd, CacheConfig { bounce: Some(pool), ..Default::default() }).unwrap();
+/// let (a, b) = (vec![1u8; 4096], vec![2u8; 4096]);
+/// // SAFETY (both lookups): the vectors outlive the handles; local rights only.
+/// let ha = unsafe { cache.get_or_bounce_raw(a.as_ptr() as u64, 4096, AccessFlags::empty()) }.unwrap();
+/// assert!(matches!(ha, Registration::Mr(_)));
+/// // `a`'s registration is in use: `b` cannot be registered, it is bounced.
+/// let hb = unsafe { cache.get_or_bounce_raw(b.as_ptr() as u64, 4096, AccessFlags::empty()) }.unwrap();
+/// let Registration::Bounce(mut bb) = hb else { panic!("expected a bounce buffer") };
+/// bb.copy_in(&b); // then post `bb` in place of `b`
+/// assert_eq!(Registered::len(&bb), 4096);
+/// let mut back = vec![0u8; 4096];
+/// bb.copy_out(&mut back);
+/// assert_eq!(back, b);
+/// ```
 #[derive(Debug)]
 pub enum Registration {
     /// The memory itself is registered.
@@ -861,6 +1081,8 @@ pub enum Registration {
 }
 
 /// Pool slots standing in for memory that could not be registered.
+/// [`BounceBuffer::copy_in`] before a work request that reads it,
+/// [`BounceBuffer::copy_out`] after one that wrote it (example at [`Registration`]).
 #[derive(Debug)]
 pub struct BounceBuffer {
     slots: Vec<OwnedSlot>,
@@ -1143,6 +1365,22 @@ struct Inner {
 }
 
 /// The registration cache. Cheap to clone (shared).
+///
+/// ```
+/// # use mrkit::cache::{CacheConfig, RegCache};
+/// # use mrkit::{AccessFlags, Context};
+/// # let pd = Context::open_default().unwrap().alloc_pd().unwrap();
+/// # let cache = RegCache::new(&pd, CacheConfig::default()).unwrap();
+/// let v = vec![0u8; 4096];
+/// let h = cache.get_ref(&v, AccessFlags::empty()).unwrap();
+/// assert_eq!(cache.len(), 1);
+/// let (start, end, _access, users) = cache.entries()[0];
+/// assert!(start <= v.as_ptr() as u64 && end >= v.as_ptr() as u64 + 4096 && users == 1);
+/// assert!(cache.id() > 0 && cache.is_monitored());
+/// drop(h);
+/// assert_eq!(cache.flush_idle(), 1); // release every idle entry now
+/// assert!(cache.is_empty());
+/// ```
 #[derive(Debug, Clone)]
 pub struct RegCache {
     inner: Arc<Inner>,
@@ -1160,6 +1398,16 @@ enum Lookup {
 
 impl RegCache {
     /// A cache over `pd`.
+    ///
+    /// `EOPNOTSUPP` with the default [`MonitorMode::Userfaultfd`] when the process cannot use
+    /// userfaultfd (the message says how to allow it).
+    ///
+    /// ```
+    /// use mrkit::cache::{CacheConfig, RegCache};
+    /// let pd = mrkit::Context::open_default().unwrap().alloc_pd().unwrap();
+    /// let cache = RegCache::new(&pd, CacheConfig::default()).unwrap();
+    /// assert!(cache.is_empty());
+    /// ```
     pub fn new(pd: &ProtectionDomain, cfg: CacheConfig) -> Result<RegCache> {
         let monitor = match cfg.monitor {
             MonitorMode::Userfaultfd => Some(monitor::global().map_err(|e| {
@@ -1989,6 +2237,17 @@ impl RegCache {
 
     /// Invalidate every entry overlapping `[addr, addr+len)`: they leave the cache at once;
     /// entries in use are deregistered when their last handle drops. Returns how many.
+    ///
+    /// ```
+    /// # use mrkit::cache::{CacheConfig, RegCache};
+    /// # use mrkit::{AccessFlags, Context};
+    /// # let pd = Context::open_default().unwrap().alloc_pd().unwrap();
+    /// # let cache = RegCache::new(&pd, CacheConfig::default()).unwrap();
+    /// let mut v = vec![0u8; 4096];
+    /// drop(cache.get_mut(&mut v, AccessFlags::LOCAL_WRITE).unwrap());
+    /// assert_eq!(cache.invalidate(v.as_ptr() as u64, 4096), 1);
+    /// assert!(cache.is_empty());
+    /// ```
     pub fn invalidate(&self, addr: u64, len: u64) -> usize {
         let end = addr.saturating_add(len);
         let dead = {
@@ -2080,6 +2339,19 @@ impl RegCache {
 
     /// Release entries idle for longer than the configured `idle_timeout` at `now`
     /// (CLOCK-style: an entry used since the previous scan starts a new idle period).
+    ///
+    /// ```
+    /// use std::time::{Duration, Instant};
+    /// use mrkit::cache::{CacheConfig, RegCache};
+    /// use mrkit::{AccessFlags, Context};
+    /// let pd = Context::open_default().unwrap().alloc_pd().unwrap();
+    /// let cfg = CacheConfig { idle_timeout: Duration::from_millis(10), ..Default::default() };
+    /// let cache = RegCache::new(&pd, cfg).unwrap();
+    /// let v = vec![0u8; 4096];
+    /// drop(cache.get_ref(&v, AccessFlags::empty()).unwrap());
+    /// cache.scan_idle(Instant::now()); // used since the last scan: a new idle period starts
+    /// assert_eq!(cache.scan_idle(Instant::now() + Duration::from_secs(1)), 1);
+    /// ```
     pub fn scan_idle(&self, now: Instant) -> usize {
         let t = self.tick(now);
         {
@@ -2099,6 +2371,15 @@ impl RegCache {
 
     /// Start a background thread calling [`scan_idle`](Self::scan_idle) every `interval`; it
     /// stops when the returned guard or the cache is dropped.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use mrkit::cache::{CacheConfig, RegCache};
+    /// let pd = mrkit::Context::open_default().unwrap().alloc_pd().unwrap();
+    /// let cache = RegCache::new(&pd, CacheConfig::default()).unwrap();
+    /// let scanner = cache.start_idle_scanner(Duration::from_secs(10));
+    /// drop(scanner); // stops and joins the thread
+    /// ```
     pub fn start_idle_scanner(&self, interval: Duration) -> IdleScanner {
         let (tx, rx) = std::sync::mpsc::channel::<()>();
         let weak = Arc::downgrade(&self.inner);
@@ -2120,7 +2401,7 @@ impl RegCache {
     }
 
     /// Evict every idle entry now, and detach from the userfaultfd monitor every page range
-    /// no cache uses any more (kept attached to make later misses cheap, see [`monitor`]).
+    /// no cache uses any more (kept attached to make later misses cheap; see the module docs).
     pub fn flush_idle(&self) -> usize {
         let n = self.evict_idle(usize::MAX, None);
         if let Some(m) = self.inner.shared.monitor {
@@ -2219,6 +2500,7 @@ impl Drop for Inner {
 }
 
 /// Stops the idle scanner thread on drop.
+/// (Example at [`RegCache::start_idle_scanner`].)
 #[derive(Debug)]
 pub struct IdleScanner {
     stop: Option<std::sync::mpsc::Sender<()>>,
@@ -2236,6 +2518,12 @@ impl Drop for IdleScanner {
 
 /// Bounds of the mapping(s) containing `[a, b)` from `/proc/self/maps` (contiguous VMAs
 /// with equal permissions), or `None`.
+///
+/// ```
+/// let b = mrkit::Buffer::new(3 * 4096).unwrap();
+/// let (s, e) = mrkit::cache::vma_bounds(b.addr() + 10, b.addr() + 20).unwrap();
+/// assert!(s <= b.addr() && b.addr() + 3 * 4096 <= e);
+/// ```
 ///
 /// A read of `/proc/self/maps` is not atomic: while another thread maps or unmaps, the
 /// kernel can skip a VMA between two `read` chunks. A miss is therefore retried a few
