@@ -381,3 +381,61 @@ fn owned_ranges_are_checked() {
     assert_eq!(e.errno(), Errno::EINVAL);
     assert!(cache.is_empty());
 }
+
+/// The SGEs of a handle over two MRs carry a real work request: an RDMA WRITE whose source is
+/// a borrowed handle's bytes across the MR boundary lands whole in the destination. (Posted
+/// on the device directly: the safe `QueuePair` takes handles once it is generic over
+/// `Registered`.)
+#[test]
+fn handle_sges_carry_a_work_request_across_mrs() {
+    use mrkit_soft::qp::{rc_connect, send_flags, QpInitAttr, SendWr, WrOpcode};
+    use std::time::{Duration, Instant};
+    let ctx = Context::open(DeviceConfig::rxe().max_mr_size(64 << 10));
+    let pd = ctx.alloc_pd().unwrap();
+    let soft = ctx.soft().unwrap().clone();
+    let cq = soft.create_cq(16, None).unwrap();
+    let qp = || {
+        soft.create_qp(QpInitAttr {
+            pd: pd.handle(),
+            send_cq: cq,
+            recv_cq: cq,
+            cap: QpCap::default(),
+            sq_sig_all: false,
+        })
+        .unwrap()
+        .0
+    };
+    let (a, b) = (qp(), qp());
+    rc_connect(&soft, a, &soft, b, RW | A::REMOTE_WRITE, 3).unwrap();
+    let cache = RegCache::new(&pd, explicit()).unwrap();
+    let mut src = Buffer::new(128 << 10).unwrap();
+    for (i, x) in src.as_mut_slice().iter_mut().enumerate() {
+        *x = (i % 253) as u8;
+    }
+    let dst = pd
+        .register(Buffer::new(16 << 10).unwrap(), RW | A::REMOTE_WRITE)
+        .unwrap();
+    let h = cache.get_ref(src.as_slice(), A::empty()).unwrap();
+    let list = sges(&h, (60 << 10)..(70 << 10)).unwrap();
+    assert_eq!(list.len(), 2);
+    let r = dst.remote(0..(10 << 10)).unwrap();
+    let mut wr = SendWr::new(7, WrOpcode::RdmaWrite)
+        .remote(r.addr, r.rkey)
+        .flags(send_flags::SIGNALED);
+    for s in &list {
+        wr = wr.sge(s.addr, s.len, s.lkey);
+    }
+    soft.post_send(a, &[wr]).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut wcs = Vec::new();
+    while soft.poll_cq(cq, &mut wcs, 1).unwrap() == 0 {
+        assert!(Instant::now() < deadline, "no completion");
+        let _ = soft.wait_cq(cq, Duration::from_millis(10));
+    }
+    assert_eq!((wcs[0].wr_id, wcs[0].status), (7, WcStatus::Success));
+    drop(h);
+    assert_eq!(
+        &dst.as_slice()[..10 << 10],
+        &src.as_slice()[60 << 10..70 << 10]
+    );
+}
