@@ -439,3 +439,18 @@ fn handle_sges_carry_a_work_request_across_mrs() {
         &src.as_slice()[60 << 10..70 << 10]
     );
 }
+
+/// Handles are values a work request can carry across threads, and owned ones clone.
+#[test]
+fn handles_are_send_and_owned_handles_clone() {
+    fn send<T: Send>(_: &T) {}
+    let (_ctx, pd) = open();
+    let cache = RegCache::new(&pd, explicit()).unwrap();
+    let b = Arc::new(Buffer::new(4096).unwrap());
+    let h = cache.get_owned(&b, 0..4096, A::REMOTE_READ).unwrap();
+    let h2 = h.clone();
+    assert_eq!(h2.rkey(), h.rkey());
+    send(&h2);
+    std::thread::spawn(move || drop(h2)).join().unwrap();
+    assert_eq!(Arc::strong_count(&b), 3, "caller, handle, entry");
+}

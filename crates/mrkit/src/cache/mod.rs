@@ -862,12 +862,23 @@ fn borrowed_rights_error(access: AccessFlags, what: &str) -> Error {
 /// let r = h.remote(0..4096).unwrap();
 /// assert_eq!((r.addr, r.len, r.rkey), (buf.addr() + 4096, 4096, h.rkey()));
 /// ```
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct RegOwned<M> {
     h: RegHandle,
     mem: Arc<M>,
     addr: u64,
     len: u64,
+}
+
+impl<M> Clone for RegOwned<M> {
+    fn clone(&self) -> Self {
+        RegOwned {
+            h: self.h.clone(),
+            mem: self.mem.clone(),
+            addr: self.addr,
+            len: self.len,
+        }
+    }
 }
 
 impl<M: OwnedMemory> RegOwned<M> {
