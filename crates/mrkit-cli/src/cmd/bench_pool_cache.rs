@@ -2,7 +2,7 @@
 //!
 //! * `pool_alloc_free_ns`: one `MrPool::alloc` + drop of a 4 KiB slot, one thread.
 //! * `pool_alloc_free_ns_2threads`: the same, two threads at once (ns per pair per thread).
-//! * `cache_hit_ns_p50`: median of `RegCache::get` + drop on one cached range, one thread.
+//! * `cache_hit_ns_p50`: median of `RegCache::get_ref` + drop on one cached range, one thread.
 //! * `cache_hit_ns_p50_2threads`: the same, two threads hitting the *same* entry at once
 //!   (mean of the two threads' medians): the case where a cache line written by every hit
 //!   (a shared reference count) bounces between the cores.

@@ -2145,9 +2145,16 @@ impl RegCache {
         let mut a = s;
         while a < e {
             let l = (e - a).min(self.inner.max_chunk);
-            // SAFETY: `RegCache::get`'s caller guarantees the range is memory it may register;
-            // the cache deregisters it when the memory monitor reports it unmapped (and
-            // never hands out keys for a stale mapping).
+            // SAFETY: the memory is valid for as long as the device can reach it through this
+            // MR, by the path that asked (module docs, "The caller's contract"): an owned
+            // lookup holds the owner during this call and in its handles, and with remote
+            // rights in the entry until after deregistration (`Entry::retire`), and the range is
+            // clamped to the owner; a borrowed lookup holds the borrow during this call and in
+            // its handles, and gets local rights only, so after the borrow ends no work request
+            // can name these keys without a new lookup, which the monitor (or the `unsafe`
+            // explicit-invalidation promise) keeps from finding a stale translation; a raw
+            // lookup has `get_raw`'s contract. Widening past the request (rounding, merging,
+            // whole allocation) is local-only or among raw remote entries (see `Shape`).
             let mem = unsafe { mrkit_soft::UserMemory::new(a, l) };
             match ctx.provider().reg_mr(sh.pd.handle(), mem, a, access) {
                 Ok(info) => out.push(Piece {
