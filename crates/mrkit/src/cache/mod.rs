@@ -829,6 +829,7 @@ unsafe impl Registered for RegHandle {
 unsafe impl DeviceWritable for RegHandle {}
 
 /// The error of a borrowed lookup asking for rights a borrow cannot back.
+#[cold]
 fn borrowed_rights_error(access: AccessFlags, what: &str) -> Error {
     let msg = if access.intersects(REMOTE_RIGHTS) {
         format!(
@@ -1504,6 +1505,7 @@ impl RegCache {
     /// cache.invalidate(io.addr(), io.len() as u64);
     /// assert_eq!(Arc::strong_count(&io), 1); // deregistered: the buffer is ours alone again
     /// ```
+    #[inline]
     pub fn get_owned<M: OwnedMemory>(
         &self,
         mem: &Arc<M>,
@@ -1561,6 +1563,7 @@ impl RegCache {
     /// let err = cache.get_ref(s.as_bytes(), AccessFlags::REMOTE_WRITE).unwrap_err();
     /// assert_eq!(err.errno(), Errno::EINVAL);
     /// ```
+    #[inline]
     pub fn get_ref<'a>(&self, mem: &'a [u8], access: AccessFlags) -> Result<RegRef<'a>> {
         if access.is_writable() || access.intersects(REMOTE_RIGHTS) {
             return Err(borrowed_rights_error(access, "get_ref (a shared borrow)"));
@@ -1603,6 +1606,7 @@ impl RegCache {
     /// drop(buf); // error: `buf` is still borrowed by `h`
     /// let _keep = h;
     /// ```
+    #[inline]
     pub fn get_mut<'a>(&self, mem: &'a mut [u8], access: AccessFlags) -> Result<RegMut<'a>> {
         if access.intersects(REMOTE_RIGHTS) {
             return Err(borrowed_rights_error(access, "get_mut (a borrow)"));
