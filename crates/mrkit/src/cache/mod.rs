@@ -137,7 +137,7 @@
 //!   device's `max_mr_size`) are registered as several MRs; the handle yields the pieces.
 //!   Widening never grants a peer bytes nobody agreed to expose: an owned request with
 //!   remote rights is clamped to the owner's bytes and never merged (its entry holds the
-//!   owner in `Entry::owners`, dropped by `Entry::retire` after the deregistration, and only
+//!   owner in `Entry::owner`, dropped by `Entry::retire` after the deregistration, and only
 //!   once no registration over it can still be running); other requests merge only with
 //!   entries of the same kind (all with remote rights: raw callers, whose contract covers
 //!   the union; or all without).
@@ -518,8 +518,9 @@ struct Entry {
     /// and deregistered at every call).
     retired: AtomicBool,
     /// What keeps the memory alive while remote rights over it exist (owned path with remote
-    /// rights): released by [`Entry::retire`] once the keys are deregistered.
-    owners: Mutex<Vec<Owner>>,
+    /// rights; such entries never merge, so there is at most one): released by
+    /// [`Entry::retire`] once the keys are deregistered.
+    owner: Mutex<Option<Owner>>,
     /// May be merged with neighbours (false for owned entries: their range is the owner's).
     mergeable: bool,
 }
@@ -651,8 +652,8 @@ impl Entry {
         // placeholder killed while its registration runs keeps it until the registration has
         // finished (published or failed; its keys then go at the next retire or in `Drop`).
         if self.ready().is_some() || self.failed.load(Ordering::Acquire) {
-            let owners = std::mem::take(&mut *self.owners.lock());
-            drop(owners);
+            let owner = self.owner.lock().take();
+            drop(owner);
         }
     }
 }
@@ -2017,7 +2018,7 @@ impl RegCache {
                     shared: inner.shared.clone(),
                     leases: LeaseSet::new(),
                     retired: AtomicBool::new(false),
-                    owners: Mutex::new(own.map(|o| o.owner.clone()).into_iter().collect()),
+                    owner: Mutex::new(own.map(|o| o.owner.clone())),
                     mergeable: own.is_none(),
                 });
                 if fits {
