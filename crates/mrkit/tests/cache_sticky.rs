@@ -14,7 +14,7 @@ const RW: AccessFlags = AccessFlags::LOCAL_WRITE;
 const PAGE: u64 = 4096;
 
 fn registrations() -> u64 {
-    monitor::global().unwrap().registrations()
+    monitor::registrations().unwrap()
 }
 
 /// Replace one page of `m` with a fresh anonymous page (munmap + mmap in one call: the

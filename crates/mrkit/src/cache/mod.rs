@@ -182,9 +182,17 @@ pub mod test_support {
     pub mod lease {
         pub use crate::cache::lease::{lease, Handle, Hold, LeaseSet, Retire};
     }
-    /// The userfaultfd monitor (see the `monitor` module of the cache).
+    /// The userfaultfd monitor's counters (see the `monitor` module of the cache).
     pub mod monitor {
-        pub use crate::cache::monitor::{global, Monitor, IDLE_CAP};
+        pub use crate::cache::monitor::IDLE_CAP;
+
+        /// `UFFDIO_REGISTER` calls the process-wide monitor made so far (`None` when
+        /// userfaultfd is unavailable).
+        pub fn registrations() -> Option<u64> {
+            crate::cache::monitor::global()
+                .ok()
+                .map(|m| m.registrations())
+        }
     }
 }
 
