@@ -193,6 +193,12 @@ pub mod test_support {
                 .ok()
                 .map(|m| m.registrations())
         }
+
+        /// Events (unmap, remove, remap) the monitor has read so far (`None` when userfaultfd
+        /// is unavailable).
+        pub fn events() -> Option<u64> {
+            crate::cache::monitor::global().ok().map(|m| m.events())
+        }
     }
 }
 
