@@ -6,7 +6,7 @@ mod cache_util;
 use std::time::{Duration, Instant};
 
 use cache_util::*;
-use mrkit::cache::{CacheConfig, MonitorMode, RegCache, Registration, Shape};
+use mrkit::cache::{CacheConfig, RegCache, Registration, Shape};
 use mrkit::pool::{MrPool, PoolConfig};
 use mrkit::{AccessFlags, Context, DeviceConfig};
 
@@ -14,7 +14,7 @@ const RW: AccessFlags = AccessFlags::LOCAL_WRITE;
 
 fn explicit() -> CacheConfig {
     CacheConfig {
-        monitor: MonitorMode::ExplicitOnly,
+        monitor: cache_util::explicit_only(),
         ..CacheConfig::default()
     }
 }
@@ -24,8 +24,8 @@ fn hit_after_miss_is_thread_local_and_same_keys() {
     let (ctx, pd) = open();
     let cache = RegCache::new(&pd, explicit()).unwrap();
     let m = Map::new(64 << 10);
-    let h1 = cache.get(m.addr + 100, 1000, RW).unwrap();
-    let h2 = cache.get(m.addr + 200, 500, RW).unwrap();
+    let h1 = cache.raw(m.addr + 100, 1000, RW).unwrap();
+    let h2 = cache.raw(m.addr + 200, 500, RW).unwrap();
     assert_eq!(h1.lkey(), h2.lkey());
     assert_eq!(h1.range(), (m.addr, m.addr + 4096));
     let s = cache.stats();
@@ -35,11 +35,11 @@ fn hit_after_miss_is_thread_local_and_same_keys() {
     );
     // Rights: a request for more rights is a miss with a new MR.
     let h3 = cache
-        .get(m.addr + 200, 500, RW | AccessFlags::REMOTE_READ)
+        .raw(m.addr + 200, 500, RW | AccessFlags::REMOTE_READ)
         .unwrap();
     assert_ne!(h3.lkey(), h1.lkey());
     // And the old one still serves the weaker request.
-    let h4 = cache.get(m.addr, 10, AccessFlags::empty()).unwrap();
+    let h4 = cache.raw(m.addr, 10, AccessFlags::empty()).unwrap();
     assert!(h4.access().contains(AccessFlags::empty()));
     assert_translates(&ctx, &pd, &h1, m.addr + 100, 1000);
     drop((h1, h2, h3, h4));
@@ -54,13 +54,13 @@ fn explicit_invalidate_retires_in_use_entry_at_last_drop() {
     let (ctx, pd) = open();
     let cache = RegCache::new(&pd, explicit()).unwrap();
     let m = Map::new(16 << 10);
-    let h = cache.get(m.addr, 8192, RW).unwrap();
+    let h = cache.raw(m.addr, 8192, RW).unwrap();
     let old = h.lkey();
     assert_eq!(cache.invalidate(m.addr + 4096, 1), 1);
     assert!(!h.is_cached());
     // Still registered while held.
     assert_translates(&ctx, &pd, &h, m.addr, 8192);
-    let h2 = cache.get(m.addr, 8192, RW).unwrap();
+    let h2 = cache.raw(m.addr, 8192, RW).unwrap();
     assert_ne!(h2.lkey(), old, "invalidated entry served again");
     drop(h);
     assert!(
@@ -78,9 +78,9 @@ fn split_above_max_mr_size() {
     let pd = ctx.alloc_pd().unwrap();
     let cache = RegCache::new(&pd, explicit()).unwrap();
     let m = Map::new(256 << 10);
-    let h = cache.get(m.addr, 256 << 10, RW).unwrap();
+    let h = cache.raw(m.addr, 256 << 10, RW).unwrap();
     assert_eq!(h.pieces().len(), 4);
-    let sges = h.sges(m.addr + (60 << 10), 10 << 10).unwrap();
+    let sges = h.sges_at(m.addr + (60 << 10), 10 << 10).unwrap();
     assert_eq!(sges.len(), 2);
     assert_eq!(sges[0].len + sges[1].len, 10 << 10);
     assert_ne!(sges[0].lkey, sges[1].lkey);
@@ -99,20 +99,23 @@ fn merge_with_neighbours_up_to_cap() {
     };
     let cache = RegCache::new(&pd, cfg).unwrap();
     let m = Map::new(64 << 10);
-    drop(cache.get(m.addr, 4096, RW).unwrap());
+    // Remote rights merge only with remote rights (see `cache_safe.rs`): every request here
+    // asks for some, and the merged entry has the union.
+    let rr = RW | AccessFlags::REMOTE_WRITE;
+    drop(cache.raw(m.addr, 4096, rr).unwrap());
     let h = cache
-        .get(m.addr + 4096, 4096, AccessFlags::REMOTE_READ)
+        .raw(m.addr + 4096, 4096, AccessFlags::REMOTE_READ)
         .unwrap();
     assert_eq!(h.range(), (m.addr, m.addr + 8192));
-    assert!(h.access().contains(RW | AccessFlags::REMOTE_READ));
+    assert!(h.access().contains(rr | AccessFlags::REMOTE_READ));
     assert_eq!(cache.stats().merges, 1);
     assert_eq!(cache.len(), 1);
     drop(h);
-    drop(cache.get(m.addr + 8192, 4096, RW).unwrap());
+    drop(cache.raw(m.addr + 8192, 4096, rr).unwrap());
     // 12 KiB: still within the cap.
     assert_eq!(cache.entries()[0].0, m.addr);
     assert_eq!(cache.entries()[0].1, m.addr + 12288);
-    drop(cache.get(m.addr + 12288, 4096, RW).unwrap());
+    drop(cache.raw(m.addr + 12288, 4096, rr).unwrap());
     // Would be 16 KiB > cap: not merged.
     assert_eq!(cache.len(), 2);
 }
@@ -126,7 +129,7 @@ fn whole_allocation_shape() {
     };
     let cache = RegCache::new(&pd, cfg).unwrap();
     let m = Map::new(64 << 10);
-    let h = cache.get(m.addr + 5000, 100, RW).unwrap();
+    let h = cache.raw(m.addr + 5000, 100, RW).unwrap();
     let (s, e) = h.range();
     assert!(
         s <= m.addr && e >= m.addr + (64 << 10),
@@ -134,7 +137,7 @@ fn whole_allocation_shape() {
         m.addr
     );
     // Any other part of the allocation now hits.
-    drop(cache.get(m.addr + 60000, 4000, RW).unwrap());
+    drop(cache.raw(m.addr + 60000, 4000, RW).unwrap());
     assert_eq!(cache.stats().misses, 1);
 }
 
@@ -149,23 +152,23 @@ fn limits_hold_on_every_insert() {
     let cache = RegCache::new(&pd, cfg).unwrap();
     let m = Map::new(64 << 10);
     for i in 0..12u64 {
-        drop(cache.get(m.addr + i * 4096, 4096, RW).unwrap());
+        drop(cache.raw(m.addr + i * 4096, 4096, RW).unwrap());
         let s = cache.stats();
         assert!(s.entries <= 4);
     }
     assert_eq!(cache.stats().evictions, 8);
     // Everything in use: new registrations are uncached, limits still hold.
     let held: Vec<_> = (0..4u64)
-        .map(|i| cache.get(m.addr + i * 4096, 4096, RW).unwrap())
+        .map(|i| cache.raw(m.addr + i * 4096, 4096, RW).unwrap())
         .collect();
-    let extra = cache.get(m.addr + 10 * 4096, 4096, RW).unwrap();
+    let extra = cache.raw(m.addr + 10 * 4096, 4096, RW).unwrap();
     assert!(!extra.is_cached());
     assert!(cache.stats().entries <= 4);
     assert!(cache.stats().uncached >= 1);
     drop(extra);
     drop(held);
     // A range larger than max_bytes is never cached.
-    let big = cache.get(m.addr, 8 * 4096, RW).unwrap();
+    let big = cache.raw(m.addr, 8 * 4096, RW).unwrap();
     assert!(!big.is_cached());
 }
 
@@ -178,8 +181,8 @@ fn idle_scanner_releases_old_entries() {
     };
     let cache = RegCache::new(&pd, cfg).unwrap();
     let m = Map::new(16 << 10);
-    drop(cache.get(m.addr, 4096, RW).unwrap());
-    let held = cache.get(m.addr + 4096, 4096, RW).unwrap();
+    drop(cache.raw(m.addr, 4096, RW).unwrap());
+    let held = cache.raw(m.addr + 4096, 4096, RW).unwrap();
     let t0 = Instant::now();
     assert_eq!(cache.scan_idle(t0), 0);
     assert_eq!(cache.scan_idle(t0 + Duration::from_secs(5)), 0);
@@ -200,7 +203,7 @@ fn idle_scanner_releases_old_entries() {
         ..explicit()
     };
     let cache = RegCache::new(&pd, cfg).unwrap();
-    drop(cache.get(m.addr, 4096, RW).unwrap());
+    drop(cache.raw(m.addr, 4096, RW).unwrap());
     let _scanner = cache.start_idle_scanner(Duration::from_millis(5));
     let t = Instant::now();
     while !cache.is_empty() && t.elapsed() < Duration::from_secs(5) {
@@ -230,19 +233,20 @@ fn enomem_evicts_idle_then_bounces() {
     };
     let cache = RegCache::new(&pd, cfg).unwrap();
     let m = Map::new(64 << 10);
-    drop(cache.get(m.addr, 4096, RW).unwrap());
-    drop(cache.get(m.addr + 8192, 4096, RW).unwrap());
+    drop(cache.raw(m.addr, 4096, RW).unwrap());
+    drop(cache.raw(m.addr + 8192, 4096, RW).unwrap());
     // Device full; both idle: evicted, retried.
-    let a = cache.get(m.addr + 16384, 4096, RW).unwrap();
+    let a = cache.raw(m.addr + 16384, 4096, RW).unwrap();
     assert_eq!(cache.stats().fallback_evict_retry, 1);
-    let b = cache.get(m.addr + 24576, 4096, RW).unwrap();
+    let b = cache.raw(m.addr + 24576, 4096, RW).unwrap();
     // Now both in use: no registration possible.
-    assert!(cache.get(m.addr + 32768, 4096, RW).is_err());
-    match cache.get_or_bounce(m.addr + 32768, 6000, RW).unwrap() {
+    assert!(cache.raw(m.addr + 32768, 4096, RW).is_err());
+    match cache.raw_or_bounce(m.addr + 32768, 6000, RW).unwrap() {
         Registration::Bounce(mut bb) => {
             let data: Vec<u8> = (0..6000).map(|i| i as u8).collect();
             bb.copy_in(&data);
-            let sges = bb.sges();
+            let mut sges = Vec::new();
+            mrkit::Registered::sges(&bb, 0..6000, &mut sges).unwrap();
             assert_eq!(sges.len(), 2);
             let mut back = vec![0u8; 6000];
             bb.copy_out(&mut back);
@@ -262,7 +266,7 @@ fn concurrent_misses_register_once() {
     std::thread::scope(|s| {
         for _ in 0..8 {
             s.spawn(|| {
-                let h = cache.get(m.addr, 1 << 20, RW).unwrap();
+                let h = cache.raw(m.addr, 1 << 20, RW).unwrap();
                 std::thread::sleep(Duration::from_millis(2));
                 drop(h);
             });
@@ -284,14 +288,14 @@ fn userfaultfd_unmap_and_remap_never_serves_old_pages() {
     let len = 64 << 10;
     let mut m = Map::new(len);
     m.fill(0xAA);
-    let h = cache.get(m.addr, len as u64, RW).unwrap();
+    let h = cache.raw(m.addr, len as u64, RW).unwrap();
     let old = h.lkey();
     assert_pfns_current(&ctx, old, m.addr, len as u64);
     drop(h);
     let addr = m.addr;
     m.remap_fixed();
     m.fill(0x55);
-    let h = cache.get(addr, len as u64, RW).unwrap();
+    let h = cache.raw(addr, len as u64, RW).unwrap();
     assert_ne!(h.lkey(), old, "stale registration served after munmap+mmap");
     assert_pfns_current(&ctx, h.lkey(), addr, len as u64);
     assert!(!key_valid(&ctx, &pd, old, addr), "old MR not deregistered");
@@ -303,7 +307,7 @@ fn userfaultfd_unmap_and_remap_never_serves_old_pages() {
     // MADV_DONTNEED drops the pages: invalidated too.
     drop(h);
     m.dontneed();
-    let h2 = cache.get(addr, len as u64, RW).unwrap();
+    let h2 = cache.raw(addr, len as u64, RW).unwrap();
     assert_pfns_current(&ctx, h2.lkey(), addr, len as u64);
     assert!(cache.stats().invalidations >= 2, "{:?}", cache.stats());
 }
@@ -332,8 +336,8 @@ fn cache_counters_are_exported_to_mrkit_stat() {
             .cloned()
     };
     let m = Map::new(16 << 10);
-    let h1 = cache.get(m.addr, 4096, RW).unwrap();
-    let h2 = cache.get(m.addr, 4096, RW).unwrap();
+    let h1 = cache.raw(m.addr, 4096, RW).unwrap();
+    let h2 = cache.raw(m.addr, 4096, RW).unwrap();
     let c = find(cache.id()).expect("live cache listed");
     assert_eq!(
         (c["misses"].as_u64(), c["hits"].as_u64()),

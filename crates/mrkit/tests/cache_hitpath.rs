@@ -8,7 +8,7 @@ mod cache_util;
 use std::sync::mpsc;
 
 use cache_util::*;
-use mrkit::cache::{CacheConfig, MonitorMode, RegCache};
+use mrkit::cache::{CacheConfig, RegCache};
 use mrkit::AccessFlags;
 
 const RW: AccessFlags = AccessFlags::LOCAL_WRITE;
@@ -16,7 +16,7 @@ const PAGE: u64 = 4096;
 
 fn explicit(max_entries: usize) -> CacheConfig {
     CacheConfig {
-        monitor: MonitorMode::ExplicitOnly,
+        monitor: cache_util::explicit_only(),
         max_entries,
         ..CacheConfig::default()
     }
@@ -41,14 +41,14 @@ fn warm_hits_over_many_buffers_are_all_thread_local() {
         let cache = RegCache::new(&pd, explicit(4096)).unwrap();
         let m = Map::new(n * PAGE as usize);
         let keys: Vec<u32> = (0..n as u64)
-            .map(|i| cache.get(m.addr + i * PAGE, PAGE, RW).unwrap().lkey())
+            .map(|i| cache.raw(m.addr + i * PAGE, PAGE, RW).unwrap().lkey())
             .collect();
         let s0 = cache.stats();
         assert_eq!(s0.misses, n as u64);
         let order = scrambled(n, 4, 0x9e37_79b9_7f4a_7c15);
         for &i in &order {
             let a = m.addr + i as u64 * PAGE;
-            let h = cache.get(a, PAGE, RW).unwrap();
+            let h = cache.raw(a, PAGE, RW).unwrap();
             assert_eq!(h.lkey(), keys[i], "buffer {i}: another registration");
         }
         let s1 = cache.stats();
@@ -70,7 +70,7 @@ fn two_threads_hit_the_same_entries_each_on_its_own_path() {
     let cache = RegCache::new(&pd, explicit(1024)).unwrap();
     let m = Map::new(n * PAGE as usize);
     let keys: Vec<u32> = (0..n as u64)
-        .map(|i| cache.get(m.addr + i * PAGE, PAGE, RW).unwrap().lkey())
+        .map(|i| cache.raw(m.addr + i * PAGE, PAGE, RW).unwrap().lkey())
         .collect();
     let s0 = cache.stats();
     std::thread::scope(|s| {
@@ -78,7 +78,7 @@ fn two_threads_hit_the_same_entries_each_on_its_own_path() {
             let (c, keys, base) = (&cache, &keys, m.addr);
             s.spawn(move || {
                 for &i in &scrambled(n, 8, seed * 0x2545_f491_4f6c_dd1d) {
-                    let h = c.get(base + i as u64 * PAGE, PAGE, RW).unwrap();
+                    let h = c.raw(base + i as u64 * PAGE, PAGE, RW).unwrap();
                     assert_eq!(h.lkey(), keys[i]);
                 }
             });
@@ -111,14 +111,14 @@ fn invalidation_reaches_every_thread_table() {
         let (c, base) = (&cache, m.addr);
         let t = s.spawn(move || {
             let old: Vec<u32> = (0..n as u64)
-                .map(|i| c.get(base + i * PAGE, PAGE, RW).unwrap().lkey())
+                .map(|i| c.raw(base + i * PAGE, PAGE, RW).unwrap().lkey())
                 .collect();
             warm_tx.send(()).unwrap();
             go_rx.recv().unwrap();
             // After the invalidation returned: nothing from the table.
             let before = c.stats();
             let new: Vec<u32> = (0..n as u64)
-                .map(|i| c.get(base + i * PAGE, PAGE, RW).unwrap().lkey())
+                .map(|i| c.raw(base + i * PAGE, PAGE, RW).unwrap().lkey())
                 .collect();
             let after = c.stats();
             // The main thread registered them again: slow hits, none from the table.
@@ -129,12 +129,12 @@ fn invalidation_reaches_every_thread_table() {
         warm_rx.recv().unwrap();
         // This thread's own table too.
         for i in 0..n as u64 {
-            drop(cache.get(m.addr + i * PAGE, PAGE, RW).unwrap());
+            drop(cache.raw(m.addr + i * PAGE, PAGE, RW).unwrap());
         }
         assert_eq!(cache.invalidate(m.addr, n as u64 * PAGE), n);
         let before = cache.stats();
         for i in 0..n as u64 {
-            drop(cache.get(m.addr + i * PAGE, PAGE, RW).unwrap());
+            drop(cache.raw(m.addr + i * PAGE, PAGE, RW).unwrap());
         }
         assert_eq!(cache.stats().fast_hits, before.fast_hits);
         go_tx.send(()).unwrap();
@@ -158,8 +158,8 @@ fn handle_outlives_its_thread_and_the_cache() {
     // Taken (and cloned) on a thread that exits: its table's holds go with it.
     let (h, c) = std::thread::scope(|s| {
         s.spawn(|| {
-            let h = cache.get(m.addr, PAGE, RW).unwrap();
-            let again = cache.get(m.addr, PAGE, RW).unwrap();
+            let h = cache.raw(m.addr, PAGE, RW).unwrap();
+            let again = cache.raw(m.addr, PAGE, RW).unwrap();
             assert_eq!(h.lkey(), again.lkey());
             (h, again.clone())
         })
@@ -191,13 +191,13 @@ fn thread_table_overflow_and_evictions_serve_only_live_registrations() {
     for round in 0..2u64 {
         let base = |b: u64| m.addr + (round * n as u64 + b) * per * PAGE;
         for b in 0..n as u64 {
-            drop(cache.get(base(b), per * PAGE, RW).unwrap());
+            drop(cache.raw(base(b), per * PAGE, RW).unwrap());
         }
         let s0 = cache.stats();
         for &k in &order {
             let (b, p) = ((k / per as usize) as u64, k as u64 % per);
             let a = base(b) + p * PAGE;
-            let h = cache.get(a, PAGE, RW).unwrap();
+            let h = cache.raw(a, PAGE, RW).unwrap();
             assert_eq!(h.range(), (base(b), base(b) + per * PAGE));
             assert_translates(&ctx, &pd, &h, a, PAGE);
         }

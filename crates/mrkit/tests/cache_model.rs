@@ -98,7 +98,7 @@ impl Helper {
         let th = std::thread::spawn(move || {
             for r in req {
                 let out = match r {
-                    Req::Get(a, l, acc) => Some(cache.get(a, l, acc).unwrap()),
+                    Req::Get(a, l, acc) => Some(cache.raw(a, l, acc).unwrap()),
                     Req::Drop(h) => {
                         drop(h);
                         None
@@ -145,7 +145,7 @@ proptest! {
             max_entries: 6,
             max_bytes: 16 * PS,
             idle_timeout: Duration::from_secs(1),
-            monitor: if monitored { MonitorMode::Userfaultfd } else { MonitorMode::ExplicitOnly },
+            monitor: if monitored { MonitorMode::Userfaultfd } else { cache_util::explicit_only() },
             ..CacheConfig::default()
         };
         let max_bytes = cfg.max_bytes;
@@ -165,7 +165,7 @@ proptest! {
                     let h = if other {
                         helper.get(addr, len, acc)
                     } else {
-                        cache.get(addr, len, acc).unwrap()
+                        cache.raw(addr, len, acc).unwrap()
                     };
                     let (s, e) = h.range();
                     prop_assert!(s <= addr && addr + len <= e, "range {s:#x}..{e:#x} misses request");

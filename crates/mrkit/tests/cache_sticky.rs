@@ -6,14 +6,15 @@
 mod cache_util;
 
 use cache_util::*;
-use mrkit::cache::{monitor, RegCache};
+use mrkit::cache::test_support::monitor;
+use mrkit::cache::RegCache;
 use mrkit::AccessFlags;
 
 const RW: AccessFlags = AccessFlags::LOCAL_WRITE;
 const PAGE: u64 = 4096;
 
 fn registrations() -> u64 {
-    monitor::global().unwrap().registrations()
+    monitor::registrations().unwrap()
 }
 
 /// Replace one page of `m` with a fresh anonymous page (munmap + mmap in one call: the
@@ -47,7 +48,7 @@ fn sticky_attachment_invariants() {
     let m = Map::new(64 << 10);
     let r0 = registrations();
     for _ in 0..50 {
-        let h = cache.get(m.addr, PAGE, RW).unwrap();
+        let h = cache.raw(m.addr, PAGE, RW).unwrap();
         drop(h);
         cache.invalidate(m.addr, PAGE);
     }
@@ -61,12 +62,12 @@ fn sticky_attachment_invariants() {
     // 2. A range cached inside a larger attached piece is invalidated when just its page is
     //    unmapped, and the new mapping there is attached again (the record of attached
     //    pages never outlives the attachment).
-    let h = cache.get(m.addr, 64 << 10, RW).unwrap();
+    let h = cache.raw(m.addr, 64 << 10, RW).unwrap();
     drop(h);
     cache.invalidate(m.addr, 64 << 10);
     let mid = m.addr + 4 * PAGE;
     let r1 = registrations();
-    let h = cache.get(mid, PAGE, RW).unwrap();
+    let h = cache.raw(mid, PAGE, RW).unwrap();
     assert_eq!(
         registrations(),
         r1,
@@ -77,7 +78,7 @@ fn sticky_attachment_invariants() {
     for round in 0..3u8 {
         let before = cache.stats().monitor_events;
         replace_page(mid, 0x60 + round);
-        let h = cache.get(mid, PAGE, RW).unwrap();
+        let h = cache.raw(mid, PAGE, RW).unwrap();
         // (Counted once delivered: the lookup above waited for that.)
         assert!(
             cache.stats().monitor_events > before,
@@ -107,7 +108,7 @@ fn sticky_attachment_invariants() {
     for i in 0..n {
         // Every other page: idle ranges never coalesce, each splits the VMA.
         let at = a + 2 * i * PAGE;
-        drop(cache.get(at, PAGE, RW).unwrap());
+        drop(cache.raw(at, PAGE, RW).unwrap());
         cache.invalidate(at, PAGE);
     }
     let split = vmas_in(a, b);

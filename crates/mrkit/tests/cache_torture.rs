@@ -129,7 +129,7 @@ fn remapped_addresses_never_get_old_registrations() {
                     let mut kept = Vec::new();
                     for k in 0..3u64 {
                         let off = k * 4096;
-                        let h = cache.get(addr + off, (LEN as u64) - off, ALL).unwrap();
+                        let h = cache.raw(addr + off, (LEN as u64) - off, ALL).unwrap();
                         let key = h.rkey_for(addr + off).unwrap();
                         assert!(
                             !old_keys.contains(&key),

@@ -12,14 +12,14 @@
 mod cache_util;
 
 use cache_util::*;
-use mrkit::cache::{CacheConfig, MonitorMode, RegCache};
+use mrkit::cache::{CacheConfig, RegCache};
 use mrkit::AccessFlags;
 
 const RW: AccessFlags = AccessFlags::LOCAL_WRITE;
 
 fn explicit() -> CacheConfig {
     CacheConfig {
-        monitor: MonitorMode::ExplicitOnly,
+        monitor: cache_util::explicit_only(),
         ..CacheConfig::default()
     }
 }
@@ -35,14 +35,14 @@ fn vma_split_lasts_only_as_long_as_the_registration() {
     let m = Map::new(64 << 10);
     let (a, b) = (m.addr, m.addr + (64 << 10));
     assert_eq!(vmas_in(a, b), 1);
-    let h = cache.get(m.addr + 16384, 8192, RW).unwrap();
+    let h = cache.raw(m.addr + 16384, 8192, RW).unwrap();
     assert_eq!(
         vmas_in(a, b),
         3,
         "cached range should carry its own VMA flags"
     );
     let h2 = cache
-        .get(m.addr + 20480, 4096, RW | AccessFlags::REMOTE_READ)
+        .raw(m.addr + 20480, 4096, RW | AccessFlags::REMOTE_READ)
         .unwrap();
     drop(h);
     assert_eq!(cache.flush_idle(), 1);

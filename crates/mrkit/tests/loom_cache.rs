@@ -1,5 +1,5 @@
 //! loom models of the registration cache's hit / invalidate / evict / release races, run
-//! on the cache's own lease core (`mrkit::cache::lease`, whose atomics and mutex come from
+//! on the cache's own lease core (`mrkit::cache::test_support::lease`, whose atomics and mutex come from
 //! the cache's sync shim and are loom's under `--cfg loom`).
 //!
 //! The cache counts handles on per-thread *leases* (one word per thread and entry, see the
@@ -30,7 +30,7 @@
 use std::sync::Arc;
 
 use loom::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
-use mrkit::cache::lease::{self, Handle, Hold, LeaseSet, Retire};
+use mrkit::cache::test_support::lease::{self, Handle, Hold, LeaseSet, Retire};
 
 fn model(f: impl Fn() + Sync + Send + 'static) {
     let mut b = loom::model::Builder::new();

@@ -9,11 +9,11 @@
 //!   channel; ns per slot. `pool_slot_cross_thread_ns`: the same with borrowed slots (the
 //!   floor: the hand-over and the magazine exchange, without ownership). These three: the
 //!   fastest of 5 runs (the machine's other load only ever adds time).
-//! * `cache_hit_ns_p50`: median of `RegCache::get` + drop on one cached range, one thread.
+//! * `cache_hit_ns_p50`: median of `RegCache::get_ref` + drop on one cached range, one thread.
 //! * `cache_hit_ns_p50_2threads`: the same, two threads hitting the *same* entry at once
 //!   (mean of the two threads' medians): the case where a cache line written by every hit
 //!   (a shared reference count) bounces between the cores.
-//! * Working-set sweep (`ExplicitOnly` monitor, page-rounded entries, room for every buffer):
+//! * Working-set sweep (userfaultfd monitor, page-rounded entries, room for every buffer):
 //!   N registered 4 KiB buffers (N = 1, 16, 64, 1,024, 4,096, 65,536), warmed up (each
 //!   thread looks up every buffer once, then 4,000 in its random order), then
 //!   200,000 lookups (`get` + drop) in a random order, timed in batches of 1,000; the key is
@@ -42,7 +42,7 @@ use std::hint::black_box;
 use std::sync::Arc;
 use std::time::Instant;
 
-use mrkit::cache::{CacheConfig, MonitorMode, RegCache};
+use mrkit::cache::{CacheConfig, RegCache};
 use mrkit::pool::{MrPool, OwnedSlot, PoolConfig, Slot};
 use mrkit::{AccessFlags, Buffer, Context, DeviceConfig, ProtectionDomain};
 use mrkit_soft::UserMemory;
@@ -133,14 +133,15 @@ fn best_of(runs: usize, mut f: impl FnMut() -> f64) -> f64 {
     (0..runs).map(|_| f()).fold(f64::INFINITY, f64::min)
 }
 
-fn cache_hit(cache: &RegCache, addr: u64) -> f64 {
-    let acc = AccessFlags::LOCAL_WRITE;
-    drop(cache.get(addr, 4096, acc).expect("cache get"));
+fn cache_hit(cache: &RegCache, mem: &[u8]) -> f64 {
+    let acc = AccessFlags::empty();
+    let page = &mem[..4096];
+    drop(cache.get_ref(page, acc).expect("cache get"));
     let mut per_batch = Vec::with_capacity(2000);
     for _ in 0..2000 {
         let t0 = Instant::now();
         for _ in 0..1000 {
-            let h = cache.get(black_box(addr), 4096, acc).expect("cache get");
+            let h = cache.get_ref(black_box(page), acc).expect("cache get");
             black_box(&h);
             drop(h);
         }
@@ -161,22 +162,24 @@ fn random_order(n: usize, len: usize, mut seed: u64) -> Vec<u32> {
         .collect()
 }
 
-/// Median of the batch means of `get` + drop over `order` (indices of the `n` 4 KiB buffers
-/// at `base`), after a warm-up (every buffer once, then the first batches of the order).
+/// The `i`-th 4 KiB buffer of `mem`.
+#[inline]
+fn page(mem: &[u8], i: u32) -> &[u8] {
+    &mem[i as usize * 4096..][..4096]
+}
+
+/// Median of the batch means of `get_ref` + drop over `order` (indices of the `n` 4 KiB
+/// buffers of `mem`), after a warm-up (every buffer once, then the first batches of the order).
 fn hit_random(
     cache: &RegCache,
-    base: u64,
+    mem: &[u8],
     n: usize,
     order: &[u32],
     go: Option<&std::sync::Barrier>,
 ) -> f64 {
-    let acc = AccessFlags::LOCAL_WRITE;
+    let acc = AccessFlags::empty();
     for i in (0..n as u32).chain(order.iter().take(4 * BATCH).copied()) {
-        drop(
-            cache
-                .get(base + u64::from(i) * 4096, 4096, acc)
-                .expect("cache get"),
-        );
+        drop(cache.get_ref(page(mem, i), acc).expect("cache get"));
     }
     if let Some(g) = go {
         g.wait();
@@ -186,7 +189,7 @@ fn hit_random(
         let t0 = Instant::now();
         for &i in chunk {
             let h = cache
-                .get(black_box(base + u64::from(i) * 4096), 4096, acc)
+                .get_ref(page(mem, black_box(i)), acc)
                 .expect("cache get");
             black_box(&h);
             drop(h);
@@ -226,10 +229,10 @@ pub fn hit_sweep(
 ) -> Result<Vec<SweepPoint>, String> {
     let mut out = Vec::new();
     for &n in sizes {
+        // The userfaultfd monitor (the default): the safe lookups need it.
         let cache = RegCache::new(
             pd,
             CacheConfig {
-                monitor: MonitorMode::ExplicitOnly,
                 max_entries: n.max(1024),
                 ..CacheConfig::default()
             },
@@ -237,14 +240,14 @@ pub fn hit_sweep(
         .map_err(|e| e.to_string())?;
         let mut buf = Buffer::new(n * 4096).map_err(|e| e.to_string())?;
         buf.as_mut_slice().fill(1);
-        let base = buf.addr();
-        let acc = AccessFlags::LOCAL_WRITE;
+        let mem = buf.as_slice();
+        let acc = AccessFlags::empty();
         let rss0 = rss_bytes();
         let mut warm = Vec::with_capacity(n);
-        for i in 0..n as u64 {
+        for i in 0..n as u32 {
             warm.push(
                 cache
-                    .get(base + i * 4096, 4096, acc)
+                    .get_ref(page(mem, i), acc)
                     .map_err(|e| e.to_string())?,
             );
         }
@@ -255,7 +258,7 @@ pub fn hit_sweep(
         };
         let order = random_order(n, lookups, 0x9e37_79b9_7f4a_7c15);
         let s0 = cache.stats();
-        let one = hit_random(&cache, base, n, &order, None);
+        let one = hit_random(&cache, mem, n, &order, None);
         let s1 = cache.stats();
         let fast_share = (s1.fast_hits - s0.fast_hits) as f64 / ((s1.hits - s0.hits).max(1)) as f64;
         let go = std::sync::Barrier::new(2);
@@ -266,7 +269,7 @@ pub fn hit_sweep(
                 .map(|seed| {
                     s.spawn(move || {
                         let order = random_order(n, lookups, seed);
-                        hit_random(c, base, n, &order, Some(g))
+                        hit_random(c, mem, n, &order, Some(g))
                     })
                 })
                 .collect();
@@ -495,7 +498,9 @@ fn cache_miss_overhead(pd: &ProtectionDomain, cache: &RegCache, buf: &Arc<Buffer
         prov.dereg_mr(info.lkey).expect("dereg_mr");
         raw.push(t0.elapsed().as_nanos() as f64);
         let t0 = Instant::now();
-        let h = cache.get(a, 4096, acc).expect("cache miss");
+        let h = cache
+            .get_owned(buf, off..off + 4096, acc)
+            .expect("cache miss");
         drop(h);
         cache.invalidate(a, 4096);
         cached.push(t0.elapsed().as_nanos() as f64);
@@ -654,22 +659,14 @@ fn measure() -> Result<(Rows, Rows, Option<String>), String> {
     let borrowed_cross = best_of(5, || {
         cross_thread::<Slot<'_>>(1 << 20, || pool.alloc().expect("pool alloc"))
     });
-    let cfg = match RegCache::new(&pd, CacheConfig::default()) {
-        Ok(_) => CacheConfig::default(),
-        Err(e) => {
-            eprintln!("note: {e}; measuring the cache without the userfaultfd monitor");
-            CacheConfig {
-                monitor: MonitorMode::ExplicitOnly,
-                ..CacheConfig::default()
-            }
-        }
-    };
-    let cache = RegCache::new(&pd, cfg).map_err(|e| e.to_string())?;
+    // The safe lookups need the userfaultfd monitor (explicit invalidation is an `unsafe`
+    // promise this crate does not make).
+    let cache = RegCache::new(&pd, CacheConfig::default()).map_err(|e| e.to_string())?;
     let buf = Arc::new(Buffer::new(4 << 20).map_err(|e| e.to_string())?);
-    let hit = cache_hit(&cache, buf.addr());
+    let hit = cache_hit(&cache, buf.as_slice());
     let go = std::sync::Barrier::new(2);
     let hit2 = std::thread::scope(|s| {
-        let (c, g, a) = (&cache, &go, buf.addr());
+        let (c, g, a) = (&cache, &go, buf.as_slice());
         let t1 = s.spawn(move || {
             g.wait();
             cache_hit(c, a)

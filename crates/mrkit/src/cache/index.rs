@@ -34,10 +34,6 @@ impl<V> IntervalIndex<V> {
     pub fn len(&self) -> usize {
         self.map.len()
     }
-    /// True when empty.
-    pub fn is_empty(&self) -> bool {
-        self.map.is_empty()
-    }
     /// Sum of lengths.
     pub fn bytes(&self) -> u64 {
         self.bytes

@@ -1,12 +1,105 @@
-//! # Registration cache: `get(addr, len, access)` → refcounted registration
+//! # Registration cache: look up, or register, the MR that covers your buffer
 //!
-//! For memory the application owns (not a pool): look up a live registration that covers
-//! the range with at least the requested rights, or register one, and keep it for reuse.
+//! For memory the application owns (not a pool): [`RegCache`] returns a handle on a live
+//! registration that covers the requested bytes with at least the requested rights (a *hit*),
+//! or registers one (a *miss*) and keeps it for the next lookup. Registering costs
+//! microseconds (pinning, translation); a hit costs nanoseconds.
 //!
-//! * **Index**: an interval index of live entries ([`index::IntervalIndex`]) under a
+//! ## The caller's contract
+//!
+//! A cached registration outlives the handle that made it: that is the point of a cache. So
+//! what keeps its memory valid is not the handle but the path it was made through:
+//!
+//! | path | memory | rights | valid while |
+//! |---|---|---|---|
+//! | [`RegCache::get_owned`] | `&Arc<M>`, `M:` [`OwnedMemory`] (e.g. [`Buffer`](crate::Buffer), `Vec<u8>`) | any | the handle lives; **with remote rights the entry co-owns `M`** until it is deregistered |
+//! | [`RegCache::get_ref`] | `&'a [u8]` | local, device reads | `'a` (the handle borrows) |
+//! | [`RegCache::get_mut`] | `&'a mut [u8]` | local, device may write | `'a` (the handle borrows exclusively) |
+//! | `unsafe` [`RegCache::get_raw`] | an address | any | the caller promises (see its `# Safety`) |
+//!
+//! * **What a handle guarantees**: while it lives, its keys stay registered and translate to
+//!   the pages mapped at the time of the lookup (never to an earlier mapping at the same
+//!   address), even if the range is invalidated meanwhile (it is then deregistered at the
+//!   last drop). Every handle implements [`Registered`] (and [`DeviceWritable`] where the
+//!   device may write: owned, `&mut`-borrowed, raw), so a work request can carry it; its
+//!   [`Registered::sges`] cover its own bytes only, one SGE per MR they span.
+//! * **Remote rights** (`REMOTE_READ`, `REMOTE_WRITE`, `REMOTE_ATOMIC`, `MW_BIND`, the flush
+//!   rights) outlive every handle: a peer that got the rkey can use it for as long as the
+//!   entry is cached, at any time. Only memory the cache itself keeps alive can back that:
+//!   the owned path gives the entry a clone of your `Arc` (released once the entry is
+//!   deregistered: [`RegCache::invalidate`], eviction, [`RegCache::scan_idle`], dropping the
+//!   cache), and registers no byte outside `M`. The borrowed paths refuse remote rights with
+//!   `EINVAL` (a borrow ends while the rkey would still work).
+//! * **When memory may be freed**: borrowed memory as soon as its handle is gone (the borrow
+//!   checker enforces it); owned memory whenever you like (the cache holds its own `Arc`;
+//!   with local rights only, the entry holds nothing and `Arc::get_mut` works again once the
+//!   handles are dropped). The entry left behind over freed borrowed memory is harmless: no
+//!   safe code can reach its keys without a new lookup, and the userfaultfd monitor (the
+//!   default [`MonitorMode`]) drops it when the memory is unmapped, so a lookup never finds
+//!   a stale translation. Without the monitor ([`MonitorMode::explicit_only`], `unsafe`) the
+//!   application promises to [`invalidate`](RegCache::invalidate) before unmapping.
+//! * **Which path to use**: buffers peers read or write (storage targets, one-sided
+//!   protocols) → owned, e.g. `Arc<Buffer>`; a message you send or a block you read into with
+//!   your own QP → borrowed; memory no Rust value owns (C callers) → raw.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use mrkit::cache::{CacheConfig, RegCache};
+//! use mrkit::{AccessFlags as A, Buffer, Context, Registered};
+//! let pd = Context::open_default().unwrap().alloc_pd().unwrap();
+//! let cache = RegCache::new(&pd, CacheConfig::default()).unwrap();
+//!
+//! // Borrowed: a local send buffer (the handle cannot outlive `msg`).
+//! let msg = b"ping".to_vec();
+//! let h = cache.get_ref(&msg, A::empty()).unwrap();
+//! let mut sge = Vec::new();
+//! h.sges(0..4, &mut sge).unwrap();
+//! drop(h);
+//!
+//! // Owned: an I/O buffer a peer writes into by its rkey.
+//! let io = Arc::new(Buffer::new(1 << 20).unwrap());
+//! let h = cache.get_owned(&io, 0..1 << 20, A::LOCAL_WRITE | A::REMOTE_WRITE).unwrap();
+//! let for_the_peer = h.remote(0..1 << 20).unwrap();
+//! # let _ = for_the_peer;
+//! ```
+//!
+//! The two programs this design rules out do not compile. An immutable `String` registered
+//! for remote writes through a raw address needs `unsafe` ([`RegCache::get_raw`]; the safe
+//! [`RegCache::get_ref`] refuses remote rights), and a handle cannot outlive the buffer it
+//! borrows:
+//!
+//! ```compile_fail,E0505
+//! # use mrkit::cache::{CacheConfig, RegCache};
+//! # use mrkit::{AccessFlags, Buffer, Context};
+//! # let pd = Context::open_default().unwrap().alloc_pd().unwrap();
+//! # let cache = RegCache::new(&pd, CacheConfig::default()).unwrap();
+//! let buf = Buffer::new(4096).unwrap();
+//! let h = cache.get_ref(buf.as_slice(), AccessFlags::empty()).unwrap();
+//! drop(buf); // error: `buf` is still borrowed by `h`
+//! let _use = h;
+//! ```
+//!
+//! Nor can a shared borrow be handed to the device as a write destination:
+//!
+//! ```compile_fail,E0277
+//! # use mrkit::cache::{CacheConfig, RegCache};
+//! # use mrkit::{AccessFlags, Context, DeviceWritable};
+//! # let pd = Context::open_default().unwrap().alloc_pd().unwrap();
+//! # let cache = RegCache::new(&pd, CacheConfig::default()).unwrap();
+//! fn rdma_read_into(_dst: impl DeviceWritable) {}
+//! let s = String::from("immutable");
+//! rdma_read_into(cache.get_ref(s.as_bytes(), AccessFlags::empty()).unwrap());
+//! ```
+//!
+//! `examples/storage_cache.rs` cycles owned I/O buffers through the cache and moves data by
+//! RDMA into and out of them with a loopback queue pair.
+//!
+//! ## Internals
+//!
+//! * **Index**: an interval index of live entries (`index::IntervalIndex`) under a
 //!   `RwLock` that is **never held across a device call**.
 //! * **Hit path** (its cost does not grow with the number of entries): each thread keeps,
-//!   per cache, a table of *holds* on its own *leases* ([`lease`]): an open-addressing table
+//!   per cache, a table of *holds* on its own *leases* (module `lease`): an open-addressing table
 //!   keyed by the 4 KiB page of the request address (16-byte slots, sized to the cache's
 //!   `max_entries`) plus a ring of the last 4 entries matched by range (lookups anywhere in a
 //!   large entry). A hit reads the table slot, checks range and rights in the lease's own
@@ -26,7 +119,7 @@
 //!   evicted, superseded, cache dropped) and no lease counts a handle. A kill sets a dead
 //!   bit in every lease's count word under the entry's lease-list mutex; hits and releases
 //!   are read-modify-writes of the same word, so either the kill counts a hit's handle or
-//!   the hit sees the bit and backs out (no fences, no Dekker pairs; see [`lease`]). The MR is
+//!   the hit sees the bit and backs out (no fences, no Dekker pairs; see the `lease` module). The MR is
 //!   deregistered exactly once, and never while a handle exists; an entry invalidated while
 //!   in use leaves the index at once and is retired by its last handle. Thread tables keep
 //!   an entry's memory (not its registration) until the slot is replaced, the table is
@@ -42,6 +135,13 @@
 //!   on read-only memory — retried unmerged), whole allocation (the VMA bounds from
 //!   `/proc/self/maps`, capped). Ranges above `max_chunk` (default 1 GiB, never above the
 //!   device's `max_mr_size`) are registered as several MRs; the handle yields the pieces.
+//!   Widening never grants a peer bytes nobody agreed to expose: an owned request with
+//!   remote rights is clamped to the owner's bytes and never merged (its entry holds the
+//!   owner in `Entry::owner`, dropped by `Entry::retire` after the deregistration, and only
+//!   once no registration over it can still be running); other requests merge only with
+//!   entries of the same kind (all with remote rights: raw callers, whose contract covers
+//!   the union; or all without).
+//!   Local-only widening is harmless: a handle's SGEs cover only its own bytes.
 //! * **Limits**: `max_entries` and `max_bytes` are enforced on every insert by evicting
 //!   idle entries (approximate LRU: a handle drop sets a "touched" bit, victim = idle entry
 //!   idle for longest). If the limit cannot be met because everything is in use, the new
@@ -51,12 +151,12 @@
 //!   spanning `idle_timeout` is released) and an optional background thread
 //!   ([`RegCache::start_idle_scanner`]).
 //! * **Invalidation**: [`RegCache::invalidate`] (explicit) and the userfaultfd monitor
-//!   ([`monitor`]): overlapping entries leave the index at once (new lookups miss); entries in
+//!   (module `monitor`): overlapping entries leave the index at once (new lookups miss); entries in
 //!   use are deregistered when their last handle drops. The monitor queue is bounded and
 //!   coalescing.
 //! * **Fallbacks**: on ENOMEM (max_mr, translation capacity, memlock) evict every idle entry
 //!   and retry; a widened shape that fails is retried with the page-rounded request; then an
-//!   opt-in bounce path through an [`MrPool`] ([`RegCache::get_or_bounce`]). Each counted.
+//!   opt-in bounce path through an [`MrPool`] ([`RegCache::get_or_bounce_raw`]). Each counted.
 //!
 //! ## fork
 //!
@@ -69,12 +169,42 @@
 //! long an unused cached range keeps its VMA split. The userfaultfd attach (WP mode) splits
 //! VMAs the same way and is likewise reference counted and undone at deregistration.
 
-pub mod index;
-pub mod lease;
-pub mod monitor;
+mod index;
+mod lease;
+mod monitor;
 mod sync;
 
+/// Not API: the cache's internals, reachable for this crate's own tests only (the loom model
+/// checks the real lease code; the monitor tests count its attachments). No stability promise.
+#[doc(hidden)]
+pub mod test_support {
+    /// The lease core (see the `lease` module of the cache).
+    pub mod lease {
+        pub use crate::cache::lease::{lease, Handle, Hold, LeaseSet, Retire};
+    }
+    /// The userfaultfd monitor's counters (see the `monitor` module of the cache).
+    pub mod monitor {
+        pub use crate::cache::monitor::IDLE_CAP;
+
+        /// `UFFDIO_REGISTER` calls the process-wide monitor made so far (`None` when
+        /// userfaultfd is unavailable).
+        pub fn registrations() -> Option<u64> {
+            crate::cache::monitor::global()
+                .ok()
+                .map(|m| m.registrations())
+        }
+
+        /// Events (unmap, remove, remap) the monitor has read so far (`None` when userfaultfd
+        /// is unavailable).
+        pub fn events() -> Option<u64> {
+            crate::cache::monitor::global().ok().map(|m| m.events())
+        }
+    }
+}
+
+use std::any::Any;
 use std::cell::RefCell;
+use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
@@ -82,14 +212,28 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex, RwLock};
 
 use crate::pool::{MrPool, OwnedSlot};
+use crate::qp::registered::{check_range, DeviceWritable, Registered};
 use crate::verbs::{LocalSlice, ProtectionDomain, RemoteSlice};
 use crate::{AccessFlags, Errno, Error, Result};
 use index::IntervalIndex;
 use lease::mem::Slots;
 use lease::{Handle, Hold, LeaseSet, Retire};
 use monitor::{Monitor, Pending};
+use mrkit_soft::OwnedMemory;
 
 /// How a miss decides what to register.
+///
+/// ```
+/// use mrkit::cache::{CacheConfig, RegCache, Shape};
+/// use mrkit::{AccessFlags, Context};
+/// let pd = Context::open_default().unwrap().alloc_pd().unwrap();
+/// let cfg = CacheConfig { shape: Shape::Merge { cap: 1 << 20 }, ..Default::default() };
+/// let cache = RegCache::new(&pd, cfg).unwrap();
+/// let mut v = vec![0u8; 3 * 4096];
+/// drop(cache.get_mut(&mut v[..4096], AccessFlags::LOCAL_WRITE).unwrap());
+/// drop(cache.get_mut(&mut v[4096..8192], AccessFlags::LOCAL_WRITE).unwrap());
+/// assert_eq!(cache.stats().merges, 1); // one registration over both
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Shape {
     /// Exactly the requested bytes.
@@ -110,17 +254,93 @@ pub enum Shape {
 }
 
 /// Invalidation source besides explicit [`RegCache::invalidate`].
+///
+/// The default, [`MonitorMode::Userfaultfd`], is what makes the safe entry points sound for
+/// borrowed memory: a cached registration outlives the borrow it was made from, and the
+/// monitor is what drops it when that memory is unmapped, so a later lookup at the same
+/// address never gets keys that translate to the old pages. Without it the application
+/// makes that promise itself, which is why [`MonitorMode::explicit_only`] is `unsafe`.
+///
+/// ```
+/// use mrkit::cache::{CacheConfig, MonitorMode};
+/// assert_eq!(CacheConfig::default().monitor, MonitorMode::Userfaultfd);
+/// // SAFETY: this program calls `invalidate` before it frees or unmaps cached memory.
+/// let cfg = CacheConfig { monitor: unsafe { MonitorMode::explicit_only() }, ..Default::default() };
+/// assert!(matches!(cfg.monitor, MonitorMode::ExplicitOnly(_)));
+/// ```
+///
+/// Choosing explicit invalidation without `unsafe` does not compile:
+///
+/// ```compile_fail,E0133
+/// use mrkit::cache::MonitorMode;
+/// let m = MonitorMode::explicit_only();
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MonitorMode {
     /// userfaultfd events (UNMAP, REMOVE, REMAP). [`RegCache::new`] fails loudly when
     /// userfaultfd is unavailable.
     Userfaultfd,
-    /// Only explicit invalidation: the application promises to call
+    /// Only explicit invalidation: the application has promised (through the `unsafe`
+    /// [`MonitorMode::explicit_only`], the only way to make the token) to call
     /// [`RegCache::invalidate`] before it unmaps or `MADV_DONTNEED`s cached memory.
-    ExplicitOnly,
+    ExplicitOnly(ExplicitInvalidation),
+}
+
+/// Proof that the application took on [`MonitorMode::explicit_only`]'s contract; made only by
+/// that `unsafe` function.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExplicitInvalidation(());
+
+impl MonitorMode {
+    /// Explicit invalidation only: no userfaultfd monitor (for processes that cannot use
+    /// userfaultfd, or that free memory only through their own allocator).
+    ///
+    /// # Safety
+    ///
+    /// For every cache configured with this mode: once memory the cache has registered is
+    /// unmapped, remapped (`mremap`, `MAP_FIXED`) or discarded (`MADV_DONTNEED`,
+    /// `MADV_REMOVE`, `MADV_FREE`), by any code in the process (an allocator returning freed
+    /// memory to the kernel included), the caller must not look up any of it again until
+    /// [`RegCache::invalidate`] over it has returned (or the cache is dropped). In practice:
+    /// invalidate before unmapping. A cached registration pins the pages that were mapped
+    /// when it was made; a lookup that finds it hands out keys through which the device reads
+    /// and writes those old pages, not the memory now at that address, and that holds for
+    /// the handles of the safe entry points ([`RegCache::get_ref`], [`RegCache::get_mut`],
+    /// [`RegCache::get_owned`]) too.
+    ///
+    /// ```
+    /// use mrkit::cache::{CacheConfig, MonitorMode, RegCache};
+    /// use mrkit::{AccessFlags, Context};
+    /// let pd = Context::open_default().unwrap().alloc_pd().unwrap();
+    /// // SAFETY: every buffer below is a `Vec` that stays alive until after `invalidate`.
+    /// let cfg = CacheConfig { monitor: unsafe { MonitorMode::explicit_only() }, ..Default::default() };
+    /// let cache = RegCache::new(&pd, cfg).unwrap();
+    /// let mut v = vec![0u8; 8192];
+    /// drop(cache.get_mut(&mut v, AccessFlags::LOCAL_WRITE).unwrap());
+    /// cache.invalidate(v.as_ptr() as u64, v.len() as u64);
+    /// drop(v);
+    /// ```
+    pub const unsafe fn explicit_only() -> MonitorMode {
+        MonitorMode::ExplicitOnly(ExplicitInvalidation(()))
+    }
 }
 
 /// Cache configuration.
+///
+/// ```
+/// use std::time::Duration;
+/// use mrkit::cache::{CacheConfig, RegCache};
+/// use mrkit::Context;
+/// let pd = Context::open_default().unwrap().alloc_pd().unwrap();
+/// let cfg = CacheConfig {
+///     max_entries: 4096,
+///     max_bytes: 1 << 30,
+///     idle_timeout: Duration::from_secs(5),
+///     ..CacheConfig::default()
+/// };
+/// let cache = RegCache::new(&pd, cfg).unwrap();
+/// assert!(cache.is_monitored()); // the default monitor: userfaultfd
+/// ```
 #[derive(Debug, Clone)]
 pub struct CacheConfig {
     /// Registration shape.
@@ -137,7 +357,7 @@ pub struct CacheConfig {
     pub monitor: MonitorMode,
     /// Capacity of the pending-invalidation set (ranges; coalescing when full).
     pub pending_capacity: usize,
-    /// Opt-in bounce path for [`RegCache::get_or_bounce`].
+    /// Opt-in bounce path for [`RegCache::get_or_bounce_raw`].
     pub bounce: Option<MrPool>,
 }
 
@@ -157,6 +377,19 @@ impl Default for CacheConfig {
 }
 
 /// Counters (snapshot).
+///
+/// ```
+/// # use mrkit::cache::{CacheConfig, RegCache};
+/// # use mrkit::{AccessFlags, Context};
+/// # let pd = Context::open_default().unwrap().alloc_pd().unwrap();
+/// # let cache = RegCache::new(&pd, CacheConfig::default()).unwrap();
+/// let v = vec![1u8; 4096];
+/// for _ in 0..3 {
+///     drop(cache.get_ref(&v, AccessFlags::empty()).unwrap());
+/// }
+/// let st = cache.stats();
+/// assert_eq!((st.misses, st.hits, st.entries), (1, 2, 1));
+/// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct CacheStats {
     /// Lookups served by an existing registration (per-thread fast path + shared index).
@@ -207,6 +440,18 @@ pub struct CacheStats {
 }
 
 /// One MR of a registration.
+///
+/// ```
+/// use mrkit::cache::{CacheConfig, RegCache};
+/// use mrkit::{AccessFlags, Context};
+/// let pd = Context::open_default().unwrap().alloc_pd().unwrap();
+/// let cache = RegCache::new(&pd, CacheConfig::default()).unwrap();
+/// let v = vec![0u8; 8192];
+/// // SAFETY: `v` outlives the handle; local rights only.
+/// let h = unsafe { cache.get_raw(v.as_ptr() as u64, 8192, AccessFlags::empty()) }.unwrap();
+/// let p = h.pieces()[0];
+/// assert!(p.addr <= v.as_ptr() as u64 && p.len >= 8192 && p.lkey == h.lkey());
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Piece {
     /// First address (= iova).
@@ -286,7 +531,31 @@ struct Entry {
     /// The monitor attach has been released (once, by [`Entry::retire`]; keys are taken
     /// and deregistered at every call).
     retired: AtomicBool,
+    /// What keeps the memory alive while remote rights over it exist (owned path with remote
+    /// rights; such entries never merge, so there is at most one): released by
+    /// [`Entry::retire`] once the keys are deregistered.
+    owner: Mutex<Option<Owner>>,
+    /// May be merged with neighbours (false for owned entries: their range is the owner's).
+    mergeable: bool,
 }
+
+/// What an owned registration keeps alive.
+type Owner = Arc<dyn Any + Send + Sync>;
+
+/// An owned request with remote rights: the owner the entry keeps, and the bytes it owns (the
+/// registration never reaches past them).
+struct OwnerRange {
+    owner: Owner,
+    start: u64,
+    end: u64,
+}
+
+/// Rights that let something other than a handle's work request reach the memory: a peer
+/// holding the rkey (READ, WRITE, atomics, flushes) or a memory window bound to the MR.
+const REMOTE_RIGHTS: AccessFlags = AccessFlags::REMOTE
+    .union(AccessFlags::MW_BIND)
+    .union(AccessFlags::FLUSH_GLOBAL)
+    .union(AccessFlags::FLUSH_PERSISTENT);
 
 /// What a hit checks: `(start, end, access)`.
 #[derive(Debug, Clone, Copy)]
@@ -393,6 +662,13 @@ impl Entry {
                 m.detach(self.span.0, self.span.1 - self.span.0);
             }
         }
+        // The owner goes only once no registration over its memory can appear any more: a
+        // placeholder killed while its registration runs keeps it until the registration has
+        // finished (published or failed; its keys then go at the next retire or in `Drop`).
+        if self.ready().is_some() || self.failed.load(Ordering::Acquire) {
+            let owner = self.owner.lock().take();
+            drop(owner);
+        }
     }
 }
 
@@ -414,6 +690,28 @@ impl Drop for Entry {
 
 /// A counted reference to a registration. While it lives the MR stays registered (even if
 /// its range is invalidated meanwhile: it is then deregistered at the last drop).
+///
+/// What [`RegCache::get_raw`] returns; the safe paths wrap one in [`RegOwned`], [`RegRef`]
+/// or [`RegMut`]. Its [`Registered`] offsets run over [`range`](Self::range).
+///
+/// ```
+/// use mrkit::cache::{CacheConfig, RegCache};
+/// use mrkit::{AccessFlags, Context, Registered};
+/// let pd = Context::open_default().unwrap().alloc_pd().unwrap();
+/// let cache = RegCache::new(&pd, CacheConfig::default()).unwrap();
+/// let v = vec![0u8; 4096];
+/// let a = v.as_ptr() as u64;
+/// // SAFETY: `v` outlives the handle; local rights only.
+/// let h = unsafe { cache.get_raw(a, 4096, AccessFlags::LOCAL_WRITE) }.unwrap();
+/// let (start, end) = h.range(); // page-rounded
+/// assert!(start <= a && a + 4096 <= end && h.access().contains(AccessFlags::LOCAL_WRITE));
+/// assert_eq!(h.lkey_for(a), Some(h.lkey()));
+/// assert_eq!(h.sges_at(a, 4096).unwrap()[0].addr, a);
+/// assert_eq!(h.len(), end - start);
+/// assert!(h.is_cached());
+/// cache.invalidate(a, 4096);
+/// assert!(!h.is_cached()); // still registered until `h` is dropped
+/// ```
 #[derive(Debug)]
 pub struct RegHandle {
     h: Handle<Entry>,
@@ -457,17 +755,18 @@ impl RegHandle {
     pub fn rkey(&self) -> u32 {
         self.pieces().first().map(|p| p.rkey).unwrap_or(0)
     }
-    /// SGEs covering `[addr, addr+len)` (split at piece boundaries and at 4 GiB - 1 per SGE).
-    /// `None` when the range is not inside the registration.
-    pub fn sges(&self, addr: u64, len: u64) -> Option<Vec<LocalSlice>> {
+    /// SGEs covering `[addr, addr+len)` (absolute addresses; split at piece boundaries and at
+    /// 4 GiB - 1 per SGE). `None` when the range is not inside the registration. (The
+    /// [`Registered::sges`] of a handle takes offsets from [`range`](Self::range)'s start.)
+    pub fn sges_at(&self, addr: u64, len: u64) -> Option<Vec<LocalSlice>> {
         self.split(addr, len, |a, l, p| LocalSlice {
             addr: a,
             len: l as u32,
             lkey: p.lkey,
         })
     }
-    /// Remote descriptors covering `[addr, addr+len)`.
-    pub fn remotes(&self, addr: u64, len: u64) -> Option<Vec<RemoteSlice>> {
+    /// Remote descriptors covering `[addr, addr+len)` (absolute addresses).
+    pub fn remotes_at(&self, addr: u64, len: u64) -> Option<Vec<RemoteSlice>> {
         self.split(addr, len, |a, l, p| RemoteSlice {
             addr: a,
             len: l,
@@ -507,7 +806,299 @@ impl Clone for RegHandle {
 // Dropping the `Handle` gives its count back; the last release of a dead entry deregisters
 // it (see [`lease`]).
 
+impl RegHandle {
+    /// Append the SGEs of `len` bytes at absolute `addr` to `out` (EINVAL, `out` unchanged,
+    /// when they are not inside the registration).
+    fn push_sges(&self, addr: u64, len: u64, out: &mut Vec<LocalSlice>) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        match self.sges_at(addr, len) {
+            Some(v) => {
+                out.extend(v);
+                Ok(())
+            }
+            None => Err(Error::new(
+                Errno::EINVAL,
+                format!("{len} bytes at {addr:#x} are not inside the cached registration"),
+            )),
+        }
+    }
+}
+
+// SAFETY: a raw handle's memory is kept valid by `get_raw`'s contract for as long as the
+// handle lives (its whole registered range, which `len`/`sges` span); the SGEs come from the
+// registration's pieces, which stay registered while the handle lives.
+unsafe impl Registered for RegHandle {
+    fn len(&self) -> u64 {
+        let (s, e) = self.range();
+        e - s
+    }
+    fn sges(&self, range: Range<u64>, out: &mut Vec<LocalSlice>) -> Result<()> {
+        let (off, len) = check_range(&range, Registered::len(self), "cache registration")?;
+        self.push_sges(self.range().0 + off, len, out)
+    }
+}
+// SAFETY: `get_raw`'s contract covers device writes (nothing else touches the bytes while a
+// work request that writes them is outstanding).
+unsafe impl DeviceWritable for RegHandle {}
+
+/// The error of a borrowed lookup asking for rights a borrow cannot back.
+#[cold]
+fn borrowed_rights_error(access: AccessFlags, what: &str) -> Error {
+    let msg = if access.intersects(REMOTE_RIGHTS) {
+        format!(
+            "{what} cannot grant remote rights ({access:?}): the cached registration, and the \
+             rkey a peer holds, outlive the borrow, so a peer could reach the memory after it \
+             is freed or while it is borrowed immutably; register memory peers may reach \
+             through RegCache::get_owned (the cache then keeps it alive)"
+        )
+    } else {
+        format!(
+            "{what} cannot let the device write ({access:?}): use RegCache::get_mut with an \
+             exclusive borrow"
+        )
+    };
+    Error::new(Errno::EINVAL, msg)
+}
+
+/// A registration over memory the cache co-owns ([`RegCache::get_owned`]). Offsets in
+/// [`Registered::sges`] and [`RegOwned::remote`] run over the range it was asked for.
+///
+/// ```
+/// use std::sync::Arc;
+/// use mrkit::cache::{CacheConfig, RegCache};
+/// use mrkit::{AccessFlags, Buffer, Context, Registered};
+/// let pd = Context::open_default().unwrap().alloc_pd().unwrap();
+/// let cache = RegCache::new(&pd, CacheConfig::default()).unwrap();
+/// let buf = Arc::new(Buffer::new(8192).unwrap());
+/// let acc = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ;
+/// let h = cache.get_owned(&buf, 4096..8192, acc).unwrap();
+/// assert_eq!(h.len(), 4096);
+/// let r = h.remote(0..4096).unwrap();
+/// assert_eq!((r.addr, r.len, r.rkey), (buf.addr() + 4096, 4096, h.rkey()));
+/// ```
+#[derive(Debug)]
+pub struct RegOwned<M> {
+    h: RegHandle,
+    mem: Arc<M>,
+    addr: u64,
+    len: u64,
+}
+
+impl<M> Clone for RegOwned<M> {
+    fn clone(&self) -> Self {
+        RegOwned {
+            h: self.h.clone(),
+            mem: self.mem.clone(),
+            addr: self.addr,
+            len: self.len,
+        }
+    }
+}
+
+impl<M: OwnedMemory> RegOwned<M> {
+    /// The memory (shared with the caller and, with remote rights, the cached entry).
+    pub fn memory(&self) -> &Arc<M> {
+        &self.mem
+    }
+    /// lkey of the registration (of its first MR when it was split).
+    pub fn lkey(&self) -> u32 {
+        self.h.lkey_for(self.addr).unwrap_or(0)
+    }
+    /// rkey of the registration (of its first MR when it was split).
+    pub fn rkey(&self) -> u32 {
+        self.h.rkey_for(self.addr).unwrap_or(0)
+    }
+    /// Rights of the registration (a superset of the requested ones).
+    pub fn access(&self) -> AccessFlags {
+        self.h.access()
+    }
+    /// What a peer needs to reach `range` (offsets into the memory): `EINVAL` outside it or
+    /// when the range spans two MRs (a registration split above `max_chunk`; see
+    /// [`remotes`](Self::remotes)).
+    pub fn remote(&self, range: Range<u64>) -> Result<RemoteSlice> {
+        let mut v = self.remotes(range.clone())?;
+        match v.len() {
+            1 => Ok(v.remove(0)),
+            0 => Ok(RemoteSlice {
+                addr: self.addr + range.start,
+                len: 0,
+                rkey: self.rkey(),
+            }),
+            n => Err(Error::new(
+                Errno::EINVAL,
+                format!("the range spans {n} memory regions: use RegOwned::remotes"),
+            )),
+        }
+    }
+    /// Remote descriptors for `range`, one per MR it spans.
+    pub fn remotes(&self, range: Range<u64>) -> Result<Vec<RemoteSlice>> {
+        let (off, len) = check_range(&range, self.len, "cache handle")?;
+        if len == 0 {
+            return Ok(Vec::new());
+        }
+        self.h
+            .remotes_at(self.addr + off, len)
+            .ok_or_else(|| Error::new(Errno::EINVAL, "range outside the registration"))
+    }
+    /// Whether the registration is still cached (see [`RegHandle::is_cached`]).
+    pub fn is_cached(&self) -> bool {
+        self.h.is_cached()
+    }
+}
+
+// SAFETY: the handle holds the owner (an `Arc`), whose `OwnedMemory` contract keeps
+// `[addr, addr + len)` mapped at that address while it lives; the SGEs are cut from those bytes
+// and carry the pieces' lkeys, registered while the handle lives.
+unsafe impl<M: OwnedMemory> Registered for RegOwned<M> {
+    fn len(&self) -> u64 {
+        self.len
+    }
+    fn sges(&self, range: Range<u64>, out: &mut Vec<LocalSlice>) -> Result<()> {
+        let (off, len) = check_range(&range, self.len, "cache handle")?;
+        self.h.push_sges(self.addr + off, len, out)
+    }
+}
+// SAFETY: owned memory is device-shared by its `OwnedMemory` contract: no `&mut` to the bytes is
+// reachable through the `Arc`, and reads through another clone race with the device exactly as
+// they race with a peer's RDMA WRITE, which that contract already admits (read after the
+// completion).
+unsafe impl<M: OwnedMemory> DeviceWritable for RegOwned<M> {}
+
+/// A registration of borrowed bytes the device only reads ([`RegCache::get_ref`]).
+///
+/// ```
+/// # use mrkit::cache::{CacheConfig, RegCache};
+/// # use mrkit::{AccessFlags, Context};
+/// # let pd = Context::open_default().unwrap().alloc_pd().unwrap();
+/// # let cache = RegCache::new(&pd, CacheConfig::default()).unwrap();
+/// let msg = String::from("hello");
+/// let h = cache.get_ref(msg.as_bytes(), AccessFlags::empty()).unwrap();
+/// assert_eq!(h.as_slice(), b"hello");
+/// assert!(h.lkey() != 0 && h.is_cached() && !h.access().contains(AccessFlags::REMOTE_READ));
+/// ```
+#[derive(Debug, Clone)]
+pub struct RegRef<'a> {
+    h: RegHandle,
+    mem: &'a [u8],
+}
+
+impl<'a> RegRef<'a> {
+    /// lkey of the registration at the first byte (the SGEs of [`Registered::sges`] carry
+    /// the right key for every byte).
+    pub fn lkey(&self) -> u32 {
+        self.h.lkey_for(self.mem.as_ptr() as u64).unwrap_or(0)
+    }
+    /// The borrowed bytes.
+    pub fn as_slice(&self) -> &'a [u8] {
+        self.mem
+    }
+    /// Rights of the registration (a superset of the requested ones).
+    pub fn access(&self) -> AccessFlags {
+        self.h.access()
+    }
+    /// Whether the registration is still cached (see [`RegHandle::is_cached`]).
+    pub fn is_cached(&self) -> bool {
+        self.h.is_cached()
+    }
+}
+
+// SAFETY: the handle borrows the bytes for its whole life and the SGEs are cut from them; the
+// device only reads through a `RegRef` (it is not `DeviceWritable`), and no remote right was
+// granted for them by this path.
+unsafe impl Registered for RegRef<'_> {
+    fn len(&self) -> u64 {
+        self.mem.len() as u64
+    }
+    fn sges(&self, range: Range<u64>, out: &mut Vec<LocalSlice>) -> Result<()> {
+        let (off, len) = check_range(&range, self.mem.len() as u64, "borrowed memory")?;
+        self.h.push_sges(self.mem.as_ptr() as u64 + off, len, out)
+    }
+}
+
+/// A registration of exclusively borrowed bytes the device may write ([`RegCache::get_mut`]).
+///
+/// ```
+/// # use mrkit::cache::{CacheConfig, RegCache};
+/// # use mrkit::{AccessFlags, Context};
+/// # let pd = Context::open_default().unwrap().alloc_pd().unwrap();
+/// # let cache = RegCache::new(&pd, CacheConfig::default()).unwrap();
+/// let mut block = vec![0u8; 4096];
+/// let mut h = cache.get_mut(&mut block, AccessFlags::LOCAL_WRITE).unwrap();
+/// h.as_mut_slice()[0] = 9;
+/// assert_eq!(h.as_slice()[0], 9);
+/// assert!(h.access().contains(AccessFlags::LOCAL_WRITE) && h.lkey() != 0 && h.is_cached());
+/// ```
+#[derive(Debug)]
+pub struct RegMut<'a> {
+    h: RegHandle,
+    mem: &'a mut [u8],
+}
+
+impl RegMut<'_> {
+    /// lkey of the registration at the first byte (the SGEs of [`Registered::sges`] carry
+    /// the right key for every byte).
+    pub fn lkey(&self) -> u32 {
+        self.h.lkey_for(self.mem.as_ptr() as u64).unwrap_or(0)
+    }
+    /// The borrowed bytes (not while a work request holds the handle: it is moved or
+    /// borrowed by it).
+    pub fn as_slice(&self) -> &[u8] {
+        self.mem
+    }
+    /// The borrowed bytes, mutably.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        self.mem
+    }
+    /// Rights of the registration (a superset of the requested ones).
+    pub fn access(&self) -> AccessFlags {
+        self.h.access()
+    }
+    /// Whether the registration is still cached (see [`RegHandle::is_cached`]).
+    pub fn is_cached(&self) -> bool {
+        self.h.is_cached()
+    }
+}
+
+// SAFETY: as `RegRef`: the handle borrows the bytes (exclusively) for its whole life.
+unsafe impl Registered for RegMut<'_> {
+    fn len(&self) -> u64 {
+        self.mem.len() as u64
+    }
+    fn sges(&self, range: Range<u64>, out: &mut Vec<LocalSlice>) -> Result<()> {
+        let (off, len) = check_range(&range, self.mem.len() as u64, "borrowed memory")?;
+        self.h.push_sges(self.mem.as_ptr() as u64 + off, len, out)
+    }
+}
+// SAFETY: the borrow is exclusive: while a work request holds the handle (by value or `&mut`),
+// nothing else can reach the bytes.
+unsafe impl DeviceWritable for RegMut<'_> {}
+
 /// A registration or, when registration was impossible, a bounce buffer from the pool.
+///
+/// ```
+/// use mrkit::cache::{CacheConfig, RegCache, Registration};
+/// use mrkit::pool::{MrPool, PoolConfig};
+/// use mrkit::{AccessFlags, Context, DeviceConfig, Registered};
+/// // A device with room for two MRs: one for the bounce pool, one for the cache.
+/// let ctx = Context::open(DeviceConfig::rxe().max_mr(2));
+/// let pd = ctx.alloc_pd().unwrap();
+/// let pool = MrPool::new(&pd, PoolConfig { chunk_size: 64 << 10, max_chunks: 1, thp: false, ..PoolConfig::default() }).unwrap();
+/// let cache = RegCache::new(&pd, CacheConfig { bounce: Some(pool), ..Default::default() }).unwrap();
+/// let (a, b) = (vec![1u8; 4096], vec![2u8; 4096]);
+/// // SAFETY (both lookups): the vectors outlive the handles; local rights only.
+/// let ha = unsafe { cache.get_or_bounce_raw(a.as_ptr() as u64, 4096, AccessFlags::empty()) }.unwrap();
+/// assert!(matches!(ha, Registration::Mr(_)));
+/// // `a`'s registration is in use: `b` cannot be registered, it is bounced.
+/// let hb = unsafe { cache.get_or_bounce_raw(b.as_ptr() as u64, 4096, AccessFlags::empty()) }.unwrap();
+/// let Registration::Bounce(mut bb) = hb else { panic!("expected a bounce buffer") };
+/// bb.copy_in(&b); // then post `bb` in place of `b`
+/// assert_eq!(Registered::len(&bb), 4096);
+/// let mut back = vec![0u8; 4096];
+/// bb.copy_out(&mut back);
+/// assert_eq!(back, b);
+/// ```
 #[derive(Debug)]
 pub enum Registration {
     /// The memory itself is registered.
@@ -517,6 +1108,8 @@ pub enum Registration {
 }
 
 /// Pool slots standing in for memory that could not be registered.
+/// [`BounceBuffer::copy_in`] before a work request that reads it,
+/// [`BounceBuffer::copy_out`] after one that wrote it (example at [`Registration`]).
 #[derive(Debug)]
 pub struct BounceBuffer {
     slots: Vec<OwnedSlot>,
@@ -532,23 +1125,11 @@ impl BounceBuffer {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
-    /// SGEs over the bounce slots (post these instead of the original memory).
-    pub fn sges(&self) -> Vec<LocalSlice> {
-        let mut left = self.len;
-        self.slots
-            .iter()
-            .map(|s| {
-                let l = left.min(s.len() as u64);
-                left -= l;
-                s.local(0..l).expect("within the slot")
-            })
-            .collect()
-    }
     /// Copy `src` into the bounce slots (before a send/write).
     pub fn copy_in(&mut self, src: &[u8]) {
         let mut off = 0;
         for s in &mut self.slots {
-            let n = (src.len() - off).min(s.len());
+            let n = (src.len() - off).min(s.as_slice().len());
             s.as_mut_slice()[..n].copy_from_slice(&src[off..off + n]);
             off += n;
         }
@@ -557,12 +1138,53 @@ impl BounceBuffer {
     pub fn copy_out(&self, dst: &mut [u8]) {
         let mut off = 0;
         for s in &self.slots {
-            let n = (dst.len() - off).min(s.len());
+            let n = (dst.len() - off).min(s.as_slice().len());
             dst[off..off + n].copy_from_slice(&s.as_slice()[..n]);
             off += n;
         }
     }
 }
+
+// SAFETY: the bounce buffer owns its pool slots (each keeps its registered chunk alive); the
+// SGEs are cut from the slots with their lkeys, in order.
+unsafe impl Registered for BounceBuffer {
+    fn len(&self) -> u64 {
+        self.len
+    }
+    fn sges(&self, range: Range<u64>, out: &mut Vec<LocalSlice>) -> Result<()> {
+        check_range(&range, self.len, "bounce buffer")?;
+        let mut base = 0u64;
+        for s in &self.slots {
+            let l = s.as_slice().len() as u64;
+            let (a, b) = (range.start.max(base), range.end.min(base + l));
+            if a < b {
+                out.push(s.local(a - base..b - base)?);
+            }
+            base += l;
+        }
+        Ok(())
+    }
+}
+// SAFETY: owned slots: nothing else references them while a work request holds the buffer.
+unsafe impl DeviceWritable for BounceBuffer {}
+
+// SAFETY: either variant upholds the contract itself.
+unsafe impl Registered for Registration {
+    fn len(&self) -> u64 {
+        match self {
+            Registration::Mr(h) => Registered::len(h),
+            Registration::Bounce(b) => b.len,
+        }
+    }
+    fn sges(&self, range: Range<u64>, out: &mut Vec<LocalSlice>) -> Result<()> {
+        match self {
+            Registration::Mr(h) => h.sges(range, out),
+            Registration::Bounce(b) => b.sges(range, out),
+        }
+    }
+}
+// SAFETY: as above (a raw handle under `get_or_bounce_raw`'s contract, or owned slots).
+unsafe impl DeviceWritable for Registration {}
 
 /// Per-thread counters, written by their owner only.
 #[derive(Debug, Default)]
@@ -765,6 +1387,22 @@ struct Inner {
 }
 
 /// The registration cache. Cheap to clone (shared).
+///
+/// ```
+/// # use mrkit::cache::{CacheConfig, RegCache};
+/// # use mrkit::{AccessFlags, Context};
+/// # let pd = Context::open_default().unwrap().alloc_pd().unwrap();
+/// # let cache = RegCache::new(&pd, CacheConfig::default()).unwrap();
+/// let v = vec![0u8; 4096];
+/// let h = cache.get_ref(&v, AccessFlags::empty()).unwrap();
+/// assert_eq!(cache.len(), 1);
+/// let (start, end, _access, users) = cache.entries()[0];
+/// assert!(start <= v.as_ptr() as u64 && end >= v.as_ptr() as u64 + 4096 && users == 1);
+/// assert!(cache.id() > 0 && cache.is_monitored());
+/// drop(h);
+/// assert_eq!(cache.flush_idle(), 1); // release every idle entry now
+/// assert!(cache.is_empty());
+/// ```
 #[derive(Debug, Clone)]
 pub struct RegCache {
     inner: Arc<Inner>,
@@ -782,6 +1420,16 @@ enum Lookup {
 
 impl RegCache {
     /// A cache over `pd`.
+    ///
+    /// `EOPNOTSUPP` with the default [`MonitorMode::Userfaultfd`] when the process cannot use
+    /// userfaultfd (the message says how to allow it).
+    ///
+    /// ```
+    /// use mrkit::cache::{CacheConfig, RegCache};
+    /// let pd = mrkit::Context::open_default().unwrap().alloc_pd().unwrap();
+    /// let cache = RegCache::new(&pd, CacheConfig::default()).unwrap();
+    /// assert!(cache.is_empty());
+    /// ```
     pub fn new(pd: &ProtectionDomain, cfg: CacheConfig) -> Result<RegCache> {
         let monitor = match cfg.monitor {
             MonitorMode::Userfaultfd => Some(monitor::global().map_err(|e| {
@@ -790,12 +1438,12 @@ impl RegCache {
                     format!(
                         "{e}; the cache cannot see munmap/madvise without it. Allow userfaultfd \
                          (root, CAP_SYS_PTRACE, vm.unprivileged_userfaultfd=1 or access to \
-                         /dev/userfaultfd) or choose MonitorMode::ExplicitOnly and call \
-                         invalidate() before freeing cached memory"
+                         /dev/userfaultfd) or choose the unsafe MonitorMode::explicit_only() \
+                         and call invalidate() before freeing cached memory"
                     ),
                 )
             })?),
-            MonitorMode::ExplicitOnly => None,
+            MonitorMode::ExplicitOnly(_) => None,
         };
         let page = rustix::param::page_size() as u64;
         let max_mr = pd.context().query_device().max_mr_size;
@@ -835,32 +1483,249 @@ impl RegCache {
         self.inner.id
     }
 
-    /// A registration covering `[addr, addr+len)` with at least `access`.
+    /// A registration of `range` (offsets into `mem`) over memory the cache then
+    /// **co-owns**: the handle, and with remote rights the cached entry too, keep `mem` alive,
+    /// so the rkey stays sound for as long as a peer can use it (until the entry is
+    /// invalidated, evicted or idle-released, and its last handle is dropped). With remote
+    /// rights the registration covers at most `mem`'s own bytes. `EINVAL` for a range outside
+    /// `mem` or empty.
     ///
-    /// The caller guarantees the range is mapped memory it may register; the cache guarantees
-    /// the returned keys translate to the pages mapped at the time of the call (not to pages
-    /// of an earlier mapping at the same address).
+    /// Use this path for memory peers read or write (any of `REMOTE_READ`, `REMOTE_WRITE`,
+    /// `REMOTE_ATOMIC`, `MW_BIND`, the flush rights). While an entry with remote rights holds
+    /// `mem`, `Arc::get_mut` on it fails: peers may write it at any time, so the process gets
+    /// no `&mut` to it until [`invalidate`](Self::invalidate) (or eviction) has deregistered
+    /// the entry. With local rights only, the entry keeps nothing and `mem` is the caller's
+    /// again once the handle is dropped.
     ///
-    /// **Known soundness hole:** this is a safe function on a raw address, but the device (and
-    /// every peer given the rkey) may read and write the range while the registration is
-    /// cached, which the type system does not see: registering memory safe code treats as
-    /// immutable or frees is undefined behaviour. Treat calls as `unsafe` until the cache gets
-    /// an owned/borrowed entry point and an `unsafe` raw one.
+    /// ```
+    /// use std::sync::Arc;
+    /// use mrkit::cache::{CacheConfig, RegCache};
+    /// use mrkit::{AccessFlags, Buffer, Context};
+    /// let pd = Context::open_default().unwrap().alloc_pd().unwrap();
+    /// let cache = RegCache::new(&pd, CacheConfig::default()).unwrap();
+    /// let io = Arc::new(Buffer::new(64 << 10).unwrap());
+    /// let all = 0..io.len() as u64;
+    /// let acc = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE;
+    /// let h = cache.get_owned(&io, all.clone(), acc).unwrap();
+    /// let for_peer = h.remote(0..4096).unwrap(); // hand this to the peer
+    /// drop(h);
+    /// // The entry keeps the buffer (and the rkey) alive; the next lookup is a hit.
+    /// assert_eq!(cache.get_owned(&io, all, acc).unwrap().rkey(), for_peer.rkey);
+    /// assert_eq!(Arc::strong_count(&io), 2);
+    /// cache.invalidate(io.addr(), io.len() as u64);
+    /// assert_eq!(Arc::strong_count(&io), 1); // deregistered: the buffer is ours alone again
+    /// ```
     #[inline]
-    pub fn get(&self, addr: u64, len: u64, access: AccessFlags) -> Result<RegHandle> {
+    pub fn get_owned<M: OwnedMemory>(
+        &self,
+        mem: &Arc<M>,
+        range: Range<u64>,
+        access: AccessFlags,
+    ) -> Result<RegOwned<M>> {
+        let (base, size) = mem.range();
+        let (off, len) = check_range(&range, size, "owned memory")?;
+        let addr = base + off;
+        let h = match self.fast_hit(addr, len, access) {
+            Some(h) => h,
+            None => {
+                let own = access.intersects(REMOTE_RIGHTS).then(|| OwnerRange {
+                    owner: mem.clone(),
+                    start: base,
+                    end: base + size,
+                });
+                self.get_slow(addr, len, access, false, own.as_ref())
+                    .map_err(|(e, _)| e)?
+            }
+        };
+        Ok(RegOwned {
+            h,
+            mem: mem.clone(),
+            addr,
+            len,
+        })
+    }
+
+    /// A registration of borrowed bytes the device only **reads** (SEND, RDMA WRITE source):
+    /// the handle borrows `mem` for `'a`. `access` may hold no write and no remote right:
+    /// `EINVAL` otherwise (see [`get_mut`](Self::get_mut) and [`get_owned`](Self::get_owned)).
+    ///
+    /// ```
+    /// use mrkit::cache::{CacheConfig, RegCache};
+    /// use mrkit::{AccessFlags, Context, Registered};
+    /// let pd = Context::open_default().unwrap().alloc_pd().unwrap();
+    /// let cache = RegCache::new(&pd, CacheConfig::default()).unwrap();
+    /// let msg = String::from("hello");
+    /// let h = cache.get_ref(msg.as_bytes(), AccessFlags::empty()).unwrap();
+    /// let mut sges = Vec::new();
+    /// h.sges(0..5, &mut sges).unwrap(); // what a SEND of "hello" posts
+    /// assert_eq!((sges[0].addr, sges[0].len), (msg.as_ptr() as u64, 5));
+    /// ```
+    ///
+    /// Remote rights on borrowed memory are refused: the cached registration (and the rkey a
+    /// peer holds) would outlive the borrow.
+    ///
+    /// ```
+    /// # use mrkit::cache::{CacheConfig, RegCache};
+    /// # use mrkit::{AccessFlags, Context, Errno};
+    /// # let pd = Context::open_default().unwrap().alloc_pd().unwrap();
+    /// # let cache = RegCache::new(&pd, CacheConfig::default()).unwrap();
+    /// let s = String::from("immutable");
+    /// let err = cache.get_ref(s.as_bytes(), AccessFlags::REMOTE_WRITE).unwrap_err();
+    /// assert_eq!(err.errno(), Errno::EINVAL);
+    /// ```
+    #[inline]
+    pub fn get_ref<'a>(&self, mem: &'a [u8], access: AccessFlags) -> Result<RegRef<'a>> {
+        if access.is_writable() || access.intersects(REMOTE_RIGHTS) {
+            return Err(borrowed_rights_error(access, "get_ref (a shared borrow)"));
+        }
+        let h = self.get_local(mem.as_ptr() as u64, mem.len() as u64, access)?;
+        Ok(RegRef { h, mem })
+    }
+
+    /// A registration of borrowed bytes the device may **write** (RDMA READ destination,
+    /// receive buffer, atomic result; also readable): the handle borrows `mem` exclusively for
+    /// `'a`. Ask for `LOCAL_WRITE` where the device writes (an MR without it completes such
+    /// a work request with a local protection error, as on hardware). Remote rights are
+    /// refused with `EINVAL`: use [`get_owned`](Self::get_owned).
+    ///
+    /// ```
+    /// use mrkit::cache::{CacheConfig, RegCache};
+    /// use mrkit::{AccessFlags, Context, DeviceWritable};
+    /// let pd = Context::open_default().unwrap().alloc_pd().unwrap();
+    /// let cache = RegCache::new(&pd, CacheConfig::default()).unwrap();
+    /// let mut block = vec![0u8; 4096];
+    /// for _ in 0..3 {
+    ///     let mut h = cache.get_mut(&mut block, AccessFlags::LOCAL_WRITE).unwrap();
+    ///     fn post_read_into(_dst: impl DeviceWritable) {}
+    ///     h.as_mut_slice()[0] += 1; // the CPU may write too, between work requests
+    ///     post_read_into(&mut h);
+    /// } // each handle drop ends the borrow; the registration stays cached
+    /// assert_eq!(block[0], 3);
+    /// assert_eq!(cache.stats().misses, 1);
+    /// ```
+    ///
+    /// A handle cannot outlive the memory it borrows:
+    ///
+    /// ```compile_fail,E0505
+    /// # use mrkit::cache::{CacheConfig, RegCache};
+    /// # use mrkit::{AccessFlags, Buffer, Context};
+    /// # let pd = Context::open_default().unwrap().alloc_pd().unwrap();
+    /// # let cache = RegCache::new(&pd, CacheConfig::default()).unwrap();
+    /// let mut buf = Buffer::new(4096).unwrap();
+    /// let h = cache.get_mut(buf.as_mut_slice(), AccessFlags::LOCAL_WRITE).unwrap();
+    /// drop(buf); // error: `buf` is still borrowed by `h`
+    /// let _keep = h;
+    /// ```
+    #[inline]
+    pub fn get_mut<'a>(&self, mem: &'a mut [u8], access: AccessFlags) -> Result<RegMut<'a>> {
+        if access.intersects(REMOTE_RIGHTS) {
+            return Err(borrowed_rights_error(access, "get_mut (a borrow)"));
+        }
+        let h = self.get_local(mem.as_ptr() as u64, mem.len() as u64, access)?;
+        Ok(RegMut { h, mem })
+    }
+
+    #[inline]
+    fn get_local(&self, addr: u64, len: u64, access: AccessFlags) -> Result<RegHandle> {
         if let Some(h) = self.fast_hit(addr, len, access) {
             return Ok(h);
         }
-        self.get_slow(addr, len, access, false).map_err(|(e, _)| e)
+        self.get_slow(addr, len, access, false, None)
+            .map_err(|(e, _)| e)
     }
 
-    /// Like [`get`](Self::get), but when the memory cannot be registered (device limits
-    /// after eviction) and a bounce pool is configured, return pool slots to copy through.
-    pub fn get_or_bounce(&self, addr: u64, len: u64, access: AccessFlags) -> Result<Registration> {
+    /// A registration covering `[addr, addr+len)` with at least `access`, on a raw address.
+    ///
+    /// The cache guarantees the returned keys translate to the pages mapped at the time of
+    /// the call (not to pages of an earlier mapping at the same address). Prefer the safe
+    /// entry points ([`get_owned`](Self::get_owned), [`get_ref`](Self::get_ref),
+    /// [`get_mut`](Self::get_mut)); this one is for memory no Rust value owns (a C caller's,
+    /// a custom allocator's).
+    ///
+    /// # Safety
+    ///
+    /// The registration may cover more than the requested bytes: the whole pages around them,
+    /// with [`Shape::Merge`] the neighbouring raw registrations of the same kind (rights are
+    /// the union), with [`Shape::WholeAllocation`] the whole mapping; [`RegHandle::range`]
+    /// says which. For all of those bytes the caller guarantees:
+    ///
+    /// * they stay mapped, and are not freed or reused for data the device must not touch,
+    ///   for as long as any handle from this call (or a clone) lives; where a work request
+    ///   lets the device write them, nothing else reads or writes them until it completes;
+    /// * with remote rights (`REMOTE_*`, `MW_BIND`, flushes), for as long as the entry stays
+    ///   registered, which outlives the handles: until [`invalidate`](Self::invalidate) over
+    ///   them has returned (or the entry was evicted or idle-released) and every handle has
+    ///   been dropped. Peers holding the rkey may read and write them at any time until then.
+    ///   The userfaultfd monitor does not shorten this: it drops an entry at the first
+    ///   lookup after the unmap, not at the unmap;
+    /// * with local rights only and [`MonitorMode::explicit_only`], the contract of that
+    ///   mode (invalidate before unmapping).
+    ///
+    /// ```
+    /// use mrkit::cache::{CacheConfig, RegCache};
+    /// use mrkit::{AccessFlags, Context};
+    /// let pd = Context::open_default().unwrap().alloc_pd().unwrap();
+    /// let cache = RegCache::new(&pd, CacheConfig::default()).unwrap();
+    /// let v = vec![0u8; 1 << 16];
+    /// // SAFETY: `v` outlives the handle and the entry (invalidated before `v` is dropped);
+    /// // the local rights let nothing but this handle's work requests reach it.
+    /// let h = unsafe { cache.get_raw(v.as_ptr() as u64, v.len() as u64, AccessFlags::empty()) }.unwrap();
+    /// assert!(h.range().0 <= v.as_ptr() as u64);
+    /// drop(h);
+    /// cache.invalidate(v.as_ptr() as u64, v.len() as u64);
+    /// ```
+    ///
+    /// Registering a raw address without `unsafe` does not compile (the issue this closes: a
+    /// safe lookup on an immutable `String`, changed by a loopback RDMA WRITE through the
+    /// rkey):
+    ///
+    /// ```compile_fail,E0133
+    /// # use mrkit::cache::{CacheConfig, RegCache};
+    /// # use mrkit::{AccessFlags, Context};
+    /// # let pd = Context::open_default().unwrap().alloc_pd().unwrap();
+    /// # let cache = RegCache::new(&pd, CacheConfig::default()).unwrap();
+    /// let s = String::from("immutable");
+    /// let h = cache.get_raw(s.as_ptr() as u64, s.len() as u64, AccessFlags::REMOTE_WRITE);
+    /// ```
+    #[inline]
+    pub unsafe fn get_raw(&self, addr: u64, len: u64, access: AccessFlags) -> Result<RegHandle> {
+        if let Some(h) = self.fast_hit(addr, len, access) {
+            return Ok(h);
+        }
+        self.get_slow(addr, len, access, false, None)
+            .map_err(|(e, _)| e)
+    }
+
+    /// Like [`get_raw`](Self::get_raw), but when the memory cannot be registered (device
+    /// limits after eviction) and a bounce pool is configured ([`CacheConfig::bounce`]),
+    /// return pool slots to copy through instead.
+    ///
+    /// # Safety
+    ///
+    /// As [`get_raw`](Self::get_raw).
+    ///
+    /// ```
+    /// use mrkit::cache::{CacheConfig, RegCache, Registration};
+    /// use mrkit::{AccessFlags, Context};
+    /// let pd = Context::open_default().unwrap().alloc_pd().unwrap();
+    /// let cache = RegCache::new(&pd, CacheConfig::default()).unwrap();
+    /// let v = vec![7u8; 4096];
+    /// // SAFETY: `v` outlives the handle; local rights only.
+    /// match unsafe { cache.get_or_bounce_raw(v.as_ptr() as u64, 4096, AccessFlags::empty()) }.unwrap() {
+    ///     Registration::Mr(h) => assert!(h.lkey() != 0),
+    ///     Registration::Bounce(mut b) => b.copy_in(&v), // post `b` instead of `v`
+    /// }
+    /// ```
+    pub unsafe fn get_or_bounce_raw(
+        &self,
+        addr: u64,
+        len: u64,
+        access: AccessFlags,
+    ) -> Result<Registration> {
         if let Some(h) = self.fast_hit(addr, len, access) {
             return Ok(Registration::Mr(h));
         }
-        match self.get_slow(addr, len, access, false) {
+        match self.get_slow(addr, len, access, false, None) {
             Ok(h) => Ok(Registration::Mr(h)),
             Err((e, device_limit)) => {
                 let Some(pool) = self.inner.cfg.bounce.as_ref().filter(|_| device_limit) else {
@@ -1044,6 +1909,7 @@ impl RegCache {
         len: u64,
         access: AccessFlags,
         mut no_widen: bool,
+        own: Option<&OwnerRange>,
     ) -> std::result::Result<RegHandle, (Error, bool)> {
         let inner = &*self.inner;
         let c = &inner.shared.c;
@@ -1082,7 +1948,22 @@ impl RegCache {
             }
             // --- miss: shape outside the lock ---
             let (mut s, mut e) = self.shape(addr, end, no_widen);
+            if let Some(o) = own {
+                // Peers may reach every byte of the registration: only the owner's.
+                s = s.max(o.start);
+                e = e.min(o.end);
+            }
             let mut acc = access;
+            // Merge only with entries of the same kind: with remote rights the union would
+            // expose every member's bytes to peers, which only members that asked for remote
+            // rights themselves (raw callers, under their contract) have agreed to.
+            let remote = access.intersects(REMOTE_RIGHTS);
+            let joins = |x: &Entry| {
+                x.ready().is_some()
+                    && !x.is_dead()
+                    && x.mergeable
+                    && x.access.intersects(REMOTE_RIGHTS) == remote
+            };
             let placeholder;
             let mut superseded: Vec<Arc<Entry>> = Vec::new();
             let mut victims: Vec<Arc<Entry>> = Vec::new();
@@ -1094,11 +1975,11 @@ impl RegCache {
                 }) {
                     continue;
                 }
-                if let (Shape::Merge { cap }, false) = (inner.cfg.shape, no_widen) {
+                if let (Shape::Merge { cap }, false, None) = (inner.cfg.shape, no_widen, own) {
                     for _ in 0..3 {
                         let near: Vec<(u64, u64, AccessFlags)> = ix
                             .overlapping(s, e, true)
-                            .filter(|(_, _, _, x)| x.ready().is_some() && !x.is_dead())
+                            .filter(|(_, _, _, x)| joins(x))
                             .map(|(a, b, _, x)| (a, b, x.access))
                             .collect();
                         let ns = near.iter().map(|n| n.0).min().unwrap_or(s).min(s);
@@ -1115,9 +1996,7 @@ impl RegCache {
                     // Supersede every ready entry inside the merged range.
                     let ids: Vec<(u64, u64)> = ix
                         .overlapping(s, e, false)
-                        .filter(|(a, b, _, x)| {
-                            *a >= s && *b <= e && x.ready().is_some() && !x.is_dead()
-                        })
+                        .filter(|(a, b, _, x)| *a >= s && *b <= e && joins(x))
                         .map(|(a, _, id, _)| (a, id))
                         .collect();
                     for (a, id) in ids {
@@ -1148,6 +2027,8 @@ impl RegCache {
                     shared: inner.shared.clone(),
                     leases: LeaseSet::new(),
                     retired: AtomicBool::new(false),
+                    owner: Mutex::new(own.map(|o| o.owner.clone())),
+                    mergeable: own.is_none(),
                 });
                 if fits {
                     ix.insert(s, e, placeholder.id, placeholder.clone());
@@ -1278,9 +2159,16 @@ impl RegCache {
         let mut a = s;
         while a < e {
             let l = (e - a).min(self.inner.max_chunk);
-            // SAFETY: `RegCache::get`'s caller guarantees the range is memory it may register;
-            // the cache deregisters it when the memory monitor reports it unmapped (and
-            // never hands out keys for a stale mapping).
+            // SAFETY: the memory is valid for as long as the device can reach it through this
+            // MR, by the path that asked (module docs, "The caller's contract"): an owned
+            // lookup holds the owner during this call and in its handles, and with remote
+            // rights in the entry until after deregistration (`Entry::retire`), and the range is
+            // clamped to the owner; a borrowed lookup holds the borrow during this call and in
+            // its handles, and gets local rights only, so after the borrow ends no work request
+            // can name these keys without a new lookup, which the monitor (or the `unsafe`
+            // explicit-invalidation promise) keeps from finding a stale translation; a raw
+            // lookup has `get_raw`'s contract. Widening past the request (rounding, merging,
+            // whole allocation) is local-only or among raw remote entries (see `Shape`).
             let mem = unsafe { mrkit_soft::UserMemory::new(a, l) };
             match ctx.provider().reg_mr(sh.pd.handle(), mem, a, access) {
                 Ok(info) => out.push(Piece {
@@ -1381,6 +2269,17 @@ impl RegCache {
 
     /// Invalidate every entry overlapping `[addr, addr+len)`: they leave the cache at once;
     /// entries in use are deregistered when their last handle drops. Returns how many.
+    ///
+    /// ```
+    /// # use mrkit::cache::{CacheConfig, RegCache};
+    /// # use mrkit::{AccessFlags, Context};
+    /// # let pd = Context::open_default().unwrap().alloc_pd().unwrap();
+    /// # let cache = RegCache::new(&pd, CacheConfig::default()).unwrap();
+    /// let mut v = vec![0u8; 4096];
+    /// drop(cache.get_mut(&mut v, AccessFlags::LOCAL_WRITE).unwrap());
+    /// assert_eq!(cache.invalidate(v.as_ptr() as u64, 4096), 1);
+    /// assert!(cache.is_empty());
+    /// ```
     pub fn invalidate(&self, addr: u64, len: u64) -> usize {
         let end = addr.saturating_add(len);
         let dead = {
@@ -1472,6 +2371,19 @@ impl RegCache {
 
     /// Release entries idle for longer than the configured `idle_timeout` at `now`
     /// (CLOCK-style: an entry used since the previous scan starts a new idle period).
+    ///
+    /// ```
+    /// use std::time::{Duration, Instant};
+    /// use mrkit::cache::{CacheConfig, RegCache};
+    /// use mrkit::{AccessFlags, Context};
+    /// let pd = Context::open_default().unwrap().alloc_pd().unwrap();
+    /// let cfg = CacheConfig { idle_timeout: Duration::from_millis(10), ..Default::default() };
+    /// let cache = RegCache::new(&pd, cfg).unwrap();
+    /// let v = vec![0u8; 4096];
+    /// drop(cache.get_ref(&v, AccessFlags::empty()).unwrap());
+    /// cache.scan_idle(Instant::now()); // used since the last scan: a new idle period starts
+    /// assert_eq!(cache.scan_idle(Instant::now() + Duration::from_secs(1)), 1);
+    /// ```
     pub fn scan_idle(&self, now: Instant) -> usize {
         let t = self.tick(now);
         {
@@ -1491,6 +2403,15 @@ impl RegCache {
 
     /// Start a background thread calling [`scan_idle`](Self::scan_idle) every `interval`; it
     /// stops when the returned guard or the cache is dropped.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use mrkit::cache::{CacheConfig, RegCache};
+    /// let pd = mrkit::Context::open_default().unwrap().alloc_pd().unwrap();
+    /// let cache = RegCache::new(&pd, CacheConfig::default()).unwrap();
+    /// let scanner = cache.start_idle_scanner(Duration::from_secs(10));
+    /// drop(scanner); // stops and joins the thread
+    /// ```
     pub fn start_idle_scanner(&self, interval: Duration) -> IdleScanner {
         let (tx, rx) = std::sync::mpsc::channel::<()>();
         let weak = Arc::downgrade(&self.inner);
@@ -1512,7 +2433,7 @@ impl RegCache {
     }
 
     /// Evict every idle entry now, and detach from the userfaultfd monitor every page range
-    /// no cache uses any more (kept attached to make later misses cheap, see [`monitor`]).
+    /// no cache uses any more (kept attached to make later misses cheap; see the module docs).
     pub fn flush_idle(&self) -> usize {
         let n = self.evict_idle(usize::MAX, None);
         if let Some(m) = self.inner.shared.monitor {
@@ -1611,6 +2532,7 @@ impl Drop for Inner {
 }
 
 /// Stops the idle scanner thread on drop.
+/// (Example at [`RegCache::start_idle_scanner`].)
 #[derive(Debug)]
 pub struct IdleScanner {
     stop: Option<std::sync::mpsc::Sender<()>>,
@@ -1628,6 +2550,12 @@ impl Drop for IdleScanner {
 
 /// Bounds of the mapping(s) containing `[a, b)` from `/proc/self/maps` (contiguous VMAs
 /// with equal permissions), or `None`.
+///
+/// ```
+/// let b = mrkit::Buffer::new(3 * 4096).unwrap();
+/// let (s, e) = mrkit::cache::vma_bounds(b.addr() + 10, b.addr() + 20).unwrap();
+/// assert!(s <= b.addr() && b.addr() + 3 * 4096 <= e);
+/// ```
 ///
 /// A read of `/proc/self/maps` is not atomic: while another thread maps or unmaps, the
 /// kernel can skip a VMA between two `read` chunks. A miss is therefore retried a few

@@ -165,7 +165,6 @@ impl Event {
 #[derive(Debug)]
 pub struct Uffd {
     fd: OwnedFd,
-    features: u64,
 }
 
 fn last_err() -> io::Error {
@@ -189,10 +188,7 @@ impl Uffd {
         if rc != 0 {
             return Err(last_err());
         }
-        Ok(Uffd {
-            fd,
-            features: api.features,
-        })
+        Ok(Uffd { fd })
     }
 
     fn raw_open() -> io::Result<OwnedFd> {
@@ -216,11 +212,6 @@ impl Uffd {
         }
         // SAFETY: fresh fd from the kernel, owned by us.
         Ok(unsafe { OwnedFd::from_raw_fd(fd) })
-    }
-
-    /// Features the kernel granted.
-    pub fn features(&self) -> u64 {
-        self.features
     }
 
     /// Attach `[start, start+len)` (page aligned, mapped) in WP mode: events only, no fault

@@ -3,7 +3,7 @@
 
 use std::os::unix::fs::FileExt;
 
-use mrkit::cache::RegHandle;
+use mrkit::cache::{MonitorMode, RegCache, RegHandle, Registration};
 use mrkit::{AccessFlags, Context, ProtectionDomain};
 use mrkit_soft::mr::{AccessDenied, KeyUse, MrGuard};
 
@@ -11,6 +11,46 @@ pub fn open() -> (Context, ProtectionDomain) {
     let ctx = Context::open(mrkit::DeviceConfig::rxe());
     let pd = ctx.alloc_pd().unwrap();
     (ctx, pd)
+}
+
+/// The cache tests drive the raw-address lookups (`RegCache::get_raw`, `get_or_bounce_raw`)
+/// on the tests' own memory.
+pub trait RawGet {
+    /// `RegCache::get_raw`.
+    fn raw(&self, addr: u64, len: u64, access: AccessFlags) -> mrkit::Result<RegHandle>;
+    /// `RegCache::get_or_bounce_raw`.
+    fn raw_or_bounce(
+        &self,
+        addr: u64,
+        len: u64,
+        access: AccessFlags,
+    ) -> mrkit::Result<Registration>;
+}
+
+impl RawGet for RegCache {
+    fn raw(&self, addr: u64, len: u64, access: AccessFlags) -> mrkit::Result<RegHandle> {
+        // SAFETY: test memory only: the tests' own anonymous mappings (`Map`) and buffers, which
+        // no other Rust value uses; a test unmaps or remaps one under a cached entry only to
+        // check how the cache and its monitor handle it (what the contract rules out for
+        // applications is exactly what these tests exercise, on memory nothing else reads).
+        unsafe { self.get_raw(addr, len, access) }
+    }
+    fn raw_or_bounce(
+        &self,
+        addr: u64,
+        len: u64,
+        access: AccessFlags,
+    ) -> mrkit::Result<Registration> {
+        // SAFETY: as `raw`.
+        unsafe { self.get_or_bounce_raw(addr, len, access) }
+    }
+}
+
+/// `MonitorMode::explicit_only()` for the tests, which invalidate what they unmap (or unmap
+/// only to test what the cache does without the monitor).
+pub fn explicit_only() -> MonitorMode {
+    // SAFETY: test memory only (see `RawGet::raw`).
+    unsafe { MonitorMode::explicit_only() }
 }
 
 pub fn live_mrs(ctx: &Context) -> u64 {
@@ -126,7 +166,7 @@ pub fn assert_translates_key(ctx: &Context, pd: &ProtectionDomain, key: u32, add
 }
 
 pub fn assert_translates(ctx: &Context, pd: &ProtectionDomain, h: &RegHandle, addr: u64, len: u64) {
-    for s in h.sges(addr, len).unwrap() {
+    for s in h.sges_at(addr, len).unwrap() {
         assert_translates_key(ctx, pd, s.lkey, s.addr, u64::from(s.len));
     }
 }

@@ -112,7 +112,7 @@ pub(super) fn report(raw: &Value, points: &[Point], floors: &[Floor], pm: &PerMe
         let _ = writeln!(s, "\nNote: {e}");
     }
     let _ = writeln!(s, "\n## Registration cache\n");
-    let _ = writeln!(s, "`mrkit::cache::RegCache` (page-rounded entries, explicit invalidation), lookups of 64 KiB buffers in a scrambled order; each lookup is `get` + drop of the handle.\n");
+    let _ = writeln!(s, "`mrkit::cache::RegCache` (page-rounded entries, userfaultfd monitor), lookups of 64 KiB buffers in a scrambled order; each lookup is `get_ref` + drop of the handle.\n");
     let _ = writeln!(s, "| scenario | lookups | hit rate | hits (fast path) | misses | evictions | ns / lookup |\n|---|---:|---:|---:|---:|---:|---:|");
     for c in raw["cache"].as_array().into_iter().flatten() {
         let name = format!("{} buffers, room for {}", c["buffers"], c["max_entries"]);

@@ -51,7 +51,7 @@ pub(super) fn pool_per_message(n: u64) -> Result<f64, String> {
 /// One registration-cache scenario: `lookups` gets over `buffers` buffers of 64 KiB with room
 /// for `max_entries` entries.
 pub(super) fn cache_scenario(buffers: usize, max_entries: usize, lookups: u64) -> Value {
-    use mrkit::cache::{CacheConfig, MonitorMode, RegCache};
+    use mrkit::cache::{CacheConfig, RegCache};
     let run = || -> Result<Value, String> {
         let ctx = mrkit::Context::open(DeviceConfig::rxe());
         let pd = ctx.alloc_pd().map_err(|e| e.to_string())?;
@@ -59,7 +59,6 @@ pub(super) fn cache_scenario(buffers: usize, max_entries: usize, lookups: u64) -
             &pd,
             CacheConfig {
                 max_entries,
-                monitor: MonitorMode::ExplicitOnly,
                 ..CacheConfig::default()
             },
         )
@@ -72,7 +71,7 @@ pub(super) fn cache_scenario(buffers: usize, max_entries: usize, lookups: u64) -
             // A strided walk over the working set (every buffer, in a scrambled order).
             let b = &bufs[(i as usize * 7 + i as usize / buffers) % buffers];
             let h = cache
-                .get(b.addr(), 64 << 10, AccessFlags::LOCAL_WRITE)
+                .get_ref(b.as_slice(), AccessFlags::empty())
                 .map_err(|e| e.to_string())?;
             std::hint::black_box(h.lkey());
         }
