@@ -27,6 +27,7 @@ mod device;
 mod dp;
 mod events;
 mod exports;
+mod ext;
 mod ffi;
 mod stubs;
 mod verbs;
