@@ -385,10 +385,10 @@ impl Context {
         let mut tm = RegTimer::start();
         let r = self.reg_mr_inner(pd, addr, length, iova, access, mem.into_owner(), &mut tm);
         let done = tm.finish().total_ns;
-        match &r {
-            Ok(i) => crate::probes::reg_done(addr, length, access.bits(), 0, i.lkey, done),
-            Err(e) => crate::probes::reg_done(addr, length, access.bits(), e.errno().raw(), 0, done),
-        }
+        let (errno, lkey) = r
+            .as_ref()
+            .map_or_else(|e| (e.errno().raw(), 0), |i| (0, i.lkey));
+        crate::probes::reg_done(addr, length, access.bits(), errno, lkey, done);
         let s = &self.dev.stats;
         let p = crate::stats::process();
         match &r {
@@ -676,7 +676,11 @@ impl Context {
     /// the memory again.**
     pub fn dereg_mr(&self, lkey: u32) -> Result<()> {
         let r = self.dereg_mr_inner(lkey);
-        crate::probes::dereg(lkey, r.as_ref().map_or(0, |l| *l), r.as_ref().err().map_or(0, |e| e.errno().raw()));
+        crate::probes::dereg(
+            lkey,
+            r.as_ref().map_or(0, |l| *l),
+            r.as_ref().err().map_or(0, |e| e.errno().raw()),
+        );
         r.map(drop)
     }
 

@@ -33,19 +33,19 @@ pub(crate) enum RetryCause {
 }
 
 /// A registration starts.
-#[inline(always)]
+#[inline(never)] // one probe site per probe: bpftrace 0.17 refuses probes with several locations
 pub(crate) fn reg_start(addr: u64, length: u64, access: u32) {
     probe::probe!(mrkit, reg_start, addr, length, access);
 }
 
 /// A registration ended: `errno` 0 on success (then `lkey` is its key).
-#[inline(always)]
+#[inline(never)] // one probe site per probe: bpftrace 0.17 refuses probes with several locations
 pub(crate) fn reg_done(addr: u64, length: u64, access: u32, errno: i32, lkey: u32, ns: u64) {
     probe::probe!(mrkit, reg_done, addr, length, access, errno, lkey, ns);
 }
 
 /// A registration phase ended (see [`crate::stats::timing`]).
-#[inline(always)]
+#[inline(never)] // one probe site per probe: bpftrace 0.17 refuses probes with several locations
 pub(crate) fn reg_phase(phase: Phase, bytes: u64, ns: u64) {
     match phase {
         Phase::Accounting => probe::probe!(mrkit, reg_accounting, bytes, ns),
@@ -57,7 +57,7 @@ pub(crate) fn reg_phase(phase: Phase, bytes: u64, ns: u64) {
 }
 
 /// A deregistration ended (`errno` 0 on success).
-#[inline(always)]
+#[inline(never)] // one probe site per probe: bpftrace 0.17 refuses probes with several locations
 pub(crate) fn dereg(lkey: u32, length: u64, errno: i32) {
     probe::probe!(mrkit, dereg, lkey, length, errno);
 }
@@ -77,13 +77,13 @@ pub fn denial_code(d: &AccessDenied) -> u32 {
 }
 
 /// The access predicate refused `key` for `[iova, iova+len)`.
-#[inline(always)]
+#[inline(never)] // one probe site per probe: bpftrace 0.17 refuses probes with several locations
 pub(crate) fn access_denied(key: u32, d: &AccessDenied, iova: u64, len: u64) {
     probe::probe_lazy!(mrkit, access_denied, key, denial_code(d), iova, len);
 }
 
 /// A retransmission starts on QP `qpn` from `psn` (or, for a NAK, the NAK's PSN).
-#[inline(always)]
+#[inline(never)] // one probe site per probe: bpftrace 0.17 refuses probes with several locations
 pub(crate) fn retransmit(qpn: u32, psn: u32, cause: RetryCause) {
     probe::probe!(mrkit, retransmit, qpn, psn, cause as u8);
 }

@@ -252,7 +252,10 @@ pub struct RxDrops {
 impl RxDrops {
     pub(crate) fn add(&self, k: RxDrop, n: u64) {
         self.counts[k as usize].fetch_add(n, Relaxed);
-        if matches!(k, RxDrop::BadIcrc | RxDrop::IcrcForeignId | RxDrop::IcrcCutRun) {
+        if matches!(
+            k,
+            RxDrop::BadIcrc | RxDrop::IcrcForeignId | RxDrop::IcrcCutRun
+        ) {
             hw::add(hw::Hw::RxIcrcEncapsulated, n);
         }
     }

@@ -41,7 +41,10 @@ fn counters_move_by_the_right_amounts() {
     let base = hw::snapshot();
     let d = delta(&base);
     a.ctx
-        .post_send(a.qp, &[SendWr::new(1, WrOpcode::Send).sge(ma.iova, 100, ma.lkey)])
+        .post_send(
+            a.qp,
+            &[SendWr::new(1, WrOpcode::Send).sge(ma.iova, 100, ma.lkey)],
+        )
         .unwrap();
     drive_until_idle(&[&a.ctx, &b.ctx]); // SEND, RNR NAK
     b.ctx
@@ -97,22 +100,40 @@ fn counters_move_by_the_right_amounts() {
     let deadline = Instant::now() + Duration::from_secs(10);
     while d(Hw::LocalAckTimeoutErr) < 2 {
         a.ctx.progress_once(Instant::now());
-        assert!(Instant::now() < deadline, "the retransmission timer never fired");
+        assert!(
+            Instant::now() < deadline,
+            "the retransmission timer never fired"
+        );
         std::thread::sleep(Duration::from_millis(2));
     }
     let timeouts = d(Hw::LocalAckTimeoutErr);
     assert_eq!(poll_one(&a, &b).status, WcStatus::Success);
     assert_eq!(dst, src);
-    assert_eq!(d(Hw::LocalAckTimeoutErr), timeouts, "no timeout once answered");
-    assert_eq!(d(Hw::CompleterRetryErr), timeouts, "one go-back-N per timeout");
-    assert_eq!(d(Hw::DuplicateRequest), timeouts, "each retry arrives as a duplicate");
+    assert_eq!(
+        d(Hw::LocalAckTimeoutErr),
+        timeouts,
+        "no timeout once answered"
+    );
+    assert_eq!(
+        d(Hw::CompleterRetryErr),
+        timeouts,
+        "one go-back-N per timeout"
+    );
+    assert_eq!(
+        d(Hw::DuplicateRequest),
+        timeouts,
+        "each retry arrives as a duplicate"
+    );
     assert_eq!(d(Hw::OutOfSequence), 0);
     assert_eq!(d(Hw::RetryExceededErr), 0);
     // The WRITE and its retries one way; ACKs the other way (the responder coalesces the
     // ACKs of the copies it takes in one run).
     let writes = 1 + timeouts;
     let acks = d(Hw::SentPkts) - writes;
-    assert!((1..=writes).contains(&acks), "{acks} ACKs for {writes} WRITEs");
+    assert!(
+        (1..=writes).contains(&acks),
+        "{acks} ACKs for {writes} WRITEs"
+    );
     let bytes = writes * wire_len(Opcode::RdmaWriteOnly, 64) as u64
         + acks * wire_len(Opcode::Acknowledge, 0) as u64;
     assert_eq!(d(Hw::PortXmitData), bytes / 4);

@@ -261,12 +261,22 @@ fn print_mrs(procs: &[Value]) {
         }
         let total = m["total"].as_u64().unwrap_or(0);
         if total > list.len() as u64 {
-            say!("pid {}: {} more MRs not listed", p["pid"], total - list.len() as u64);
+            say!(
+                "pid {}: {} more MRs not listed",
+                p["pid"],
+                total - list.len() as u64
+            );
         }
     }
 }
 
-fn print_selected(a: &StatArgs, procs: &[Value], dirs: &[PathBuf], prev: Option<&[Value]>, dt: f64) {
+fn print_selected(
+    a: &StatArgs,
+    procs: &[Value],
+    dirs: &[PathBuf],
+    prev: Option<&[Value]>,
+    dt: f64,
+) {
     if !(a.counters || a.mrs) || procs.is_empty() {
         print_text(procs, dirs);
         return;
@@ -388,7 +398,9 @@ pub fn run(a: StatArgs) -> u8 {
             } else {
                 crate::out!("\x1b[2J\x1b[H");
                 crate::outln!("mrkit stat (every {w} s, Ctrl-C to stop)\n");
-                let dt = prev.as_ref().map_or(0.0, |(_, t)| now.duration_since(*t).as_secs_f64());
+                let dt = prev
+                    .as_ref()
+                    .map_or(0.0, |(_, t)| now.duration_since(*t).as_secs_f64());
                 print_selected(&a, &procs, &ds, prev.as_ref().map(|(p, _)| &p[..]), dt);
             }
             crate::out::flush();

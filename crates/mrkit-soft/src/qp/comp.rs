@@ -557,7 +557,10 @@ impl Completer {
     ) {
         while let Some(WqeSt::Done(status)) = sq.q.front().map(|w| w.st) {
             let w = sq.q.pop_front().expect("front exists");
-            crate::stats::hw::send_wqe_done(w.wr.opcode.wc_opcode() == crate::cq::WcOpcode::Send, status);
+            crate::stats::hw::send_wqe_done(
+                w.wr.opcode.wc_opcode() == crate::cq::WcOpcode::Send,
+                status,
+            );
             sq.cursor = sq.cursor.saturating_sub(1);
             if status != WcStatus::Success
                 || sig_all
