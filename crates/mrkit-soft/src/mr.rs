@@ -409,6 +409,7 @@ impl Context {
         r
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn reg_mr_inner(
         &self,
         pd: u32,
