@@ -207,3 +207,54 @@ fn seeds_bpftrace_histogram_on_the_registration_probes() {
     assert!(t.contains("@ns:") && t.contains('|'), "no histogram:\n{t}");
     println!("{t}");
 }
+
+#[test]
+fn a_forked_child_that_opens_the_device_exports_its_own_file() {
+    let prog = compile_c_with("fork_stat.c", true, &[]);
+    let dir = common::scratch("stat-fork");
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut c = Command::new(&prog);
+    c.arg("3000")
+        .env("LD_LIBRARY_PATH", lib_dir())
+        .env("MRKIT_STAT_DIR", &dir)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null());
+    let mut p = Kill(c.spawn().expect("spawn"));
+    let mut line = String::new();
+    // check.h reports each CHECK on stdout: skip to the program's own line. The pipe stays
+    // open until the end (a closed one would kill the child with SIGPIPE).
+    let out = p.0.stdout.take().expect("stdout");
+    let mut r = std::io::BufReader::new(out);
+    while !line.starts_with("parent ") {
+        use std::io::BufRead;
+        line.clear();
+        assert!(r.read_line(&mut line).expect("read") > 0, "no pid line");
+    }
+    let pids: Vec<u32> = line
+        .split_whitespace()
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    assert_eq!(pids.len(), 2, "{line}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let d = StatDir::open(&dir, None).expect("stat dir");
+        let listed = d.list();
+        if pids.iter().all(|p| listed.contains(p)) {
+            for pid in &pids {
+                let (v, _) = d
+                    .request_and_read(*pid, Duration::from_secs(2))
+                    .expect("read");
+                assert_eq!(v["pid"].as_u64(), Some(u64::from(*pid)), "{v}");
+                assert!(d.is_running(&v), "{v}");
+            }
+            break;
+        }
+        assert!(Instant::now() < deadline, "files for {pids:?}: {listed:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::io::copy(&mut r, &mut std::io::sink()).expect("drain stdout");
+    let st = p.0.wait().expect("wait");
+    assert!(st.success());
+    let _ = std::fs::remove_dir_all(&dir);
+}

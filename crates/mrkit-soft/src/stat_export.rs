@@ -485,6 +485,32 @@ pub fn install() -> io::Result<Option<PathBuf>> {
     install_with(ExportOptions::from_env()).map(Some)
 }
 
+/// The exporter lock, waiting at most [`LOCK_WAIT`]: it is only held for a snapshot write, but
+/// a child forked while its parent's exporter thread held it inherits it locked forever, and
+/// must then not hang (it gives up exporting instead).
+fn lock_exporter() -> io::Result<std::sync::MutexGuard<'static, Option<&'static Exporter>>> {
+    let deadline = std::time::Instant::now() + LOCK_WAIT;
+    loop {
+        match exporter().try_lock() {
+            Ok(g) => return Ok(g),
+            Err(std::sync::TryLockError::Poisoned(p)) => return Ok(p.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => {
+                if std::time::Instant::now() >= deadline {
+                    return Err(io::Error::new(
+                        io::ErrorKind::WouldBlock,
+                        "the statistics exporter lock stays held (a child forked while its \
+                         parent wrote a snapshot?); not exporting",
+                    ));
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+    }
+}
+
+/// Longest wait for the exporter lock (see [`lock_exporter`]).
+const LOCK_WAIT: Duration = Duration::from_secs(2);
+
 /// The pid whose exporter [`on_device_open`] started (0: none yet). Relaxed: it only saves
 /// the exporter lock on later opens; [`install_with`] decides under that lock.
 static STARTED_FOR: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
@@ -509,7 +535,7 @@ pub(crate) fn on_device_open(dev: &std::sync::Arc<crate::DeviceInner>) {
 
 /// Start exporting with explicit options (idempotent; the first options win).
 pub fn install_with(opts: ExportOptions) -> io::Result<PathBuf> {
-    let mut g = exporter().lock().unwrap_or_else(|e| e.into_inner());
+    let mut g = lock_exporter()?;
     if let Some(e) = *g {
         if !e.stop.load(Ordering::Relaxed) && e.pid == std::process::id() {
             return Ok(stat_path(&e.opts.dir, std::process::id()));
@@ -539,7 +565,9 @@ pub fn install_with(opts: ExportOptions) -> io::Result<PathBuf> {
 
 /// Stop the exporter thread and remove this process's files (call at a clean exit).
 pub fn shutdown() {
-    let mut g = exporter().lock().unwrap_or_else(|e| e.into_inner());
+    let Ok(mut g) = lock_exporter() else {
+        return;
+    };
     if let Some(e) = g.take() {
         e.stop.store(true, Ordering::Relaxed);
         if e.pid != std::process::id() {
