@@ -256,5 +256,20 @@ fn a_forked_child_that_opens_the_device_exports_its_own_file() {
     std::io::copy(&mut r, &mut std::io::sink()).expect("drain stdout");
     let st = p.0.wait().expect("wait");
     assert!(st.success());
+    // The parent exited normally: its exit handler removed its files (the child left by
+    // `_exit`, which runs no handler: its file stays, and readers see it is not running).
+    let parent = pids[0];
+    assert!(
+        !dir.join(format!("{parent}.stat")).exists(),
+        "parent's file left behind"
+    );
+    assert!(
+        !dir.join(format!("{parent}.req")).exists(),
+        "parent's request file left behind"
+    );
+    let d = StatDir::open(&dir, None).expect("stat dir");
+    if let Ok(v) = d.read(pids[1]) {
+        assert!(!d.is_running(&v), "{v}");
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -2,7 +2,7 @@
 //!
 //! # One exporter per process, started by the device
 //!
-//! The device starts the exporter ([`on_device_open`]) when a process opens its first
+//! The device starts the exporter (`on_device_open`) when a process opens its first
 //! `mrkit0` context, whatever it is built on: a C program on the drop-in `libibverbs.so.1`,
 //! a program on the `mrkit` crate (which re-exports this module as `mrkit::stat_export`),
 //! or the CLI's own verbs (`mrkit perf`, `bench`, `demo`). A forked child that opens a
@@ -528,6 +528,8 @@ pub(crate) fn on_device_open(dev: &std::sync::Arc<crate::DeviceInner>) {
         return;
     }
     STARTED_FOR.store(pid, Ordering::Relaxed);
+    // A normal exit removes the files (C programs on the drop-in call no shutdown).
+    crate::at_exit::register();
     if let Err(e) = install() {
         tracing::debug!(error = %e, "statistics export not started");
     }
