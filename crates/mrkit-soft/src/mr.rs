@@ -384,7 +384,10 @@ impl Context {
         crate::probes::reg_start(addr, length, access.bits());
         let mut tm = RegTimer::start();
         let r = self.reg_mr_inner(pd, addr, length, iova, access, mem.into_owner(), &mut tm);
-        let done = tm.finish().total_ns;
+        let done = match &r {
+            Ok(i) => i.reg_timing.map_or(0, |t| t.total_ns),
+            Err(_) => tm.elapsed_ns(),
+        };
         let (errno, lkey) = r
             .as_ref()
             .map_or_else(|e| (e.errno().raw(), 0), |i| (0, i.lkey));
