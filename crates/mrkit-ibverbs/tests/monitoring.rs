@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{compile_c_with, crate_dir, lib_dir, lib_path, run_with_lib, text};
+use common::{compile_c_with, lib_dir, lib_path, run_with_lib, text};
 use mrkit_soft::stat_export::StatDir;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -21,8 +21,13 @@ impl Drop for Kill {
 }
 
 fn monitor_mr_prog() -> std::path::PathBuf {
-    // Linked against the drop-in itself (the system libibverbs has no mrkit_query_mr).
-    let inc = crate_dir().join("include");
+    // The header as the build installs it beside the library (target/<profile>/include),
+    // linked against the drop-in itself (the system libibverbs has no mrkit_query_mr).
+    let inc = common::profile_dir().join("include");
+    assert!(
+        inc.join("mrkit/mrkit_ext.h").exists(),
+        "build.rs installs the header beside the library"
+    );
     let lib = lib_path();
     compile_c_with(
         "monitor_mr.c",
