@@ -10,7 +10,8 @@ cd "$(dirname "$0")/.."
 # iproute2: network namespaces for two-host tests
 # tshark: wire conformance (RoCEv2 decode with Wireshark's InfiniBand dissector)
 # libibverbs-dev, ibverbs-utils, perftest, python3-pyverbs: the drop-in libibverbs tests
-PKGS=(util-linux iproute2 gcc pkg-config tshark libibverbs-dev ibverbs-utils perftest python3-pyverbs)
+# bpftrace: the USDT probe test (crates/mrkit-ibverbs/tests/monitoring.rs)
+PKGS=(util-linux iproute2 gcc pkg-config tshark libibverbs-dev ibverbs-utils perftest python3-pyverbs bpftrace)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

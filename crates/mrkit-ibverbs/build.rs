@@ -32,6 +32,18 @@ fn main() {
                 // Dangling until rustc has linked libibverbs.so next to it; harmless if it fails.
                 let _ = std::os::unix::fs::symlink("libibverbs.so", &link);
             }
+            install_ext_header(&dir, profile_dir);
         }
+    }
+}
+
+/// The extension header beside the library: `<profile>/include/mrkit/mrkit_ext.h`, so that
+/// `cc -I target/<profile>/include` finds it next to `target/<profile>/libibverbs.so.1`.
+fn install_ext_header(crate_dir: &Path, profile_dir: &Path) {
+    let src = crate_dir.join("include/mrkit/mrkit_ext.h");
+    println!("cargo:rerun-if-changed={}", src.display());
+    let dst = profile_dir.join("include/mrkit");
+    if std::fs::create_dir_all(&dst).is_ok() {
+        let _ = std::fs::copy(&src, dst.join("mrkit_ext.h"));
     }
 }

@@ -120,6 +120,7 @@ exports! {
     ibv_query_qp @ "IBVERBS_1.1" => crate::qp::ibv_query_qp;
     ibv_query_srq @ "IBVERBS_1.1" => crate::srq::ibv_query_srq;
     ibv_reg_mr @ "IBVERBS_1.1" => crate::mr::ibv_reg_mr;
+    mrkit_query_mr @ "MRKIT_1.0" => crate::ext::mrkit_query_mr;
     ibv_rereg_mr @ "IBVERBS_1.1" => crate::mr::ibv_rereg_mr;
     ibv_resize_cq @ "IBVERBS_1.1" => crate::cq::ibv_resize_cq;
     ibv_resolve_eth_l2_from_gid @ "IBVERBS_1.1" => crate::stubs::stub_int;

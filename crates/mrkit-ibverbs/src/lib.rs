@@ -50,6 +50,8 @@ mod events;
 #[allow(unsafe_code)]
 mod exports;
 #[allow(unsafe_code)]
+mod ext;
+#[allow(unsafe_code)]
 mod ffi;
 mod fork;
 #[allow(unsafe_code)]

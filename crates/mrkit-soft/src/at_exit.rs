@@ -8,6 +8,9 @@
 //! covered: `_exit`, and death by a signal or a crash, which run no exit handlers (the peer
 //! then retransmits to a receiver that is gone, and completes with RETRY_EXC_ERR).
 //!
+//! The same handler removes the process's statistics files (`stat_export::shutdown`), so a C
+//! program on the drop-in library, which calls no shutdown of its own, leaves none behind.
+//!
 //! The only `unsafe` is the `atexit` registration.
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -31,4 +34,5 @@ pub(crate) fn register() {
 extern "C" fn flush_at_exit() {
     // A panic must not unwind into libc; nothing is left to report it to at exit.
     let _ = std::panic::catch_unwind(crate::net::loopback::flush_held_acks_of_every_device);
+    let _ = std::panic::catch_unwind(crate::stat_export::shutdown); // remove the stat files
 }

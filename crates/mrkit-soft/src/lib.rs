@@ -44,10 +44,12 @@ pub mod mw;
 pub mod net;
 pub mod odp;
 pub mod pd;
+pub mod probes;
 pub mod progress;
 pub mod qp;
 pub mod sockio;
 pub mod srq;
+pub mod stat_export;
 pub mod stats;
 pub mod table;
 pub mod user_mem;
@@ -182,6 +184,7 @@ impl Context {
             }),
         };
         net::loopback::attach(ctx.dev.dp.node_id, &ctx.dev);
+        stat_export::on_device_open(&ctx.dev);
         if ctx.dev.config.uses_delayed_acks() {
             at_exit::register();
         }

@@ -40,6 +40,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
+use crate::stats::timing::{Phase, RegTimer};
+
 use parking_lot::Mutex;
 
 use crate::access::AccessFlags;
@@ -98,6 +100,9 @@ pub struct MrInfo {
     pub pfns_known: bool,
     /// Memory windows bound to this MR now.
     pub bound_mws: u32,
+    /// How long the registration took and where the time went (measured by the device; an
+    /// MR made by a translation-changing rereg has the timing of that registration).
+    pub reg_timing: Option<crate::stats::timing::RegTiming>,
 }
 
 /// Memory held by an MR; released (unpinned) explicitly at dereg after the drain.
@@ -123,6 +128,10 @@ pub(crate) struct MrShared {
     page_size: u64,
     pin_path: Option<PinPath>,
     pfns_known: bool,
+    /// When the MR was registered (`mrkit stat --mrs` shows its age).
+    pub(crate) created: Instant,
+    /// Set once the registration finished (after the key was published).
+    timing: std::sync::OnceLock<crate::stats::timing::RegTiming>,
 }
 
 /// A registered MR as the device keeps it.
@@ -164,6 +173,10 @@ impl MrObject {
     /// Length.
     pub fn length(&self) -> u64 {
         self.length
+    }
+    /// Time since the MR was registered.
+    pub fn age(&self) -> std::time::Duration {
+        self.shared.created.elapsed()
     }
     /// Whether the MR keeps its memory's owner alive ([`UserMemory::owned`]).
     pub fn owns_memory(&self) -> bool {
@@ -368,13 +381,22 @@ impl Context {
         access: AccessFlags,
     ) -> Result<MrInfo> {
         let (addr, length) = (mem.addr(), mem.len());
-        let t0 = Instant::now();
-        let r = self.reg_mr_inner(pd, addr, length, iova, access, mem.into_owner());
+        crate::probes::reg_start(addr, length, access.bits());
+        let mut tm = RegTimer::start();
+        let r = self.reg_mr_inner(pd, addr, length, iova, access, mem.into_owner(), &mut tm);
+        let done = match &r {
+            Ok(i) => i.reg_timing.map_or(0, |t| t.total_ns),
+            Err(_) => tm.elapsed_ns(),
+        };
+        let (errno, lkey) = r
+            .as_ref()
+            .map_or_else(|e| (e.errno().raw(), 0), |i| (0, i.lkey));
+        crate::probes::reg_done(addr, length, access.bits(), errno, lkey, done);
         let s = &self.dev.stats;
         let p = crate::stats::process();
         match &r {
             Ok(_) => {
-                let ns = t0.elapsed().as_nanos() as u64;
+                let ns = done;
                 for st in [s, p] {
                     st.registrations.fetch_add(1, Ordering::Relaxed);
                     st.mrs_live.fetch_add(1, Ordering::Relaxed);
@@ -390,6 +412,7 @@ impl Context {
         r
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn reg_mr_inner(
         &self,
         pd: u32,
@@ -398,6 +421,7 @@ impl Context {
         iova: u64,
         access: AccessFlags,
         owner: Option<Owner>,
+        tm: &mut RegTimer,
     ) -> Result<MrInfo> {
         let ps = mem::page_size() as u64;
         let implicit = access.contains(AccessFlags::ON_DEMAND) && addr == 0 && length == u64::MAX;
@@ -418,7 +442,8 @@ impl Context {
         check_driver_access(self, access)?;
         let attr = self.dev.config.attr();
         if implicit {
-            return self.reg_implicit(pdo, iova, access, owner);
+            tm.mark(Phase::Accounting, 0);
+            return self.reg_implicit(pdo, iova, access, owner, tm);
         }
         // 8. size limit.
         if length > attr.max_mr_size {
@@ -466,10 +491,13 @@ impl Context {
         } else {
             // 12. memlock budget.
             let charge = mem::account::charge(npages)?;
+            tm.mark(Phase::Accounting, span);
             // 13. pin.
             let pins = pin_range(start, span, writable)?;
+            tm.mark(Phase::Pin, span);
             let path = pins.first().map(|p| p.path());
             let pages = mem::translate::walk(start, span)?;
+            tm.mark(Phase::Walk, span);
             let dontfork = if self.dev.config.uses_dontfork() {
                 Some(mem::fork::dontfork(start, span)?)
             } else {
@@ -490,8 +518,12 @@ impl Context {
         };
         let (entries, pinned_bytes, page_size, pin_path, pfns_known) = shared_extra;
         let entries = if odp { npages } else { entries };
+        if odp {
+            tm.mark(Phase::Accounting, 0);
+        }
         // 14. translation capacity.
         self.reserve_mtt(entries, page_size)?;
+        tm.mark(Phase::Translation, entries);
         // 15. key.
         let res = match self.dev.mrs.reserve() {
             Ok(r) => r,
@@ -529,11 +561,16 @@ impl Context {
                 page_size,
                 pin_path,
                 pfns_known,
+                created: Instant::now(),
+                timing: Default::default(),
             }),
             owner,
         };
-        let info = info_of(key, &obj);
+        let mut info = info_of(key, &obj);
+        let shared = obj.shared.clone();
         res.publish(obj);
+        tm.mark(Phase::Key, pinned_bytes);
+        info.reg_timing = Some(*shared.timing.get_or_init(|| tm.finish()));
         Ok(info)
     }
 
@@ -543,6 +580,7 @@ impl Context {
         iova: u64,
         access: AccessFlags,
         owner: Option<Owner>,
+        tm: &mut RegTimer,
     ) -> Result<MrInfo> {
         let attr = self.dev.config.attr();
         if attr.odp_general_caps & crate::device::odp_caps::IMPLICIT == 0 {
@@ -584,11 +622,16 @@ impl Context {
                 page_size: mem::page_size() as u64,
                 pin_path: None,
                 pfns_known: false,
+                created: Instant::now(),
+                timing: Default::default(),
             }),
             owner,
         };
-        let info = info_of(key, &obj);
+        let mut info = info_of(key, &obj);
+        let shared = obj.shared.clone();
         res.publish(obj);
+        tm.mark(Phase::Key, 0);
+        info.reg_timing = Some(*shared.timing.get_or_init(|| tm.finish()));
         Ok(info)
     }
 
@@ -636,6 +679,17 @@ impl Context {
     /// in-flight accesses to finish, then unpin. **After this returns the device never touches
     /// the memory again.**
     pub fn dereg_mr(&self, lkey: u32) -> Result<()> {
+        let r = self.dereg_mr_inner(lkey);
+        crate::probes::dereg(
+            lkey,
+            r.as_ref().map_or(0, |l| *l),
+            r.as_ref().err().map_or(0, |e| e.errno().raw()),
+        );
+        r.map(drop)
+    }
+
+    /// [`Context::dereg_mr`]; returns the MR's length.
+    fn dereg_mr_inner(&self, lkey: u32) -> Result<u64> {
         let g = self
             .dev
             .mrs
@@ -657,7 +711,7 @@ impl Context {
             .ok_or_else(|| err!(EINVAL, "no MR with key {lkey:#x}"))?;
         let entry = u.drain_entry();
         self.release_object(entry.value());
-        Ok(())
+        Ok(entry.value().length)
     }
 
     fn release_object(&self, obj: &MrObject) {
@@ -817,6 +871,24 @@ impl Context {
         key_use: KeyUse,
         qp_num: u32,
     ) -> std::result::Result<MrGuard, AccessDenied> {
+        let r = self.check_access_inner(key, pd, need, iova, len, key_use, qp_num);
+        if let Err(d) = &r {
+            crate::probes::access_denied(key, d, iova, len);
+        }
+        r
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn check_access_inner(
+        &self,
+        key: u32,
+        pd: u32,
+        need: AccessFlags,
+        iova: u64,
+        len: u64,
+        key_use: KeyUse,
+        qp_num: u32,
+    ) -> std::result::Result<MrGuard, AccessDenied> {
         if key & 0x8000_0000 != 0 {
             if key_use == KeyUse::Local {
                 return Err(AccessDenied::NoSuchKey);
@@ -925,7 +997,7 @@ pub(crate) fn check_mr(
     Ok(MrGuard { guard: g, va, len })
 }
 
-fn info_of(key: u32, o: &MrObject) -> MrInfo {
+pub(crate) fn info_of(key: u32, o: &MrObject) -> MrInfo {
     MrInfo {
         lkey: key,
         rkey: key,
@@ -942,6 +1014,7 @@ fn info_of(key: u32, o: &MrObject) -> MrInfo {
         pinned_bytes: o.shared.pinned_bytes,
         pfns_known: o.shared.pfns_known,
         bound_mws: o.shared.bound_mws.load(Ordering::Relaxed),
+        reg_timing: o.shared.timing.get().copied(),
     }
 }
 

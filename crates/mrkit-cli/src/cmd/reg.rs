@@ -113,6 +113,7 @@ pub fn run(a: RegArgs) -> u8 {
                     "page_count": i.entries,
                     "pinned_bytes": i.pinned_bytes,
                     "pfns_known": i.pfns_known,
+                    "timing_ns": i.reg_timing.map(mrkit::stat_export::timing_json),
                 });
                 println!("{}", serde_json::to_string_pretty(&v).expect("json"));
             } else {
@@ -132,6 +133,15 @@ pub fn run(a: RegArgs) -> u8 {
                 println!("  page size   {}", super::human(i.page_size));
                 println!("  page count  {} translation entries", i.entries);
                 println!("  pinned      {}", super::human(i.pinned_bytes));
+                if let Some(t) = i.reg_timing {
+                    let us = |ns: u64| format!("{:.1} µs", ns as f64 / 1e3);
+                    println!("  took        {}", us(t.total_ns));
+                    println!("    accounting  {}", us(t.accounting_ns));
+                    println!("    pin         {}", us(t.pin_ns));
+                    println!("    walk        {}", us(t.walk_ns));
+                    println!("    translation {}", us(t.translation_ns));
+                    println!("    key         {}", us(t.key_ns));
+                }
                 println!(
                     "  frames      {}",
                     if i.pfns_known {

@@ -14,8 +14,8 @@ use crate::exit;
 
 #[derive(Args, Debug)]
 #[command(
-    after_help = "Examples:\n  mrkit stat\n  mrkit stat --pid 4242 --json\n  mrkit stat --watch 1\n\nProcesses appear once they open a device (mrkit::Context::open starts the export; MRKIT_STAT=0
-disables it).\nFiles live in $MRKIT_STAT_DIR, else $XDG_RUNTIME_DIR/mrkit, else /tmp/mrkit-$UID; other users'\nprocesses are visible only if their owner exported with MRKIT_STAT_SHARE=1."
+    after_help = "Examples:\n  mrkit stat\n  mrkit stat --pid 4242 --json\n  mrkit stat --watch 1\n  mrkit stat --counters --pid 4242\n  mrkit stat --counters --watch 1\n  mrkit stat --mrs --pid 4242\n\nProcesses appear once they open mrkit0 (programs on the drop-in libibverbs, on the mrkit crate,
+and mrkit's own verbs); MRKIT_STAT=0 disables it.\nFiles live in $MRKIT_STAT_DIR, else $XDG_RUNTIME_DIR/mrkit, else /tmp/mrkit-$UID; other users'\nprocesses are visible only if their owner exported with MRKIT_STAT_SHARE=1."
 )]
 pub struct StatArgs {
     /// Only this process.
@@ -33,6 +33,13 @@ pub struct StatArgs {
     /// Machine-readable output.
     #[arg(long)]
     json: bool,
+    /// Show the port counters (rxe / IB / mlx5 names, like `rdma statistic show`); with
+    /// --watch, their rates per second.
+    #[arg(long)]
+    counters: bool,
+    /// List the live MRs (like `rdma resource show mr`).
+    #[arg(long)]
+    mrs: bool,
 }
 
 /// Hidden helper for tests and demos: register some memory, export statistics, wait.
@@ -194,6 +201,94 @@ macro_rules! say {
     };
 }
 
+/// `rdma statistic show` style: `link mrkit0/1 pid P (comm) name value ...`, with rates
+/// (per second, against `prev`) when watching.
+fn print_counters(procs: &[Value], prev: Option<&[Value]>, dt: f64) {
+    for p in procs {
+        let c = &p["counters"];
+        let Some(vals) = c["values"].as_object() else {
+            say!("pid {}: no counters (an older mrkit)", p["pid"]);
+            continue;
+        };
+        let old = prev.and_then(|ps| ps.iter().find(|q| q["pid"] == p["pid"]));
+        let mut line = format!(
+            "link {}/{} pid {} ({})",
+            c["device"].as_str().unwrap_or("mrkit0"),
+            c["port"].as_u64().unwrap_or(1),
+            p["pid"],
+            p["comm"].as_str().unwrap_or("?")
+        );
+        for (k, v) in vals {
+            let now = v.as_u64().unwrap_or(0);
+            match old.and_then(|o| o["counters"]["values"][k].as_u64()) {
+                Some(before) if dt > 0.0 => {
+                    let rate = now.saturating_sub(before) as f64 / dt;
+                    line.push_str(&format!(" {k} {rate:.0}/s"));
+                }
+                _ => line.push_str(&format!(" {k} {now}")),
+            }
+        }
+        say!("{line}");
+    }
+}
+
+/// `rdma resource show mr` style, one line per MR.
+fn print_mrs(procs: &[Value]) {
+    for p in procs {
+        let m = &p["mrs"];
+        let list = m["list"].as_array().cloned().unwrap_or_default();
+        for mr in &list {
+            let t = &mr["reg_timing_ns"];
+            say!(
+                "dev mrkit0 pid {} comm {} lkey {:#x} rkey {:#x} pdn {} iova {:#x} mrlen {} access {} page_size {} pinned {} kind {} age {:.1}s reg {}",
+                p["pid"],
+                p["comm"].as_str().unwrap_or("?"),
+                mr["lkey"].as_u64().unwrap_or(0),
+                mr["rkey"].as_u64().unwrap_or(0),
+                mr["pd"].as_u64().unwrap_or(0),
+                mr["iova"].as_u64().unwrap_or(0),
+                mr["length"].as_u64().unwrap_or(0),
+                mr["access"]
+                    .as_array()
+                    .map(|a| a.iter().filter_map(|s| s.as_str()).collect::<Vec<_>>().join(","))
+                    .unwrap_or_default(),
+                human(mr["page_size"].as_u64().unwrap_or(0)),
+                human(mr["pinned_bytes"].as_u64().unwrap_or(0)),
+                mr["kind"].as_str().unwrap_or("?"),
+                mr["age_ms"].as_u64().unwrap_or(0) as f64 / 1000.0,
+                t["total"].as_u64().map_or("?".to_string(), ns)
+            );
+        }
+        let total = m["total"].as_u64().unwrap_or(0);
+        if total > list.len() as u64 {
+            say!(
+                "pid {}: {} more MRs not listed",
+                p["pid"],
+                total - list.len() as u64
+            );
+        }
+    }
+}
+
+fn print_selected(
+    a: &StatArgs,
+    procs: &[Value],
+    dirs: &[PathBuf],
+    prev: Option<&[Value]>,
+    dt: f64,
+) {
+    if !(a.counters || a.mrs) || procs.is_empty() {
+        print_text(procs, dirs);
+        return;
+    }
+    if a.counters {
+        print_counters(procs, prev, dt);
+    }
+    if a.mrs {
+        print_mrs(procs);
+    }
+}
+
 fn print_text(procs: &[Value], dirs: &[PathBuf]) {
     if procs.is_empty() {
         say!(
@@ -294,16 +389,22 @@ pub fn run(a: StatArgs) -> u8 {
             eprintln!("mrkit stat: --watch needs a positive number of seconds");
             return exit::USAGE;
         }
+        let mut prev: Option<(Vec<Value>, std::time::Instant)> = None;
         loop {
             let (procs, ds) = once(&a);
+            let now = std::time::Instant::now();
             if a.json {
                 crate::outln!("{}", json!({"processes": procs}));
             } else {
                 crate::out!("\x1b[2J\x1b[H");
                 crate::outln!("mrkit stat (every {w} s, Ctrl-C to stop)\n");
-                print_text(&procs, &ds);
+                let dt = prev
+                    .as_ref()
+                    .map_or(0.0, |(_, t)| now.duration_since(*t).as_secs_f64());
+                print_selected(&a, &procs, &ds, prev.as_ref().map(|(p, _)| &p[..]), dt);
             }
             crate::out::flush();
+            prev = Some((procs, now));
             std::thread::sleep(Duration::from_secs_f64(w));
         }
     }
@@ -314,7 +415,7 @@ pub fn run(a: StatArgs) -> u8 {
             serde_json::to_string_pretty(&json!({"processes": procs})).expect("json")
         );
     } else {
-        print_text(&procs, &ds);
+        print_selected(&a, &procs, &ds, None, 0.0);
     }
     if a.pid.is_some() && procs.is_empty() {
         eprintln!("mrkit stat: no statistics for pid {}", a.pid.unwrap_or(0));

@@ -70,6 +70,7 @@ pub(crate) fn notify(node: u64, qpn: u32, n: crate::qp::Notice) {
 
 /// Deliver packets (grouped by destination QP to schedule each QP once).
 pub(crate) fn deliver(pkts: Vec<Pkt>) {
+    crate::stats::hw::tx_pkts(&pkts);
     let mut cur: Option<(u64, Arc<DeviceInner>)> = None;
     for p in pkts {
         let dev = match &cur {

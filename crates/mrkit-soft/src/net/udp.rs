@@ -971,6 +971,12 @@ fn flush_runs(dev: &crate::DeviceInner, port: &UdpPort, runs: &[Run], buf: &[u8]
             std::array::from_fn(|i| msg(runs.get(i).unwrap_or(first)));
         port.send_msgs(first.sport, &msgs[..runs.len()])
     };
+    crate::stats::hw::tx_datagrams(
+        sent,
+        runs.iter().map(|r| datagram_count(&msg(r))).sum(),
+        runs.iter().map(|r| r.len as u64).sum(),
+        err.is_some(),
+    );
     if let Some(e) = err {
         dev.net_stats
             .send_errors

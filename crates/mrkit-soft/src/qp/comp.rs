@@ -151,12 +151,14 @@ impl Completer {
     /// rxe status model keeps that quirk.
     fn take_retry(&mut self, model: StatusModel) -> bool {
         if model == StatusModel::Rxe && self.retry_cnt == 7 {
+            crate::stats::hw::inc(crate::stats::hw::Hw::CompleterRetryErr);
             return true;
         }
         if self.retry_left == 0 {
             return false;
         }
         self.retry_left -= 1;
+        crate::stats::hw::inc(crate::stats::hw::Hw::CompleterRetryErr);
         true
     }
 
@@ -230,6 +232,7 @@ impl Completer {
         if self.rewind.is_some() || self.rnr_until.is_some() || self.started_retry || covered {
             return true; // a retry is already under way, or this gap was re-requested already
         }
+        crate::stats::hw::implied_nak(q.qpn, m);
         if !self.take_retry(q.model) {
             Self::fail(sq, Some(m), WcStatus::RetryExcErr, out);
             return true;
@@ -303,6 +306,7 @@ impl Completer {
                             return; // stale (duplicated or reordered): see the NAK case below
                         }
                         self.ack_before(sq, psn, false);
+                        crate::stats::hw::rnr_nak_rcvd(q.qpn, psn, self.rnr_left == 0);
                         if self.rnr_left == 0 {
                             Self::fail(sq, Some(psn), WcStatus::RnrRetryExcErr, out);
                             return;
@@ -321,6 +325,7 @@ impl Completer {
                             return;
                         }
                         self.ack_before(sq, psn, false);
+                        crate::stats::hw::seq_nak_rcvd(q.qpn, psn);
                         if self.rewind.is_some() || self.rnr_until.is_some() || self.started_retry {
                             return; // a retry is already under way
                         }
@@ -335,6 +340,7 @@ impl Completer {
                     }
                     Syndrome::Nak(code) => {
                         self.ack_before(sq, psn, false);
+                        crate::stats::hw::nak_rcvd(code);
                         Self::fail(sq, Some(psn), nak_status(code), out);
                     }
                     Syndrome::Reserved(_) => {}
@@ -509,6 +515,7 @@ impl Completer {
             return;
         }
         self.last_activity = now;
+        crate::stats::hw::ack_timeout(q.qpn, self.comp_psn);
         self.gap_retry = None;
         self.started_retry = true;
         if !self.take_retry(q.model) {
@@ -550,6 +557,10 @@ impl Completer {
     ) {
         while let Some(WqeSt::Done(status)) = sq.q.front().map(|w| w.st) {
             let w = sq.q.pop_front().expect("front exists");
+            crate::stats::hw::send_wqe_done(
+                w.wr.opcode.wc_opcode() == crate::cq::WcOpcode::Send,
+                status,
+            );
             sq.cursor = sq.cursor.saturating_sub(1);
             if status != WcStatus::Success
                 || sig_all

@@ -777,6 +777,7 @@ impl QpObject {
                 ctx.dev.net_stats.count(why, 1);
                 continue;
             }
+            crate::stats::hw::rx_pkt(&p);
             if response {
                 st.comp
                     .on_response(&q, &mut st.sq, &mut st.req, p, now, &mut out);

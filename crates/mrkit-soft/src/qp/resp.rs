@@ -229,6 +229,7 @@ impl Responder {
     }
 
     fn recv_wc(&self, q: &QpCtx<'_>, r: &RecvWqe, status: WcStatus, opcode: WcOpcode) -> Wc {
+        crate::stats::hw::recv_done(status);
         Wc {
             wr_id: r.wr_id,
             status,
@@ -255,6 +256,7 @@ impl Responder {
         }
         self.job = None;
         self.backlog = VecDeque::new();
+        crate::stats::hw::nak_sent(f.nak);
         self.ack(q, psn, Aeth::nak(f.nak, self.msn), out);
         let recv = match std::mem::take(&mut self.cur) {
             Cur::Send { recv, .. } => Some(recv),
@@ -350,6 +352,7 @@ impl Responder {
             return;
         }
         if d > 0 {
+            crate::stats::hw::out_of_seq(!self.sent_psn_nak);
             if !self.sent_psn_nak {
                 self.sent_psn_nak = true;
                 self.ack(
@@ -362,6 +365,7 @@ impl Responder {
             return;
         }
         if d < 0 {
+            crate::stats::hw::inc(crate::stats::hw::Hw::DuplicateRequest);
             self.duplicate(q, p, out);
             return;
         }
@@ -425,6 +429,7 @@ impl Responder {
                 | RdmaWriteOnlyWithImmediate
         );
         if needs_recv && rq.is_empty() {
+            crate::stats::hw::inc(crate::stats::hw::Hw::SendRnrErr);
             self.ack(q, psn, Aeth::rnr_nak(q.min_rnr_timer, self.msn), out);
             return;
         }
