@@ -39,7 +39,10 @@ pub use mrkit_soft::{
 };
 pub use provider::Provider;
 pub use qp::registered::{DeviceWritable, Registered};
-pub use qp::{Owned, PostRefused, QueuePair, Ticket, WcOpcode, WcStatus, WorkCompletion};
+pub use qp::{
+    Completion, CompletionError, Owned, PostRefused, QueuePair, Ticket, WcError, WcOpcode,
+    WcStatus, WorkCompletion,
+};
 pub use verbs::{
     Context, LocalSlice, MemoryRegion, MemoryWindow, ProtectionDomain, RawMemoryRegion, RemoteSlice,
 };

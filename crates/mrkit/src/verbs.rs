@@ -387,11 +387,29 @@ impl MemoryRegion {
     pub fn set_pd(&mut self, pd: &ProtectionDomain) -> Result<()> {
         self.raw.set_pd(pd)
     }
-    /// Local SGE over `range`.
+    /// Local SGE over `range` (offsets into the MR); `EINVAL` outside it.
+    ///
+    /// ```
+    /// # use mrkit::{AccessFlags as A, Buffer, Context};
+    /// # let pd = Context::open(mrkit::DeviceConfig::rxe()).alloc_pd().unwrap();
+    /// let mr = pd.register(Buffer::new(4096).unwrap(), A::LOCAL_WRITE).unwrap();
+    /// let l = mr.local(16..32).unwrap();
+    /// assert_eq!((l.addr, l.len, l.lkey), (mr.info().iova + 16, 16, mr.lkey()));
+    /// assert!(mr.local(4000..4097).is_err());
+    /// ```
     pub fn local(&self, range: Range<u64>) -> Result<LocalSlice> {
         self.raw.local(range)
     }
-    /// Remote descriptor over `range`.
+    /// Remote descriptor over `range` (offsets into the MR) to hand to a peer; `EINVAL`
+    /// outside it.
+    ///
+    /// ```
+    /// # use mrkit::{AccessFlags as A, Buffer, Context};
+    /// # let pd = Context::open(mrkit::DeviceConfig::rxe()).alloc_pd().unwrap();
+    /// let mr = pd.register(Buffer::new(4096).unwrap(), A::LOCAL_WRITE | A::REMOTE_READ).unwrap();
+    /// let r = mr.remote(0..4096).unwrap();
+    /// assert_eq!((r.len, r.rkey), (4096, mr.rkey()));
+    /// ```
     pub fn remote(&self, range: Range<u64>) -> Result<RemoteSlice> {
         self.raw.remote(range)
     }
@@ -423,6 +441,17 @@ pub struct LocalSlice {
 }
 
 /// What a peer needs to RDMA READ/WRITE a range: address, length and rkey.
+///
+/// ```
+/// # use mrkit::{AccessFlags as A, Buffer, Context};
+/// # let pd = Context::open(mrkit::DeviceConfig::rxe()).alloc_pd().unwrap();
+/// let mr = pd.register(Buffer::new(4096).unwrap(), A::LOCAL_WRITE | A::REMOTE_READ).unwrap();
+/// let all = mr.remote(0..4096).unwrap();
+/// let tail = all.offset(1024).unwrap();
+/// assert_eq!((tail.addr, tail.len), (all.addr + 1024, 3072));
+/// assert_eq!(tail.slice(0..8).unwrap(), mr.remote(1024..1032).unwrap());
+/// assert_eq!(all.slice(4000..5000).unwrap_err().errno(), mrkit::Errno::EINVAL);
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RemoteSlice {
     /// Address in the MR's (or window's) iova space.
@@ -431,6 +460,28 @@ pub struct RemoteSlice {
     pub len: u64,
     /// rkey.
     pub rkey: u32,
+}
+
+impl RemoteSlice {
+    /// The sub-range `range` (offsets from this slice's first byte), same rkey. `EINVAL` when
+    /// the range is reversed, runs past [`RemoteSlice::len`], or the address would overflow.
+    pub fn slice(&self, range: Range<u64>) -> Result<RemoteSlice> {
+        let (start, len) = crate::qp::registered::check_range(&range, self.len, "remote slice")?;
+        let addr = self
+            .addr
+            .checked_add(start)
+            .ok_or_else(|| Error::new(Errno::EINVAL, "remote address overflows"))?;
+        Ok(RemoteSlice {
+            addr,
+            len,
+            rkey: self.rkey,
+        })
+    }
+
+    /// Everything from byte `off` on (`off == len` gives an empty slice).
+    pub fn offset(&self, off: u64) -> Result<RemoteSlice> {
+        self.slice(off..self.len)
+    }
 }
 
 /// A memory window. Deallocated on drop.
