@@ -374,6 +374,45 @@ mod tests {
         }
     }
 
+    fn readable(fd: &rustix::fd::OwnedFd) -> bool {
+        use rustix::event::{poll, PollFd, PollFlags, Timespec};
+        let mut fds = [PollFd::new(fd, PollFlags::IN)];
+        let zero = Timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        poll(&mut fds, Some(&zero)).unwrap() == 1
+    }
+
+    /// The channel's descriptor is readable exactly while events are queued: an event queued
+    /// before the descriptor existed shows, each new event makes it readable, and taking the
+    /// last one makes it quiet again.
+    #[test]
+    fn channel_descriptor_is_readable_while_events_are_queued() {
+        let ch = Arc::new(CompChannel::default());
+        ch.post(7);
+        let fd = ch.fd().unwrap();
+        assert!(readable(&fd), "an event queued before the fd existed");
+        let cq = CqObject::new(3, 8, Some(ch.clone()));
+        cq.arm(false);
+        cq.push(wc(1), false).unwrap();
+        assert!(readable(&fd));
+        assert_eq!(ch.get_event(Some(Duration::ZERO)), Some(7));
+        assert!(readable(&fd), "one event left");
+        assert_eq!(ch.get_event(Some(Duration::ZERO)), Some(3));
+        assert!(!readable(&fd), "drained");
+        assert_eq!(ch.get_event(Some(Duration::ZERO)), None);
+        // Not armed: a completion posts no event.
+        cq.push(wc(2), false).unwrap();
+        assert!(!readable(&fd));
+        cq.arm(false);
+        cq.push(wc(3), false).unwrap();
+        let other = ch.fd().unwrap();
+        assert!(readable(&fd) && readable(&other), "every duplicate sees it");
+        assert_eq!(ch.get_event(None), Some(3));
+        assert!(!readable(&other));
+    }
+
     /// The lock-free empty check (`queued`) never loses a completion: a consumer polling
     /// while a producer pushes gets every completion exactly once, in order.
     #[test]
