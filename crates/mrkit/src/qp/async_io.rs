@@ -26,7 +26,7 @@ use parking_lot::Mutex;
 use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
 
-use super::{nothing_in_flight, Completion, QueuePair, Registered, State, Ticket};
+use super::{handed_out, nothing_in_flight, Completion, QueuePair, Registered, State, Ticket};
 use crate::{Errno, Error, Result};
 
 /// The queue pair's completion channel registered with the runtime (created on first use).
@@ -131,10 +131,7 @@ impl<B: Registered> CompletionFuture<'_, B> {
                     return Some(Ok(c));
                 }
                 if !st.inflight.contains_key(&id) {
-                    return Some(Err(Error::new(
-                        Errno::ENOENT,
-                        format!("the completion of work request {id} was already handed out"),
-                    )));
+                    return Some(Err(handed_out(id)));
                 }
                 None
             }

@@ -853,6 +853,37 @@ impl<B: Registered> QueuePair<B> {
         got.ok_or_else(|| timed_out(timeout))
     }
 
+    /// The completion of the pipelined WR `ticket`, waiting up to `timeout` (`ETIMEDOUT`, the
+    /// buffer staying with the queue pair); other completions met meanwhile stay for later.
+    /// `ENOENT` when that completion was already handed out.
+    ///
+    /// ```
+    /// # use mrkit::{AccessFlags as A, Buffer, Context, QpCap, QueuePair};
+    /// # use std::time::Duration;
+    /// # let pd = Context::open(mrkit::DeviceConfig::rxe()).alloc_pd().unwrap();
+    /// # let (q1, q2) = (QueuePair::new(&pd, QpCap::default()).unwrap(), QueuePair::new(&pd, QpCap::default()).unwrap());
+    /// # QueuePair::connect(&q1, &q2, A::REMOTE_WRITE).unwrap();
+    /// let dst = pd.register(Buffer::new(64).unwrap(), A::LOCAL_WRITE | A::REMOTE_WRITE).unwrap();
+    /// let a = q1.post_write(pd.register(Buffer::new(64).unwrap(), A::LOCAL_WRITE).unwrap(), 0..64, dst.remote(0..64).unwrap()).unwrap();
+    /// let b = q1.post_write(pd.register(Buffer::new(64).unwrap(), A::LOCAL_WRITE).unwrap(), 0..64, dst.remote(0..64).unwrap()).unwrap();
+    /// assert_eq!(q1.wait_ticket(b, Duration::from_secs(10)).unwrap().wr_id(), b.wr_id());
+    /// assert_eq!(q1.wait(Duration::from_secs(10)).unwrap().wr_id(), a.wr_id());
+    /// ```
+    pub fn wait_ticket(&self, ticket: Ticket, timeout: Duration) -> Result<Completion<B>> {
+        let deadline = Instant::now().checked_add(timeout);
+        let id = ticket.0;
+        let got = self.block_until(deadline, |st| {
+            if let Some(c) = st.take_ticket(id) {
+                return Ok(Some(c));
+            }
+            if !st.inflight.contains_key(&id) {
+                return Err(handed_out(id));
+            }
+            Ok(None)
+        })?;
+        got.ok_or_else(|| timed_out(timeout))
+    }
+
     /// Wait up to `timeout` until every pipelined WR completed; their completions, in
     /// completion order. `ETIMEDOUT` when some did not complete in time: then nothing is
     /// handed out, every buffer stays with the queue pair.
@@ -1065,6 +1096,13 @@ fn nothing_in_flight() -> Error {
     Error::new(
         Errno::ENOENT,
         "no pipelined work request is in flight on this queue pair",
+    )
+}
+
+fn handed_out(id: u64) -> Error {
+    Error::new(
+        Errno::ENOENT,
+        format!("the completion of work request {id} was already handed out"),
     )
 }
 
