@@ -120,6 +120,21 @@ pub trait Provider: Send + Sync + std::fmt::Debug + 'static {
     /// The channel's pollable descriptor (`ibv_comp_channel::fd`), as a duplicate the caller
     /// owns: readable while the channel holds events. Register it with `poll`/`epoll`/an async
     /// runtime; take the events with [`Provider::get_cq_event`].
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let ctx = mrkit::Context::open(mrkit::DeviceConfig::rxe());
+    /// let dev = ctx.provider();
+    /// let ch = dev.create_comp_channel().unwrap();
+    /// let cq = dev.create_cq(8, Some(ch)).unwrap();
+    /// dev.req_notify_cq(cq, false).unwrap(); // the next completion posts an event
+    /// let fd = dev.comp_channel_fd(ch).unwrap(); // poll/epoll it for POLLIN
+    /// assert_eq!(dev.get_cq_event(ch, Some(Duration::ZERO)).unwrap(), None); // nothing yet
+    /// assert_eq!(dev.destroy_comp_channel(ch).unwrap_err().errno(), mrkit::Errno::EBUSY);
+    /// dev.destroy_cq(cq).unwrap();
+    /// dev.destroy_comp_channel(ch).unwrap();
+    /// drop(fd);
+    /// ```
     fn comp_channel_fd(&self, _channel: u32) -> Result<OwnedFd> {
         Err(unsupported("comp_channel_fd"))
     }
