@@ -20,7 +20,6 @@ use std::os::fd::OwnedFd;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context as TaskCx, Poll, Waker};
-use std::time::Duration;
 
 use parking_lot::Mutex;
 use tokio::io::unix::AsyncFd;
@@ -167,19 +166,15 @@ impl<B: Registered> CompletionFuture<'_, B> {
     fn poll_inner(&mut self, cx: &mut TaskCx<'_>) -> Poll<Result<Completion<B>>> {
         let qp = self.qp;
         let afd = qp.reactor.get(qp)?;
-        let dev = qp.ctx.provider();
         loop {
             // Consume the channel's events (non-blocking): its descriptor stops being
             // readable, and the device learns that the application is about to wait.
-            while dev
-                .get_cq_event(qp.channel, Some(Duration::ZERO))?
-                .is_some()
-            {}
+            qp.drain_events()?;
             for arm in [false, true] {
-                if arm {
-                    qp.arm()?;
-                }
                 let mut st = qp.state.lock();
+                if arm {
+                    qp.arm(&mut st)?;
+                }
                 qp.reap(&mut st)?;
                 if let Some(r) = self.try_take(&mut st) {
                     self.unregister(&mut st);

@@ -189,6 +189,8 @@ struct State<B> {
     blocking: HashSet<u64>,
     /// Completions reaped from the CQs, not yet handed out, in order of arrival.
     done: VecDeque<WorkCompletion>,
+    /// Whether the send / receive CQ's arm is pending (armed, its event not yet taken).
+    armed: [bool; 2],
     /// Async waiters to wake when completions are reaped (`async_io`).
     #[cfg(feature = "tokio")]
     wakers: Vec<(u64, std::task::Waker)>,
@@ -336,6 +338,7 @@ impl<B: Registered> QueuePair<B> {
                 inflight: std::collections::HashMap::new(),
                 blocking: HashSet::new(),
                 done: VecDeque::new(),
+                armed: [false; 2],
                 #[cfg(feature = "tokio")]
                 wakers: Vec::new(),
                 #[cfg(feature = "tokio")]
@@ -523,11 +526,44 @@ impl<B: Registered> QueuePair<B> {
         Ok(got)
     }
 
-    /// Arm both CQs (one-shot) on the channel.
-    fn arm(&self) -> Result<()> {
+    /// Arm (one-shot) each CQ whose previous arm is not pending. An arm is pending from
+    /// `req_notify_cq` until its event is taken from the channel ([`QueuePair::event_taken`]);
+    /// arming only then keeps at most one event per CQ queued on the channel, however often
+    /// waits arm and then find their completion without sleeping.
+    fn arm(&self, st: &mut State<B>) -> Result<()> {
         let dev = self.ctx.provider();
-        dev.req_notify_cq(self.scq, false)?;
-        dev.req_notify_cq(self.rcq, false)
+        for (i, cq) in [self.scq, self.rcq].into_iter().enumerate() {
+            if !st.armed[i] {
+                dev.req_notify_cq(cq, false)?;
+                st.armed[i] = true;
+            }
+        }
+        Ok(())
+    }
+
+    /// The channel gave an event for CQ `cqn`: its arm is spent. Async waiters are woken, since
+    /// one of them may be waiting on an arm that no longer exists (it re-arms when polled).
+    fn event_taken(&self, cqn: u32) {
+        let mut st = self.state.lock();
+        if cqn == self.scq {
+            st.armed[0] = false;
+        }
+        if cqn == self.rcq {
+            st.armed[1] = false;
+        }
+        #[cfg(feature = "tokio")]
+        for (_, w) in st.wakers.drain(..) {
+            w.wake();
+        }
+    }
+
+    /// Take every event queued on the channel without blocking.
+    fn drain_events(&self) -> Result<()> {
+        let dev = self.ctx.provider();
+        while let Some(cqn) = dev.get_cq_event(self.channel, Some(Duration::ZERO))? {
+            self.event_taken(cqn);
+        }
+        Ok(())
     }
 
     /// Wait until `take` finds what it wants in the state (after reaping), or `deadline`
@@ -541,10 +577,10 @@ impl<B: Registered> QueuePair<B> {
         let dev = self.ctx.provider();
         loop {
             for arm in [false, true] {
-                if arm {
-                    self.arm()?;
-                }
                 let mut st = self.state.lock();
+                if arm {
+                    self.arm(&mut st)?;
+                }
                 self.reap(&mut st)?;
                 if let Some(t) = take(&mut st)? {
                     return Ok(Some(t));
@@ -560,7 +596,9 @@ impl<B: Registered> QueuePair<B> {
                     (d - now).min(WAIT_SLICE)
                 }
             };
-            dev.get_cq_event(self.channel, Some(slice))?;
+            if let Some(cqn) = dev.get_cq_event(self.channel, Some(slice))? {
+                self.event_taken(cqn);
+            }
         }
     }
 
@@ -1128,5 +1166,48 @@ impl<B: Registered> Drop for QueuePair<B> {
         let _ = dev.destroy_cq(self.scq);
         let _ = dev.destroy_cq(self.rcq);
         let _ = dev.destroy_comp_channel(self.channel);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Buffer;
+
+    /// However many waits arm the CQs and then find their completion without sleeping, the
+    /// channel never holds more than one event per CQ (no unbounded queue of stale events).
+    #[test]
+    fn stale_channel_events_stay_bounded() {
+        let pd = Context::open(mrkit_soft::DeviceConfig::rxe())
+            .alloc_pd()
+            .unwrap();
+        let q1 = QueuePair::new(&pd, QpCap::default()).unwrap();
+        let q2 = QueuePair::new(&pd, QpCap::default()).unwrap();
+        QueuePair::connect(&q1, &q2, AccessFlags::REMOTE_WRITE).unwrap();
+        let src = pd
+            .register(Buffer::new(64).unwrap(), AccessFlags::LOCAL_WRITE)
+            .unwrap();
+        let dst = pd
+            .register(
+                Buffer::new(64).unwrap(),
+                AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE,
+            )
+            .unwrap();
+        for _ in 0..2000 {
+            let wc = q1.write(&src, 0..64, dst.remote(0..64).unwrap()).unwrap();
+            assert_eq!(wc.status, WcStatus::Success);
+            // The pattern that leaves an arm behind: arm, then find the completion.
+            q1.arm(&mut q1.state.lock()).unwrap();
+        }
+        let dev = q1.ctx.provider();
+        let mut n = 0;
+        while dev
+            .get_cq_event(q1.channel, Some(Duration::ZERO))
+            .unwrap()
+            .is_some()
+        {
+            n += 1;
+        }
+        assert!(n <= 2, "{n} events queued on the channel");
     }
 }
