@@ -212,14 +212,20 @@ impl<B> State<B> {
     }
     /// The oldest reaped completion of a pipelined WR.
     fn take_any(&mut self) -> Option<Completion<B>> {
-        let i = self
-            .done
-            .iter()
-            .position(|w| !self.blocking.contains(&w.wr_id))?;
-        let wc = self.done.remove(i)?;
-        // Every non-blocking completion belongs to a pipelined WR whose buffer is here.
-        let buf = self.inflight.remove(&wc.wr_id)?;
-        Some(Completion { wc, buf })
+        loop {
+            let i = self
+                .done
+                .iter()
+                .position(|w| !self.blocking.contains(&w.wr_id))?;
+            let wc = self.done.remove(i)?;
+            // Every completion not of a blocking call belongs to a pipelined WR whose buffer
+            // is here; one that does not (a provider reporting a wr_id never posted) is
+            // dropped rather than handed out without a buffer.
+            match self.inflight.remove(&wc.wr_id) {
+                Some(buf) => return Some(Completion { wc, buf }),
+                None => tracing::warn!(wr_id = wc.wr_id, "completion of an unknown work request"),
+            }
+        }
     }
     /// Whether every pipelined WR's completion has been reaped.
     fn all_reaped(&self) -> bool {
