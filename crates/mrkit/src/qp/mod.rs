@@ -564,6 +564,7 @@ impl<B: Registered> QueuePair<B> {
     }
 
     /// Take every event queued on the channel without blocking.
+    #[cfg(feature = "tokio")]
     fn drain_events(&self) -> Result<()> {
         let dev = self.ctx.provider();
         while let Some(cqn) = dev.get_cq_event(self.channel, Some(Duration::ZERO))? {
