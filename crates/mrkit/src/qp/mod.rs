@@ -14,6 +14,13 @@
 //! its WRs' memory), then drops buffers still held. A borrowed `B` carries its lifetime in the
 //! queue pair's type, so the queue pair cannot outlive memory it may still touch.
 //!
+//! Leaking a queue pair (`std::mem::forget`) ends its borrows without stopping the device, so
+//! the borrowed bytes may then still change under the program, as bytes registered with remote
+//! write rights always may; memory is never freed while registered (a [`MemoryRegion`]
+//! deregisters before it frees its buffer).
+//!
+//! [`MemoryRegion`]: crate::MemoryRegion
+//!
 //! **Blocking one-WR calls** ([`QueuePair::write`], [`QueuePair::read`], [`QueuePair::send`],
 //! [`QueuePair::recv`], [`QueuePair::fetch_add`], [`QueuePair::compare_swap`]) borrow the
 //! memory (`&impl Registered`, or `&mut impl DeviceWritable` where the device writes) and return
