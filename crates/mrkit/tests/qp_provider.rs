@@ -167,3 +167,78 @@ fn a_provider_without_queue_pairs_says_eopnotsupp() {
     let e = QueuePair::new(&pd, QpCap::default()).unwrap_err();
     assert_eq!(e.errno(), mrkit::Errno::EOPNOTSUPP);
 }
+
+/// `QueuePair::modify_qp` drives RESET → INIT → RTR → RTS against a peer named by GID (the
+/// RoCEv2 UDP link on 127.0.0.0/8), as a two-process connect does after exchanging QP number,
+/// PSN and GID: the provider binds its UDP port before the peer's traffic can arrive.
+#[test]
+fn modify_qp_connects_over_the_udp_link_by_gid() {
+    use mrkit::provider::{attr_mask as m, AddressVector};
+    let ip = |first: u8| -> std::net::IpAddr {
+        mrkit_testsupport::loopback_addr(first).parse().unwrap()
+    };
+    let open = |ip| Context::open(mrkit::DeviceConfig::rxe().udp_addr((ip, 4791).into()));
+    let (ip1, ip2) = (ip(41), ip(42));
+    let (c1, c2) = (open(ip1), open(ip2));
+    let (p1, p2) = (c1.alloc_pd().unwrap(), c2.alloc_pd().unwrap());
+    let q1 = QueuePair::new(&p1, QpCap::default()).unwrap();
+    let q2 = QueuePair::new(&p2, QpCap::default()).unwrap();
+    // What each side would send the other: QP number, first PSN, GID (as its IP address).
+    // Nothing has bound either device's UDP port yet: modify_qp must, before RTR.
+    assert!(c1.soft().unwrap().udp_addr().is_none());
+    let (e1, e2) = ((q1.qp_num(), 100, ip1), (q2.qp_num(), 200, ip2));
+    for (q, me, peer) in [(&q1, e1, e2), (&q2, e2, e1)] {
+        let mut at = QpAttr {
+            qp_state: QpState::Init as u32,
+            qp_access_flags: A::REMOTE_WRITE,
+            port_num: 1,
+            ..QpAttr::default()
+        };
+        q.modify_qp(&at, m::STATE | m::PKEY_INDEX | m::PORT | m::ACCESS_FLAGS)
+            .unwrap();
+        at.qp_state = QpState::Rtr as u32;
+        at.ah_attr = AddressVector {
+            dest_node: 0,
+            dgid: Some(peer.2),
+            port_num: 1,
+        };
+        at.dest_qp_num = peer.0;
+        at.rq_psn = peer.1;
+        q.modify_qp(
+            &at,
+            m::STATE
+                | m::AV
+                | m::PATH_MTU
+                | m::DEST_QPN
+                | m::RQ_PSN
+                | m::MAX_DEST_RD_ATOMIC
+                | m::MIN_RNR_TIMER,
+        )
+        .unwrap();
+        at.qp_state = QpState::Rts as u32;
+        at.sq_psn = me.1;
+        q.modify_qp(
+            &at,
+            m::STATE | m::TIMEOUT | m::RETRY_CNT | m::RNR_RETRY | m::SQ_PSN | m::MAX_QP_RD_ATOMIC,
+        )
+        .unwrap();
+    }
+    let mut src = p1
+        .register(Buffer::new(8192).unwrap(), A::LOCAL_WRITE)
+        .unwrap();
+    src.as_mut_slice().fill(0xc3);
+    let dst = p2
+        .register(Buffer::new(8192).unwrap(), A::LOCAL_WRITE | A::REMOTE_WRITE)
+        .unwrap();
+    let wc = q1
+        .write(&src, 0..8192, dst.remote(0..8192).unwrap())
+        .unwrap();
+    assert_eq!(wc.status, WcStatus::Success);
+    assert!(dst.as_slice().iter().all(|&b| b == 0xc3));
+    assert!(
+        c1.soft().unwrap().net_stats().tx_datagrams > 0,
+        "it went over UDP"
+    );
+    let gid = std::net::Ipv6Addr::from(c2.provider().query_gid().unwrap());
+    assert_eq!(gid.to_ipv4_mapped().map(std::net::IpAddr::V4), Some(ip2));
+}
