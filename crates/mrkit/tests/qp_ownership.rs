@@ -234,3 +234,18 @@ fn a_shared_queue_pair_serves_blocking_calls_from_several_threads() {
             .all(|&b| b == want));
     }
 }
+
+/// Deadlines are overflow-safe: a timeout too far away to add to the clock means "forever".
+#[test]
+fn huge_timeouts_mean_no_deadline() {
+    let (pd, mut q1, _q2): (_, QueuePair, QueuePair) = pair();
+    q1.set_timeout(Some(Duration::MAX));
+    let (src, dst) = (mr(&pd, 64, 1), mr(&pd, 64, 0));
+    let wc = q1.write(&src, 0..64, dst.remote(0..64).unwrap()).unwrap();
+    assert_eq!(wc.status, WcStatus::Success);
+    let _ = q1
+        .post_write(mr(&pd, 64, 2), 0..64, dst.remote(0..64).unwrap())
+        .unwrap();
+    q1.wait(Duration::MAX).unwrap().into_result().unwrap();
+    assert!(q1.wait_all(Duration::MAX).unwrap().is_empty());
+}

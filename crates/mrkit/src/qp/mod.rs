@@ -646,7 +646,7 @@ impl<B: Registered> QueuePair<B> {
             self.state.lock().blocking.remove(&id);
             return Err(e.error);
         }
-        let deadline = self.timeout.map(|t| Instant::now() + t);
+        let deadline = self.timeout.and_then(|t| Instant::now().checked_add(t));
         let own = |st: &mut State<B>| Ok(st.take_id(id));
         let res = match self.block_until(deadline, own) {
             Ok(Some(wc)) => Ok(wc),
