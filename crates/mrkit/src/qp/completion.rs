@@ -176,14 +176,50 @@ pub struct Completion<B> {
 
 impl<B> Completion<B> {
     /// The work request's id (its [`Ticket::wr_id`]).
+    ///
+    /// ```
+    /// # use mrkit::{AccessFlags as A, Buffer, Context, QpCap, QueuePair};
+    /// # let pd = Context::open(mrkit::DeviceConfig::rxe()).alloc_pd().unwrap();
+    /// # let (q1, q2) = (QueuePair::new(&pd, QpCap::default()).unwrap(), QueuePair::new(&pd, QpCap::default()).unwrap());
+    /// # QueuePair::connect(&q1, &q2, A::REMOTE_WRITE).unwrap();
+    /// # let dst = pd.register(Buffer::new(64).unwrap(), A::LOCAL_WRITE | A::REMOTE_WRITE).unwrap();
+    /// # let src = pd.register(Buffer::new(64).unwrap(), A::LOCAL_WRITE).unwrap();
+    /// let t = q1.post_write(src, 0..64, dst.remote(0..64).unwrap()).unwrap();
+    /// let c = q1.wait(std::time::Duration::from_secs(10)).unwrap();
+    /// assert_eq!(c.wr_id(), t.wr_id());
+    /// ```
     pub fn wr_id(&self) -> u64 {
         self.wc.wr_id
     }
     /// The completion status.
+    ///
+    /// ```
+    /// # use mrkit::{AccessFlags as A, Buffer, Context, QpCap, QueuePair};
+    /// # let pd = Context::open(mrkit::DeviceConfig::rxe()).alloc_pd().unwrap();
+    /// # let (q1, q2) = (QueuePair::new(&pd, QpCap::default()).unwrap(), QueuePair::new(&pd, QpCap::default()).unwrap());
+    /// # QueuePair::connect(&q1, &q2, A::REMOTE_WRITE).unwrap();
+    /// # let dst = pd.register(Buffer::new(64).unwrap(), A::LOCAL_WRITE | A::REMOTE_WRITE).unwrap();
+    /// # let src = pd.register(Buffer::new(64).unwrap(), A::LOCAL_WRITE).unwrap();
+    /// let t = q1.post_write(src, 0..64, dst.remote(0..64).unwrap()).unwrap();
+    /// let c = q1.wait(std::time::Duration::from_secs(10)).unwrap();
+    /// assert_eq!(c.status(), mrkit::WcStatus::Success);
+    /// ```
     pub fn status(&self) -> WcStatus {
         self.wc.status
     }
     /// `Ok(&wc)` for a successful completion, else the status as an error.
+    ///
+    /// ```
+    /// # use mrkit::{AccessFlags as A, Buffer, Context, QpCap, QueuePair};
+    /// # let pd = Context::open(mrkit::DeviceConfig::rxe()).alloc_pd().unwrap();
+    /// # let (q1, q2) = (QueuePair::new(&pd, QpCap::default()).unwrap(), QueuePair::new(&pd, QpCap::default()).unwrap());
+    /// # QueuePair::connect(&q1, &q2, A::REMOTE_WRITE).unwrap();
+    /// # let dst = pd.register(Buffer::new(64).unwrap(), A::LOCAL_WRITE | A::REMOTE_WRITE).unwrap();
+    /// # let src = pd.register(Buffer::new(64).unwrap(), A::LOCAL_WRITE).unwrap();
+    /// let t = q1.post_write(src, 0..64, dst.remote(0..64).unwrap()).unwrap();
+    /// let c = q1.wait(std::time::Duration::from_secs(10)).unwrap();
+    /// assert_eq!(c.result().unwrap().byte_len, 64);
+    /// ```
     pub fn result(&self) -> std::result::Result<&WorkCompletion, WcError> {
         match self.wc.status {
             WcStatus::Success => Ok(&self.wc),
@@ -191,6 +227,19 @@ impl<B> Completion<B> {
         }
     }
     /// The completion and the buffer, or an error carrying both.
+    ///
+    /// ```
+    /// # use mrkit::{AccessFlags as A, Buffer, Context, QpCap, QueuePair};
+    /// # let pd = Context::open(mrkit::DeviceConfig::rxe()).alloc_pd().unwrap();
+    /// # let (q1, q2) = (QueuePair::new(&pd, QpCap::default()).unwrap(), QueuePair::new(&pd, QpCap::default()).unwrap());
+    /// # QueuePair::connect(&q1, &q2, A::REMOTE_WRITE).unwrap();
+    /// # let dst = pd.register(Buffer::new(64).unwrap(), A::LOCAL_WRITE | A::REMOTE_WRITE).unwrap();
+    /// # let src = pd.register(Buffer::new(64).unwrap(), A::LOCAL_WRITE).unwrap();
+    /// let t = q1.post_write(src, 0..64, dst.remote(0..64).unwrap()).unwrap();
+    /// let c = q1.wait(std::time::Duration::from_secs(10)).unwrap();
+    /// let (wc, buf) = c.into_result().unwrap();
+    /// assert_eq!((wc.wr_id, buf.as_slice().unwrap().len()), (t.wr_id(), 64));
+    /// ```
     pub fn into_result(self) -> std::result::Result<(WorkCompletion, B), CompletionError<B>> {
         match self.wc.status {
             WcStatus::Success => Ok((self.wc, self.buf)),
@@ -201,6 +250,19 @@ impl<B> Completion<B> {
         }
     }
     /// The buffer, whatever the status.
+    ///
+    /// ```
+    /// # use mrkit::{AccessFlags as A, Buffer, Context, QpCap, QueuePair};
+    /// # let pd = Context::open(mrkit::DeviceConfig::rxe()).alloc_pd().unwrap();
+    /// # let (q1, q2) = (QueuePair::new(&pd, QpCap::default()).unwrap(), QueuePair::new(&pd, QpCap::default()).unwrap());
+    /// # QueuePair::connect(&q1, &q2, A::REMOTE_WRITE).unwrap();
+    /// # let dst = pd.register(Buffer::new(64).unwrap(), A::LOCAL_WRITE | A::REMOTE_WRITE).unwrap();
+    /// # let src = pd.register(Buffer::new(64).unwrap(), A::LOCAL_WRITE).unwrap();
+    /// let t = q1.post_write(src, 0..64, dst.remote(0..64).unwrap()).unwrap();
+    /// let c = q1.wait(std::time::Duration::from_secs(10)).unwrap();
+    /// let mrkit::Owned::Mr(src) = c.into_buf() else { unreachable!() };
+    /// assert_eq!(src.info().length, 64);
+    /// ```
     pub fn into_buf(self) -> B {
         self.buf
     }
@@ -259,6 +321,21 @@ impl fmt::Display for WcError {
 impl std::error::Error for WcError {}
 
 /// A completion with a non-success status and the buffer its work request carried.
+///
+/// ```
+/// # use mrkit::{AccessFlags as A, Buffer, Context, QpCap, QueuePair};
+/// # let pd = Context::open(mrkit::DeviceConfig::rxe()).alloc_pd().unwrap();
+/// # let (q1, q2) = (QueuePair::new(&pd, QpCap::default()).unwrap(), QueuePair::new(&pd, QpCap::default()).unwrap());
+/// # QueuePair::connect(&q1, &q2, A::REMOTE_READ).unwrap();
+/// # let src = pd.register(Buffer::new(64).unwrap(), A::REMOTE_READ).unwrap();
+/// // A READ into an MR without LOCAL_WRITE: the device refuses to write it.
+/// let dst = pd.register(Buffer::new(64).unwrap(), A::empty()).unwrap();
+/// q1.post_read(dst, 0..64, src.remote(0..64).unwrap()).unwrap();
+/// let err = q1.wait(std::time::Duration::from_secs(10)).unwrap().into_result().unwrap_err();
+/// assert_eq!(err.wc.status, mrkit::WcStatus::LocProtErr);
+/// let boxed: Box<dyn std::error::Error> = Box::new(err); // implements std::error::Error
+/// assert!(boxed.to_string().contains("LOC_PROT_ERR"));
+/// ```
 #[derive(Debug)]
 pub struct CompletionError<B> {
     /// The completion.
