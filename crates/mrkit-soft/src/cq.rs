@@ -5,7 +5,8 @@
 //!   moves to ERR (IBA 11.4.2.1). Completions already queued can still be polled.
 //! * Arming (`req_notify_cq`) is one-shot: the next completion (or, solicited-only, the next
 //!   solicited *or error* completion) posts one event on the CQ's channel and disarms.
-//! * A channel is a Condvar-backed queue of CQ numbers with a blocking `get_cq_event`.
+//! * A channel is a Condvar-backed queue of CQ numbers with a blocking `get_cq_event`, and
+//!   optionally an eventfd readable while the queue holds events (for `epoll`/async runtimes).
 //! * **QP reset cleans the CQs**: moving a QP to RESET removes its completions still queued in
 //!   its send and receive CQs (also completions of receives it took from an SRQ), as the kernel
 //!   drivers do (mlx5: `mlx5_ib_cq_clean` on the RESET transition). Other QPs' completions in a
@@ -138,34 +139,87 @@ struct CqState {
 }
 
 /// A completion channel (`ibv_comp_channel`).
+///
+/// Besides the blocking [`CompChannel::get_event`], a channel can hand out a pollable
+/// descriptor ([`CompChannel::fd`]): an eventfd, created on first request, that is readable
+/// exactly while events are queued (written when an event is queued, drained when the queue
+/// empties). Async runtimes register it with their reactor (`epoll`).
 #[derive(Debug, Default)]
 pub struct CompChannel {
-    events: Mutex<VecDeque<u32>>,
+    events: Mutex<ChannelState>,
     cond: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct ChannelState {
+    q: VecDeque<u32>,
+    /// Non-blocking eventfd mirroring `!q.is_empty()`; only changed under the lock.
+    fd: Option<rustix::fd::OwnedFd>,
+}
+
+impl ChannelState {
+    fn pop(&mut self) -> Option<u32> {
+        let c = self.q.pop_front();
+        if c.is_some() && self.q.is_empty() {
+            if let Some(fd) = &self.fd {
+                // Drain the counter (EAGAIN when already zero: nothing to do).
+                let _ = rustix::io::read(fd, &mut [0u8; 8]);
+            }
+        }
+        c
+    }
+}
+
+fn signal(fd: &rustix::fd::OwnedFd) {
+    // Only EAGAIN (counter at its maximum, which cannot happen with +1 per queued event) can
+    // fail here: the descriptor is readable either way.
+    let _ = rustix::io::write(fd, &1u64.to_ne_bytes());
 }
 
 impl CompChannel {
     fn post(&self, cqn: u32) {
-        self.events.lock().push_back(cqn);
+        let mut g = self.events.lock();
+        g.q.push_back(cqn);
+        if let Some(fd) = &g.fd {
+            signal(fd);
+        }
+        drop(g);
         self.cond.notify_all();
     }
-    /// Block until an event arrives (or `timeout`); returns the CQ number.
+    /// Block until an event arrives (or `timeout`; `Some(Duration::ZERO)` does not block);
+    /// returns the CQ number.
     pub fn get_event(&self, timeout: Option<Duration>) -> Option<u32> {
         let deadline = timeout.map(|t| Instant::now() + t);
         let mut g = self.events.lock();
         loop {
-            if let Some(c) = g.pop_front() {
+            if let Some(c) = g.pop() {
                 return Some(c);
             }
             match deadline {
                 Some(d) => {
                     if self.cond.wait_until(&mut g, d).timed_out() {
-                        return g.pop_front();
+                        return g.pop();
                     }
                 }
                 None => self.cond.wait(&mut g),
             }
         }
+    }
+    /// A duplicate of the channel's pollable descriptor (read-only use: poll/epoll for
+    /// readability; reading it is the channel's business). Readable while events are queued.
+    /// The eventfd is created on the first call; the error when no descriptor is left.
+    pub fn fd(&self) -> std::io::Result<rustix::fd::OwnedFd> {
+        use rustix::event::EventfdFlags;
+        let mut g = self.events.lock();
+        if g.fd.is_none() {
+            let fd = rustix::event::eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)?;
+            if !g.q.is_empty() {
+                signal(&fd);
+            }
+            g.fd = Some(fd);
+        }
+        let fd = g.fd.as_ref().expect("created above");
+        Ok(rustix::io::fcntl_dupfd_cloexec(fd, 0)?)
     }
 }
 
@@ -318,6 +372,45 @@ mod tests {
             src_qp: 0,
             wc_flags: 0,
         }
+    }
+
+    fn readable(fd: &rustix::fd::OwnedFd) -> bool {
+        use rustix::event::{poll, PollFd, PollFlags, Timespec};
+        let mut fds = [PollFd::new(fd, PollFlags::IN)];
+        let zero = Timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        poll(&mut fds, Some(&zero)).unwrap() == 1
+    }
+
+    /// The channel's descriptor is readable exactly while events are queued: an event queued
+    /// before the descriptor existed shows, each new event makes it readable, and taking the
+    /// last one makes it quiet again.
+    #[test]
+    fn channel_descriptor_is_readable_while_events_are_queued() {
+        let ch = Arc::new(CompChannel::default());
+        ch.post(7);
+        let fd = ch.fd().unwrap();
+        assert!(readable(&fd), "an event queued before the fd existed");
+        let cq = CqObject::new(3, 8, Some(ch.clone()));
+        cq.arm(false);
+        cq.push(wc(1), false).unwrap();
+        assert!(readable(&fd));
+        assert_eq!(ch.get_event(Some(Duration::ZERO)), Some(7));
+        assert!(readable(&fd), "one event left");
+        assert_eq!(ch.get_event(Some(Duration::ZERO)), Some(3));
+        assert!(!readable(&fd), "drained");
+        assert_eq!(ch.get_event(Some(Duration::ZERO)), None);
+        // Not armed: a completion posts no event.
+        cq.push(wc(2), false).unwrap();
+        assert!(!readable(&fd));
+        cq.arm(false);
+        cq.push(wc(3), false).unwrap();
+        let other = ch.fd().unwrap();
+        assert!(readable(&fd) && readable(&other), "every duplicate sees it");
+        assert_eq!(ch.get_event(None), Some(3));
+        assert!(!readable(&other));
     }
 
     /// The lock-free empty check (`queued`) never loses a completion: a consumer polling

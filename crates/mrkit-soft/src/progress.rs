@@ -863,6 +863,46 @@ impl Context {
         Ok(ch.get_event(timeout))
     }
 
+    /// `ibv_destroy_comp_channel`: EBUSY while a CQ reports to it, EINVAL for an unknown one.
+    pub fn destroy_comp_channel(&self, channel: u32) -> Result<()> {
+        let mut g = self.dev.dp.channels.write();
+        let ch = g
+            .get(&channel)
+            .ok_or_else(|| err!(EINVAL, "completion channel {channel} does not exist"))?;
+        let users = self
+            .dev
+            .dp
+            .cqs
+            .read()
+            .values()
+            .filter(|cq| cq.channel.as_ref().is_some_and(|c| Arc::ptr_eq(c, ch)))
+            .count();
+        if users > 0 {
+            return Err(err!(
+                EBUSY,
+                "completion channel {channel} is used by {users} CQ(s); destroy them first"
+            ));
+        }
+        g.remove(&channel);
+        Ok(())
+    }
+
+    /// A pollable descriptor of completion channel `channel` (a duplicate, owned by the
+    /// caller): readable while the channel holds events, for `poll`/`epoll`/async runtimes.
+    /// Drain the events with [`Context::get_cq_event`] (timeout zero does not block).
+    pub fn comp_channel_fd(&self, channel: u32) -> Result<rustix::fd::OwnedFd> {
+        let ch = self
+            .dev
+            .dp
+            .channels
+            .read()
+            .get(&channel)
+            .cloned()
+            .ok_or_else(|| err!(EINVAL, "completion channel {channel} does not exist"))?;
+        ch.fd()
+            .map_err(|e| err!(ENOMEM, "no descriptor for the completion channel: {e}"))
+    }
+
     /// `ibv_create_cq`: `cqe` in 1..=max_cqe (EINVAL otherwise); optional channel.
     pub fn create_cq(&self, cqe: u32, channel: Option<u32>) -> Result<u32> {
         let max = self.dev.config.attr().max_cqe;

@@ -7,44 +7,45 @@
 //! cargo run -p mrkit --example pool_echo client 127.0.0.1:7472 hello world
 //! ```
 //!
-//! Each message is written into a slot of an [`MrPool`] (no registration per message), and the
-//! slot moves into the SEND until its completion hands it back. Receives land in one
-//! registered buffer: posting receives into pool slots needs a pipelined `post_recv`, which
-//! `QueuePair` does not have yet. An empty message ends the session.
+//! Every message, sent or received, lives in a slot of an [`MrPool`] (no registration per
+//! message): a slot moves into its SEND or RECV work request and comes back with the
+//! completion, holding the received bytes. An empty message ends the session.
 use std::error::Error;
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
+use std::time::Duration;
 
 use mrkit::pool::{MrPool, PoolConfig};
 use mrkit::tcp::{self, HandshakeOpts, Listener};
-use mrkit::{AccessFlags, Buffer, Context, MemoryRegion, QpCap, QueuePair, WcStatus};
+use mrkit::{AccessFlags, Context, QpCap, QueuePair, Ticket};
 
 type Result<T> = std::result::Result<T, Box<dyn Error>>;
 
 const MAX_MSG: usize = 4096;
+const TIMEOUT: Duration = Duration::from_secs(10);
 
-/// SEND `msg` out of a pool slot; the slot returns to the pool with the completion.
-fn send(qp: &mut QueuePair, pool: &MrPool, msg: &[u8]) -> Result<()> {
-    let mut slot = pool.alloc_owned()?;
-    slot.as_mut_slice()[..msg.len()].copy_from_slice(msg);
-    let _ticket = qp
-        .post_send(slot, 0..msg.len() as u64)
-        .map_err(|r| r.error)?;
-    for (wc, _slot) in qp.wait_all()? {
-        if wc.status != WcStatus::Success {
-            return Err(format!("SEND failed: {:?}", wc.status).into());
-        }
-    }
-    Ok(())
+/// Post a receive into a fresh pool slot (before the peer may send).
+fn post_recv(qp: &QueuePair, pool: &MrPool) -> Result<Ticket> {
+    let slot = pool.alloc_owned()?;
+    Ok(qp.post_recv(slot, 0..MAX_MSG as u64).map_err(|r| r.error)?)
 }
 
-/// Wait for the next message; its bytes are `buf[..len]`.
-fn recv(qp: &mut QueuePair, buf: &mut MemoryRegion) -> Result<usize> {
-    let wc = qp.recv(buf, 0..MAX_MSG as u64)?;
-    if wc.status != WcStatus::Success {
-        return Err(format!("RECV failed: {:?}", wc.status).into());
-    }
-    Ok(wc.byte_len as usize)
+/// Wait for the message of receive `ticket`: its slot comes back holding the bytes.
+fn recv(qp: &QueuePair, ticket: Ticket) -> Result<Vec<u8>> {
+    let (wc, slot) = qp.wait_ticket(ticket, TIMEOUT)?.into_result()?;
+    let bytes = slot.as_slice().ok_or("a receive slot")?;
+    Ok(bytes[..wc.byte_len as usize].to_vec())
+}
+
+/// SEND `msg` out of a pool slot; the slot returns to the pool with the completion.
+fn send(qp: &QueuePair, pool: &MrPool, msg: &[u8]) -> Result<()> {
+    let mut slot = pool.alloc_owned()?;
+    slot.as_mut_slice()[..msg.len()].copy_from_slice(msg);
+    let ticket = qp
+        .post_send(slot, 0..msg.len() as u64)
+        .map_err(|r| r.error)?;
+    qp.wait_ticket(ticket, TIMEOUT)?.into_result()?;
+    Ok(())
 }
 
 /// A pool of 4 KiB slots, one 1 MiB chunk, for local use only (SENDs read them).
@@ -60,39 +61,34 @@ fn pool(pd: &mrkit::ProtectionDomain) -> Result<MrPool> {
 
 fn server(addr: &str) -> Result<()> {
     let pd = Context::open_default()?.alloc_pd()?;
-    let (pool, mut buf) = (
-        pool(&pd)?,
-        pd.register(Buffer::new(MAX_MSG)?, AccessFlags::LOCAL_WRITE)?,
-    );
+    let pool = pool(&pd)?;
     let listener = Listener::bind(addr)?;
     println!("listening on {}", listener.local_addr()?);
-    let mut conn = listener.accept(&pd, QpCap::default(), &HandshakeOpts::default())?;
+    let conn = listener.accept(&pd, QpCap::default(), &HandshakeOpts::default())?;
+    let mut next = post_recv(&conn.qp, &pool)?;
     loop {
-        let n = recv(&mut conn.qp, &mut buf)?;
-        if n == 0 {
+        let msg = recv(&conn.qp, next)?;
+        if msg.is_empty() {
             return Ok(());
         }
-        let echo = buf.as_slice()[..n].to_vec();
-        send(&mut conn.qp, &pool, &echo)?;
+        next = post_recv(&conn.qp, &pool)?;
+        send(&conn.qp, &pool, &msg)?;
     }
 }
 
 fn client(addr: &str, words: &[&str]) -> Result<Vec<String>> {
     let pd = Context::open_default()?.alloc_pd()?;
-    let (pool, mut buf) = (
-        pool(&pd)?,
-        pd.register(Buffer::new(MAX_MSG)?, AccessFlags::LOCAL_WRITE)?,
-    );
-    let mut conn = tcp::connect(addr, &pd, QpCap::default(), &HandshakeOpts::default())?;
+    let pool = pool(&pd)?;
+    let conn = tcp::connect(addr, &pd, QpCap::default(), &HandshakeOpts::default())?;
     let mut echoes = Vec::new();
     for w in words {
-        send(&mut conn.qp, &pool, &w.as_bytes()[..w.len().min(MAX_MSG)])?;
-        let n = recv(&mut conn.qp, &mut buf)?;
-        let echo = String::from_utf8_lossy(&buf.as_slice()[..n]).into_owned();
+        let reply = post_recv(&conn.qp, &pool)?;
+        send(&conn.qp, &pool, &w.as_bytes()[..w.len().min(MAX_MSG)])?;
+        let echo = String::from_utf8_lossy(&recv(&conn.qp, reply)?).into_owned();
         println!("{w} -> {echo}");
         echoes.push(echo);
     }
-    send(&mut conn.qp, &pool, b"")?; // the end
+    send(&conn.qp, &pool, b"")?; // the end
     Ok(echoes)
 }
 

@@ -27,9 +27,9 @@ const BUFFERS: usize = 4;
 const IOS: usize = 64;
 
 /// The target's side of one I/O: the QP step of this example (the device moves the bytes).
-/// With the generic `QueuePair` (issue 20, item 3) the initiator can post its cached handle
-/// itself (`RegOwned` implements `Registered` and `DeviceWritable`); here the target does
-/// the one-sided work, as storage targets do.
+/// The initiator could as well post its cached handle itself (`RegOwned` is `Registered` and
+/// `DeviceWritable`, so it moves into a work request like any MR); here the target does the
+/// one-sided work, as storage targets do.
 fn serve(
     target: &mut QueuePair,
     disk: &mut MemoryRegion,

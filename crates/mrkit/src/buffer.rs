@@ -9,6 +9,12 @@ use std::ptr::NonNull;
 use rustix::mm::{self, Advice, MapFlags, MprotectFlags, ProtFlags};
 
 /// How to allocate a [`Buffer`].
+///
+/// ```
+/// use mrkit::{Buffer, BufferOptions};
+/// let b = Buffer::with_options(1 << 20, BufferOptions { thp: true, ..Default::default() }).unwrap();
+/// assert_eq!(b.addr() % (2 << 20), 0);
+/// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct BufferOptions {
     /// Align to 2 MiB and `madvise(MADV_HUGEPAGE)` so THP can back it.
@@ -57,11 +63,22 @@ const HUGE: usize = 2 << 20;
 
 impl Buffer {
     /// A zeroed buffer of `len` bytes.
+    ///
+    /// ```
+    /// let b = mrkit::Buffer::new(100).unwrap();
+    /// assert_eq!(b.len(), 100);
+    /// ```
     pub fn new(len: usize) -> std::io::Result<Buffer> {
         Buffer::with_options(len, BufferOptions::default())
     }
 
     /// A buffer with options (THP backing, populate, in-page offset).
+    ///
+    /// ```
+    /// use mrkit::{Buffer, BufferOptions};
+    /// let b = Buffer::with_options(4096, BufferOptions { offset: 16, populate: true, ..Default::default() }).unwrap();
+    /// assert_eq!(b.addr() % 4096, 16);
+    /// ```
     pub fn with_options(len: usize, opts: BufferOptions) -> std::io::Result<Buffer> {
         let ps = rustix::param::page_size();
         if opts.offset >= ps {
@@ -131,6 +148,12 @@ impl Buffer {
 
     /// Make the whole mapping read-only (`mprotect(PROT_READ)`), e.g. to reproduce the EFAULT
     /// of registering a read-only mapping with write access.
+    ///
+    /// ```
+    /// let mut b = mrkit::Buffer::new(4096).unwrap();
+    /// b.make_readonly().unwrap();
+    /// assert!(b.is_readonly());
+    /// ```
     pub fn make_readonly(&mut self) -> std::io::Result<()> {
         // SAFETY: our own mapping; no outstanding `&mut` can exist while `&mut self` is held.
         unsafe { mm::mprotect(self.map.as_ptr().cast(), self.map_len, MprotectFlags::READ)? };
@@ -139,38 +162,70 @@ impl Buffer {
     }
 
     /// Start address of the usable bytes.
+    ///
+    /// ```
+    /// let b = mrkit::Buffer::new(64).unwrap();
+    /// assert_eq!(b.as_ptr() as u64, b.addr());
+    /// ```
     pub fn as_ptr(&self) -> *const u8 {
         // SAFETY: offset < page size <= map_len.
         unsafe { self.map.as_ptr().add(self.offset) }
     }
 
     /// Start address as an integer (what registration takes).
+    ///
+    /// ```
+    /// let b = mrkit::Buffer::new(64).unwrap();
+    /// assert_eq!(b.addr() % 4096, 0);
+    /// ```
     pub fn addr(&self) -> u64 {
         self.as_ptr() as u64
     }
 
     /// Usable length.
+    ///
+    /// ```
+    /// assert_eq!(mrkit::Buffer::new(10).unwrap().len(), 10);
+    /// ```
     pub fn len(&self) -> usize {
         self.len
     }
 
     /// True for a zero-length buffer.
+    ///
+    /// ```
+    /// assert!(mrkit::Buffer::new(0).unwrap().is_empty());
+    /// ```
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
 
     /// Whether [`make_readonly`](Self::make_readonly) was called.
+    ///
+    /// ```
+    /// assert!(!mrkit::Buffer::new(64).unwrap().is_readonly());
+    /// ```
     pub fn is_readonly(&self) -> bool {
         self.readonly
     }
 
     /// The bytes.
+    ///
+    /// ```
+    /// assert_eq!(mrkit::Buffer::new(4).unwrap().as_slice(), &[0; 4]);
+    /// ```
     pub fn as_slice(&self) -> &[u8] {
         // SAFETY: the mapping is valid for map_len >= offset + len bytes, zero-initialised.
         unsafe { std::slice::from_raw_parts(self.as_ptr(), self.len) }
     }
 
     /// The bytes, mutably. Panics on a read-only buffer (writing would fault).
+    ///
+    /// ```
+    /// let mut b = mrkit::Buffer::new(4).unwrap();
+    /// b.as_mut_slice()[3] = 1;
+    /// assert_eq!(b.as_slice(), &[0, 0, 0, 1]);
+    /// ```
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         assert!(!self.readonly, "buffer is read-only");
         // SAFETY: as above, and `&mut self` guarantees exclusivity.

@@ -41,7 +41,10 @@ pub use provider::Provider;
 pub use qp::endpoint::{ConnectOpts, Endpoint, Mtu};
 pub use qp::registered::{DeviceWritable, Registered};
 pub use qp::tcp;
-pub use qp::{Owned, PostRefused, QueuePair, Ticket, WcOpcode, WcStatus, WorkCompletion};
+pub use qp::{
+    Completion, CompletionError, Owned, PostRefused, QueuePair, Ticket, WcError, WcOpcode,
+    WcStatus, WorkCompletion,
+};
 pub use verbs::{
     Context, LocalSlice, MemoryRegion, MemoryWindow, ProtectionDomain, RawMemoryRegion, RemoteSlice,
 };

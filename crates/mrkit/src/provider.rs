@@ -1,10 +1,40 @@
 //! The provider interface: one ops table per device backend, in the shape of rdma-core's
 //! `verbs_context_ops`. Optional operations default to "unsupported" (EOPNOTSUPP), so a new
 //! backend compiles with the handful of mandatory ones.
+//!
+//! Besides memory registration the table carries the completion-queue, completion-channel and
+//! queue-pair verbs that [`QueuePair`](crate::QueuePair) is built on, so a queue pair works on
+//! every provider that implements them (no downcast to the embedded device).
+//!
+//! ```
+//! use mrkit::provider::{attr_mask, QpAttr, QpInitAttr};
+//! use mrkit::{Context, QpCap, QpState};
+//! let ctx = Context::open(mrkit::DeviceConfig::rxe());
+//! let pd = ctx.alloc_pd().unwrap();
+//! let dev = ctx.provider();
+//! let cq = dev.create_cq(16, None).unwrap();
+//! let (qpn, _cap) = dev
+//!     .create_qp(QpInitAttr { pd: pd.handle(), send_cq: cq, recv_cq: cq, cap: QpCap::default(), sq_sig_all: true })
+//!     .unwrap();
+//! let init = QpAttr { qp_state: QpState::Init as u32, port_num: 1, ..QpAttr::default() };
+//! dev.modify_qp(qpn, &init, attr_mask::STATE | attr_mask::PKEY_INDEX | attr_mask::PORT | attr_mask::ACCESS_FLAGS)
+//!     .unwrap();
+//! assert_eq!(dev.query_qp(qpn).unwrap().qp_state, QpState::Init as u32);
+//! dev.destroy_qp(qpn).unwrap();
+//! dev.destroy_cq(cq).unwrap();
+//! ```
 #![forbid(unsafe_code)]
+
+use std::os::fd::OwnedFd;
+use std::time::Duration;
 
 use mrkit_soft::mw::{BindInfo, MwInfo};
 use mrkit_soft::{AccessFlags, DeviceAttr, Errno, Error, MrInfo, MwType, Result, UserMemory};
+
+pub use mrkit_soft::cq::Wc;
+pub use mrkit_soft::qp::{
+    attr_mask, AddressVector, PostError, QpAttr, QpCap, QpInitAttr, RecvWr, SendWr, Sge, WrOpcode,
+};
 
 fn unsupported(op: &str) -> Error {
     Error::new(
@@ -79,6 +109,110 @@ pub trait Provider: Send + Sync + std::fmt::Debug + 'static {
     fn query_mw(&self, _rkey: u32) -> Result<MwInfo> {
         Err(unsupported("query_mw"))
     }
+    /// `ibv_create_comp_channel`: a channel number.
+    fn create_comp_channel(&self) -> Result<u32> {
+        Err(unsupported("create_comp_channel"))
+    }
+    /// `ibv_destroy_comp_channel` (EBUSY while a CQ reports to it).
+    fn destroy_comp_channel(&self, _channel: u32) -> Result<()> {
+        Err(unsupported("destroy_comp_channel"))
+    }
+    /// The channel's pollable descriptor (`ibv_comp_channel::fd`), as a duplicate the caller
+    /// owns: readable while the channel holds events. Register it with `poll`/`epoll`/an async
+    /// runtime; take the events with [`Provider::get_cq_event`].
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let ctx = mrkit::Context::open(mrkit::DeviceConfig::rxe());
+    /// let dev = ctx.provider();
+    /// let ch = dev.create_comp_channel().unwrap();
+    /// let cq = dev.create_cq(8, Some(ch)).unwrap();
+    /// dev.req_notify_cq(cq, false).unwrap(); // the next completion posts an event
+    /// let fd = dev.comp_channel_fd(ch).unwrap(); // poll/epoll it for POLLIN
+    /// assert_eq!(dev.get_cq_event(ch, Some(Duration::ZERO)).unwrap(), None); // nothing yet
+    /// assert_eq!(dev.destroy_comp_channel(ch).unwrap_err().errno(), mrkit::Errno::EBUSY);
+    /// dev.destroy_cq(cq).unwrap();
+    /// dev.destroy_comp_channel(ch).unwrap();
+    /// drop(fd);
+    /// ```
+    fn comp_channel_fd(&self, _channel: u32) -> Result<OwnedFd> {
+        Err(unsupported("comp_channel_fd"))
+    }
+    /// `ibv_get_cq_event`: the number of a CQ whose armed notification fired, waiting up to
+    /// `timeout` (`None`: forever; `Some(Duration::ZERO)`: do not block). `Ok(None)` when the
+    /// time passed without an event.
+    fn get_cq_event(&self, _channel: u32, _timeout: Option<Duration>) -> Result<Option<u32>> {
+        Err(unsupported("get_cq_event"))
+    }
+    /// `ibv_create_cq` with `cqe` entries, reporting to `channel` when armed.
+    fn create_cq(&self, _cqe: u32, _channel: Option<u32>) -> Result<u32> {
+        Err(unsupported("create_cq"))
+    }
+    /// `ibv_destroy_cq` (EBUSY while a QP uses it).
+    fn destroy_cq(&self, _cq: u32) -> Result<()> {
+        Err(unsupported("destroy_cq"))
+    }
+    /// `ibv_poll_cq`: append up to `max` completions to `out`; how many.
+    fn poll_cq(&self, _cq: u32, _out: &mut Vec<Wc>, _max: usize) -> Result<usize> {
+        Err(unsupported("poll_cq"))
+    }
+    /// `ibv_req_notify_cq` (one-shot arm).
+    fn req_notify_cq(&self, _cq: u32, _solicited_only: bool) -> Result<()> {
+        Err(unsupported("req_notify_cq"))
+    }
+    /// `ibv_create_qp` (RC): the QP number and the capacities granted.
+    fn create_qp(&self, _init: QpInitAttr) -> Result<(u32, QpCap)> {
+        Err(unsupported("create_qp"))
+    }
+    /// `ibv_destroy_qp`. After it returns the device no longer touches the QP's WRs' memory.
+    fn destroy_qp(&self, _qpn: u32) -> Result<()> {
+        Err(unsupported("destroy_qp"))
+    }
+    /// `ibv_modify_qp` with an [`attr_mask`] of the fields of `attr` to apply. Drives the
+    /// RESET → INIT → RTR → RTS sequence (and ERR, RESET); the address vector in `attr` may
+    /// name the peer by GID (`dgid`) or, on the in-process link, by node
+    /// ([`Provider::local_av`]).
+    fn modify_qp(&self, _qpn: u32, _attr: &QpAttr, _mask: u32) -> Result<()> {
+        Err(unsupported("modify_qp"))
+    }
+    /// `ibv_query_qp`: the QP's attributes (`qp_state` is the current state).
+    fn query_qp(&self, _qpn: u32) -> Result<QpAttr> {
+        Err(unsupported("query_qp"))
+    }
+    /// `ibv_post_send`: on failure, the index of the first WR not posted and why.
+    fn post_send(&self, _qpn: u32, _wrs: &[SendWr]) -> std::result::Result<(), PostError> {
+        Err(PostError {
+            bad_wr: 0,
+            error: unsupported("post_send"),
+        })
+    }
+    /// `ibv_post_recv`.
+    fn post_recv(&self, _qpn: u32, _wrs: &[RecvWr]) -> std::result::Result<(), PostError> {
+        Err(PostError {
+            bad_wr: 0,
+            error: unsupported("post_recv"),
+        })
+    }
+    /// `ibv_query_gid(port 1, index 0)`: the port's RoCEv2 GID (IPv4-mapped for IPv4).
+    fn query_gid(&self) -> Result<[u8; 16]> {
+        Err(unsupported("query_gid"))
+    }
+    /// The address vector (port 1) by which a peer QP on this host reaches this device: by
+    /// default its GID ([`Provider::query_gid`]); `mrkit0` answers with its in-process link
+    /// node, so two contexts of one process connect without a UDP port.
+    fn local_av(&self) -> Result<AddressVector> {
+        let gid = self.query_gid()?;
+        let ip = std::net::Ipv6Addr::from(gid);
+        let ip = match ip.to_ipv4_mapped() {
+            Some(v4) => std::net::IpAddr::V4(v4),
+            None => std::net::IpAddr::V6(ip),
+        };
+        Ok(AddressVector {
+            dest_node: 0,
+            dgid: Some(ip),
+            port_num: 1,
+        })
+    }
     /// The embedded software device, when this provider is one (statistics, data path).
     fn soft(&self) -> Option<&mrkit_soft::Context> {
         None
@@ -139,6 +273,63 @@ impl Provider for mrkit_soft::Context {
     }
     fn query_mw(&self, rkey: u32) -> Result<MwInfo> {
         mrkit_soft::Context::query_mw(self, rkey)
+    }
+    fn create_comp_channel(&self) -> Result<u32> {
+        Ok(mrkit_soft::Context::create_comp_channel(self))
+    }
+    fn destroy_comp_channel(&self, channel: u32) -> Result<()> {
+        mrkit_soft::Context::destroy_comp_channel(self, channel)
+    }
+    fn comp_channel_fd(&self, channel: u32) -> Result<OwnedFd> {
+        mrkit_soft::Context::comp_channel_fd(self, channel)
+    }
+    fn get_cq_event(&self, channel: u32, timeout: Option<Duration>) -> Result<Option<u32>> {
+        mrkit_soft::Context::get_cq_event(self, channel, timeout)
+    }
+    fn create_cq(&self, cqe: u32, channel: Option<u32>) -> Result<u32> {
+        mrkit_soft::Context::create_cq(self, cqe, channel)
+    }
+    fn destroy_cq(&self, cq: u32) -> Result<()> {
+        mrkit_soft::Context::destroy_cq(self, cq)
+    }
+    fn poll_cq(&self, cq: u32, out: &mut Vec<Wc>, max: usize) -> Result<usize> {
+        mrkit_soft::Context::poll_cq(self, cq, out, max)
+    }
+    fn req_notify_cq(&self, cq: u32, solicited_only: bool) -> Result<()> {
+        mrkit_soft::Context::req_notify_cq(self, cq, solicited_only)
+    }
+    fn create_qp(&self, init: QpInitAttr) -> Result<(u32, QpCap)> {
+        mrkit_soft::Context::create_qp(self, init)
+    }
+    fn destroy_qp(&self, qpn: u32) -> Result<()> {
+        mrkit_soft::Context::destroy_qp(self, qpn)
+    }
+    fn modify_qp(&self, qpn: u32, attr: &QpAttr, mask: u32) -> Result<()> {
+        if mask & attr_mask::AV != 0 && attr.ah_attr.dgid.is_some() {
+            // A peer named by GID talks over UDP: bind the port before its traffic can arrive
+            // (what `mrkit_soft::qp::connect::connect_qp` does first).
+            self.udp_port()?;
+        }
+        mrkit_soft::Context::modify_qp(self, qpn, attr, mask)
+    }
+    fn query_qp(&self, qpn: u32) -> Result<QpAttr> {
+        mrkit_soft::Context::query_qp(self, qpn)
+    }
+    fn post_send(&self, qpn: u32, wrs: &[SendWr]) -> std::result::Result<(), PostError> {
+        mrkit_soft::Context::post_send(self, qpn, wrs)
+    }
+    fn post_recv(&self, qpn: u32, wrs: &[RecvWr]) -> std::result::Result<(), PostError> {
+        mrkit_soft::Context::post_recv(self, qpn, wrs)
+    }
+    fn query_gid(&self) -> Result<[u8; 16]> {
+        mrkit_soft::Context::query_gid(self)
+    }
+    fn local_av(&self) -> Result<AddressVector> {
+        Ok(AddressVector {
+            dest_node: self.node_id(),
+            dgid: None,
+            port_num: 1,
+        })
     }
     fn soft(&self) -> Option<&mrkit_soft::Context> {
         Some(self)

@@ -44,6 +44,11 @@ impl Context {
     /// The first open of a process also starts the statistics exporter read by `mrkit stat`
     /// ([`crate::stat_export::install`]; `MRKIT_STAT=0` disables it). Its idle cost is one
     /// `stat()` of a request file per second on a background thread.
+    ///
+    /// ```
+    /// let ctx = mrkit::Context::open(mrkit::DeviceConfig::rxe().max_mr(100));
+    /// assert_eq!(ctx.query_device().max_mr, 100);
+    /// ```
     pub fn open(config: DeviceConfig) -> Context {
         auto_export();
         Context {
@@ -53,6 +58,11 @@ impl Context {
 
     /// Open `mrkit0` with the default limits overlaid by `MRKIT_*` environment variables.
     /// Starts the statistics exporter as [`Context::open`] does.
+    ///
+    /// ```
+    /// let ctx = mrkit::Context::open_default().unwrap(); // MRKIT_MAX_MR=... etc. apply
+    /// assert_eq!(ctx.name(), "mrkit0");
+    /// ```
     pub fn open_default() -> Result<Context> {
         auto_export();
         Ok(Context {
@@ -61,31 +71,63 @@ impl Context {
     }
 
     /// Wrap any provider.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// let dev: Arc<dyn mrkit::Provider> = Arc::new(mrkit_soft::Context::open(mrkit::DeviceConfig::rxe()));
+    /// let ctx = mrkit::Context::from_provider(dev);
+    /// assert_eq!(ctx.name(), "mrkit0");
+    /// ```
     pub fn from_provider(provider: Arc<dyn Provider>) -> Context {
         Context { provider }
     }
 
     /// Device name.
+    ///
+    /// ```
+    /// assert_eq!(mrkit::Context::open(mrkit::DeviceConfig::rxe()).name(), "mrkit0");
+    /// ```
     pub fn name(&self) -> &str {
         self.provider.name()
     }
 
     /// `ibv_query_device`.
+    ///
+    /// ```
+    /// let attr = mrkit::Context::open(mrkit::DeviceConfig::rxe()).query_device();
+    /// assert!(attr.max_qp > 0 && attr.max_mr_size > 0);
+    /// ```
     pub fn query_device(&self) -> DeviceAttr {
         self.provider.query_device()
     }
 
     /// The provider (for services that need raw handles).
+    ///
+    /// ```
+    /// let ctx = mrkit::Context::open(mrkit::DeviceConfig::rxe());
+    /// let pd = ctx.provider().alloc_pd().unwrap(); // a raw handle: yours to free
+    /// ctx.provider().dealloc_pd(pd).unwrap();
+    /// ```
     pub fn provider(&self) -> &Arc<dyn Provider> {
         &self.provider
     }
 
     /// The embedded software device, if this context is one.
+    ///
+    /// ```
+    /// let ctx = mrkit::Context::open(mrkit::DeviceConfig::rxe());
+    /// assert!(ctx.soft().is_some());
+    /// ```
     pub fn soft(&self) -> Option<&mrkit_soft::Context> {
         self.provider.soft()
     }
 
     /// `ibv_alloc_pd`.
+    ///
+    /// ```
+    /// let pd = mrkit::Context::open(mrkit::DeviceConfig::rxe()).alloc_pd().unwrap();
+    /// assert!(pd.handle() > 0);
+    /// ```
     pub fn alloc_pd(&self) -> Result<ProtectionDomain> {
         let handle = self.provider.alloc_pd()?;
         Ok(ProtectionDomain {
@@ -120,22 +162,47 @@ pub struct ProtectionDomain {
 
 impl ProtectionDomain {
     /// PD handle.
+    ///
+    /// ```
+    /// # let pd = mrkit::Context::open(mrkit::DeviceConfig::rxe()).alloc_pd().unwrap();
+    /// let _handle: u32 = pd.handle();
+    /// ```
     pub fn handle(&self) -> u32 {
         self.inner.handle
     }
 
     /// The context.
+    ///
+    /// ```
+    /// # let pd = mrkit::Context::open(mrkit::DeviceConfig::rxe()).alloc_pd().unwrap();
+    /// assert_eq!(pd.context().name(), "mrkit0");
+    /// ```
     pub fn context(&self) -> &Context {
         &self.inner.ctx
     }
 
     /// Register a buffer this MR then owns. The MR's iova is the buffer's address.
+    ///
+    /// ```
+    /// # use mrkit::{AccessFlags as A, Buffer};
+    /// # let pd = mrkit::Context::open(mrkit::DeviceConfig::rxe()).alloc_pd().unwrap();
+    /// let mut mr = pd.register(Buffer::new(4096).unwrap(), A::LOCAL_WRITE).unwrap();
+    /// mr.as_mut_slice()[0] = 1;
+    /// assert_eq!(mr.info().length, 4096);
+    /// ```
     pub fn register(&self, buf: Buffer, access: AccessFlags) -> Result<MemoryRegion> {
         let iova = buf.addr();
         self.register_iova(buf, iova, access)
     }
 
     /// Register a buffer with an explicit iova (`ibv_reg_mr_iova`).
+    ///
+    /// ```
+    /// # use mrkit::{AccessFlags as A, Buffer};
+    /// # let pd = mrkit::Context::open(mrkit::DeviceConfig::rxe()).alloc_pd().unwrap();
+    /// let mr = pd.register_iova(Buffer::new(4096).unwrap(), 0x1000, A::LOCAL_WRITE | A::REMOTE_READ).unwrap();
+    /// assert_eq!(mr.remote(0..16).unwrap().addr, 0x1000);
+    /// ```
     pub fn register_iova(
         &self,
         buf: Buffer,
@@ -168,6 +235,17 @@ impl ProtectionDomain {
     /// device may corrupt, until the returned region is dropped (deregistered) and every work
     /// request using it has completed. Registering with write rights lets peers holding the
     /// rkey write these bytes at any time.
+    ///
+    /// ```
+    /// # use mrkit::{AccessFlags as A, Buffer};
+    /// # let pd = mrkit::Context::open(mrkit::DeviceConfig::rxe()).alloc_pd().unwrap();
+    /// let buf = Buffer::new(4096).unwrap(); // memory this program manages itself
+    /// // SAFETY: `buf` outlives `raw` (dropped after it, below) and no work request uses it later.
+    /// let raw = unsafe { pd.register_raw(buf.addr(), 4096, buf.addr(), A::LOCAL_WRITE) }.unwrap();
+    /// assert_eq!(raw.info().length, 4096);
+    /// drop(raw);
+    /// drop(buf);
+    /// ```
     pub unsafe fn register_raw(
         &self,
         addr: u64,
@@ -190,6 +268,13 @@ impl ProtectionDomain {
     }
 
     /// `ibv_alloc_mw`.
+    ///
+    /// ```
+    /// # use mrkit::{AccessFlags as A, Buffer};
+    /// # let pd = mrkit::Context::open(mrkit::DeviceConfig::rxe()).alloc_pd().unwrap();
+    /// let mw = pd.alloc_mw(mrkit::MwType::Type2).unwrap();
+    /// assert_eq!(mw.mw_type(), mrkit::MwType::Type2);
+    /// ```
     pub fn alloc_mw(&self, ty: MwType) -> Result<MemoryWindow> {
         let rkey = self.inner.ctx.provider.alloc_mw(self.inner.handle, ty)?;
         Ok(MemoryWindow {
@@ -200,6 +285,14 @@ impl ProtectionDomain {
     }
 
     /// `ibv_advise_mr` on ODP regions: `(lkey, addr, len)` triples.
+    ///
+    /// ```
+    /// # use mrkit::{AccessFlags as A, Buffer};
+    /// # let pd = mrkit::Context::open(mrkit::DeviceConfig::rxe()).alloc_pd().unwrap();
+    /// let mr = pd.register(Buffer::new(4096).unwrap(), A::LOCAL_WRITE | A::ON_DEMAND).unwrap();
+    /// // PREFETCH_WRITE (1), synchronously (FLUSH = 1), of the whole MR:
+    /// pd.advise(1, 1, &[(mr.lkey(), mr.info().iova, 4096)]).unwrap();
+    /// ```
     pub fn advise(&self, advice: u32, flags: u32, sges: &[(u32, u64, u32)]) -> Result<()> {
         self.inner
             .ctx
@@ -219,27 +312,76 @@ pub struct RawMemoryRegion {
 
 impl RawMemoryRegion {
     /// Local key.
+    ///
+    /// ```
+    /// # use mrkit::{AccessFlags as A, Buffer};
+    /// # let pd = mrkit::Context::open(mrkit::DeviceConfig::rxe()).alloc_pd().unwrap();
+    /// # let buf = Buffer::new(4096).unwrap();
+    /// # let mut raw = unsafe { pd.register_raw(buf.addr(), 4096, buf.addr(), A::LOCAL_WRITE) }.unwrap();
+    /// assert_eq!(raw.lkey(), raw.info().lkey);
+    /// ```
     pub fn lkey(&self) -> u32 {
         self.info.lkey
     }
     /// Remote key.
+    ///
+    /// ```
+    /// # use mrkit::{AccessFlags as A, Buffer};
+    /// # let pd = mrkit::Context::open(mrkit::DeviceConfig::rxe()).alloc_pd().unwrap();
+    /// # let buf = Buffer::new(4096).unwrap();
+    /// # let mut raw = unsafe { pd.register_raw(buf.addr(), 4096, buf.addr(), A::LOCAL_WRITE) }.unwrap();
+    /// assert_eq!(raw.rkey(), raw.info().rkey);
+    /// ```
     pub fn rkey(&self) -> u32 {
         self.info.rkey
     }
     /// What the device reports about this MR (page size, entries, pin path...).
+    ///
+    /// ```
+    /// # use mrkit::{AccessFlags as A, Buffer};
+    /// # let pd = mrkit::Context::open(mrkit::DeviceConfig::rxe()).alloc_pd().unwrap();
+    /// # let buf = Buffer::new(4096).unwrap();
+    /// # let mut raw = unsafe { pd.register_raw(buf.addr(), 4096, buf.addr(), A::LOCAL_WRITE) }.unwrap();
+    /// assert_eq!(raw.info().length, 4096);
+    /// ```
     pub fn info(&self) -> &MrInfo {
         &self.info
     }
     /// Fresh `query_mr` from the device.
+    ///
+    /// ```
+    /// # use mrkit::{AccessFlags as A, Buffer};
+    /// # let pd = mrkit::Context::open(mrkit::DeviceConfig::rxe()).alloc_pd().unwrap();
+    /// # let buf = Buffer::new(4096).unwrap();
+    /// # let mut raw = unsafe { pd.register_raw(buf.addr(), 4096, buf.addr(), A::LOCAL_WRITE) }.unwrap();
+    /// assert_eq!(raw.query().unwrap().lkey, raw.lkey());
+    /// ```
     pub fn query(&self) -> Result<MrInfo> {
         self.pd.inner.ctx.provider.query_mr(self.info.lkey)
     }
     /// The protection domain.
+    ///
+    /// ```
+    /// # use mrkit::{AccessFlags as A, Buffer};
+    /// # let pd = mrkit::Context::open(mrkit::DeviceConfig::rxe()).alloc_pd().unwrap();
+    /// # let buf = Buffer::new(4096).unwrap();
+    /// # let mut raw = unsafe { pd.register_raw(buf.addr(), 4096, buf.addr(), A::LOCAL_WRITE) }.unwrap();
+    /// assert_eq!(raw.pd().handle(), pd.handle());
+    /// ```
     pub fn pd(&self) -> &ProtectionDomain {
         &self.pd
     }
     /// `ibv_rereg_mr` changing access rights in place (keys stay). EACCES when the pages were
     /// pinned read-only and the new rights are writable.
+    ///
+    /// ```
+    /// # use mrkit::{AccessFlags as A, Buffer};
+    /// # let pd = mrkit::Context::open(mrkit::DeviceConfig::rxe()).alloc_pd().unwrap();
+    /// # let buf = Buffer::new(4096).unwrap();
+    /// # let mut raw = unsafe { pd.register_raw(buf.addr(), 4096, buf.addr(), A::LOCAL_WRITE) }.unwrap();
+    /// raw.set_access(A::LOCAL_WRITE | A::REMOTE_READ).unwrap();
+    /// assert!(raw.info().access.contains(A::REMOTE_READ));
+    /// ```
     pub fn set_access(&mut self, access: AccessFlags) -> Result<()> {
         self.info = self.pd.inner.ctx.provider.rereg_mr(
             self.info.lkey,
@@ -252,6 +394,16 @@ impl RawMemoryRegion {
         Ok(())
     }
     /// `ibv_rereg_mr` moving the MR to another PD in place (keys stay).
+    ///
+    /// ```
+    /// # use mrkit::{AccessFlags as A, Buffer};
+    /// # let pd = mrkit::Context::open(mrkit::DeviceConfig::rxe()).alloc_pd().unwrap();
+    /// # let buf = Buffer::new(4096).unwrap();
+    /// # let mut raw = unsafe { pd.register_raw(buf.addr(), 4096, buf.addr(), A::LOCAL_WRITE) }.unwrap();
+    /// let pd2 = pd.context().alloc_pd().unwrap();
+    /// raw.set_pd(&pd2).unwrap();
+    /// assert_eq!(raw.pd().handle(), pd2.handle());
+    /// ```
     pub fn set_pd(&mut self, pd: &ProtectionDomain) -> Result<()> {
         self.info = self.pd.inner.ctx.provider.rereg_mr(
             self.info.lkey,
@@ -265,6 +417,15 @@ impl RawMemoryRegion {
         Ok(())
     }
     /// A local SGE over `range` (offsets into the MR).
+    ///
+    /// ```
+    /// # use mrkit::{AccessFlags as A, Buffer};
+    /// # let pd = mrkit::Context::open(mrkit::DeviceConfig::rxe()).alloc_pd().unwrap();
+    /// # let buf = Buffer::new(4096).unwrap();
+    /// # let mut raw = unsafe { pd.register_raw(buf.addr(), 4096, buf.addr(), A::LOCAL_WRITE) }.unwrap();
+    /// let l = raw.local(0..8).unwrap();
+    /// assert_eq!((l.len, l.lkey), (8, raw.lkey()));
+    /// ```
     pub fn local(&self, range: Range<u64>) -> Result<LocalSlice> {
         slice_check(&self.info, &range)?;
         Ok(LocalSlice {
@@ -274,6 +435,15 @@ impl RawMemoryRegion {
         })
     }
     /// A remote descriptor over `range` (offsets into the MR) to hand to a peer.
+    ///
+    /// ```
+    /// # use mrkit::{AccessFlags as A, Buffer};
+    /// # let pd = mrkit::Context::open(mrkit::DeviceConfig::rxe()).alloc_pd().unwrap();
+    /// # let buf = Buffer::new(4096).unwrap();
+    /// # let mut raw = unsafe { pd.register_raw(buf.addr(), 4096, buf.addr(), A::LOCAL_WRITE) }.unwrap();
+    /// raw.set_access(A::LOCAL_WRITE | A::REMOTE_READ).unwrap();
+    /// assert_eq!(raw.remote(8..16).unwrap().len, 8);
+    /// ```
     pub fn remote(&self, range: Range<u64>) -> Result<RemoteSlice> {
         slice_check(&self.info, &range)?;
         Ok(RemoteSlice {
@@ -356,47 +526,132 @@ impl Drop for MemoryRegion {
 
 impl MemoryRegion {
     /// Local key.
+    ///
+    /// ```
+    /// # use mrkit::{AccessFlags as A, Buffer};
+    /// # let pd = mrkit::Context::open(mrkit::DeviceConfig::rxe()).alloc_pd().unwrap();
+    /// # let mut mr = pd.register(Buffer::new(4096).unwrap(), A::LOCAL_WRITE).unwrap();
+    /// assert_eq!(mr.lkey(), mr.info().lkey);
+    /// ```
     pub fn lkey(&self) -> u32 {
         self.raw.lkey()
     }
     /// Remote key.
+    ///
+    /// ```
+    /// # use mrkit::{AccessFlags as A, Buffer};
+    /// # let pd = mrkit::Context::open(mrkit::DeviceConfig::rxe()).alloc_pd().unwrap();
+    /// # let mut mr = pd.register(Buffer::new(4096).unwrap(), A::LOCAL_WRITE).unwrap();
+    /// assert_eq!(mr.rkey(), mr.info().rkey);
+    /// ```
     pub fn rkey(&self) -> u32 {
         self.raw.rkey()
     }
     /// Registration details.
+    ///
+    /// ```
+    /// # use mrkit::{AccessFlags as A, Buffer};
+    /// # let pd = mrkit::Context::open(mrkit::DeviceConfig::rxe()).alloc_pd().unwrap();
+    /// # let mut mr = pd.register(Buffer::new(4096).unwrap(), A::LOCAL_WRITE).unwrap();
+    /// assert_eq!(mr.info().length, 4096);
+    /// ```
     pub fn info(&self) -> &MrInfo {
         self.raw.info()
     }
     /// Fresh `query_mr`.
+    ///
+    /// ```
+    /// # use mrkit::{AccessFlags as A, Buffer};
+    /// # let pd = mrkit::Context::open(mrkit::DeviceConfig::rxe()).alloc_pd().unwrap();
+    /// # let mut mr = pd.register(Buffer::new(4096).unwrap(), A::LOCAL_WRITE).unwrap();
+    /// assert_eq!(mr.query().unwrap(), *mr.info());
+    /// ```
     pub fn query(&self) -> Result<MrInfo> {
         self.raw.query()
     }
     /// Bytes of the buffer.
+    ///
+    /// ```
+    /// # use mrkit::{AccessFlags as A, Buffer};
+    /// # let pd = mrkit::Context::open(mrkit::DeviceConfig::rxe()).alloc_pd().unwrap();
+    /// # let mut mr = pd.register(Buffer::new(4096).unwrap(), A::LOCAL_WRITE).unwrap();
+    /// assert!(mr.as_slice().iter().all(|&b| b == 0));
+    /// ```
     pub fn as_slice(&self) -> &[u8] {
         self.buf.as_slice()
     }
     /// Bytes of the buffer, mutably (no work request can be in flight while `&mut` is held).
+    ///
+    /// ```
+    /// # use mrkit::{AccessFlags as A, Buffer};
+    /// # let pd = mrkit::Context::open(mrkit::DeviceConfig::rxe()).alloc_pd().unwrap();
+    /// # let mut mr = pd.register(Buffer::new(4096).unwrap(), A::LOCAL_WRITE).unwrap();
+    /// mr.as_mut_slice()[..5].copy_from_slice(b"hello");
+    /// assert_eq!(&mr.as_slice()[..5], b"hello");
+    /// ```
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         self.buf.as_mut_slice()
     }
     /// Rights change in place (see [`RawMemoryRegion::set_access`]).
+    ///
+    /// ```
+    /// # use mrkit::{AccessFlags as A, Buffer};
+    /// # let pd = mrkit::Context::open(mrkit::DeviceConfig::rxe()).alloc_pd().unwrap();
+    /// # let mut mr = pd.register(Buffer::new(4096).unwrap(), A::LOCAL_WRITE).unwrap();
+    /// mr.set_access(A::LOCAL_WRITE | A::REMOTE_WRITE).unwrap();
+    /// assert!(mr.info().access.contains(A::REMOTE_WRITE));
+    /// ```
     pub fn set_access(&mut self, access: AccessFlags) -> Result<()> {
         self.raw.set_access(access)
     }
     /// PD change in place.
+    ///
+    /// ```
+    /// # use mrkit::{AccessFlags as A, Buffer};
+    /// # let pd = mrkit::Context::open(mrkit::DeviceConfig::rxe()).alloc_pd().unwrap();
+    /// # let mut mr = pd.register(Buffer::new(4096).unwrap(), A::LOCAL_WRITE).unwrap();
+    /// let pd2 = pd.context().alloc_pd().unwrap();
+    /// mr.set_pd(&pd2).unwrap();
+    /// ```
     pub fn set_pd(&mut self, pd: &ProtectionDomain) -> Result<()> {
         self.raw.set_pd(pd)
     }
-    /// Local SGE over `range`.
+    /// Local SGE over `range` (offsets into the MR); `EINVAL` outside it.
+    ///
+    /// ```
+    /// # use mrkit::{AccessFlags as A, Buffer, Context};
+    /// # let pd = Context::open(mrkit::DeviceConfig::rxe()).alloc_pd().unwrap();
+    /// let mr = pd.register(Buffer::new(4096).unwrap(), A::LOCAL_WRITE).unwrap();
+    /// let l = mr.local(16..32).unwrap();
+    /// assert_eq!((l.addr, l.len, l.lkey), (mr.info().iova + 16, 16, mr.lkey()));
+    /// assert!(mr.local(4000..4097).is_err());
+    /// ```
     pub fn local(&self, range: Range<u64>) -> Result<LocalSlice> {
         self.raw.local(range)
     }
-    /// Remote descriptor over `range`.
+    /// Remote descriptor over `range` (offsets into the MR) to hand to a peer; `EINVAL`
+    /// outside it.
+    ///
+    /// ```
+    /// # use mrkit::{AccessFlags as A, Buffer, Context};
+    /// # let pd = Context::open(mrkit::DeviceConfig::rxe()).alloc_pd().unwrap();
+    /// let mr = pd.register(Buffer::new(4096).unwrap(), A::LOCAL_WRITE | A::REMOTE_READ).unwrap();
+    /// let r = mr.remote(0..4096).unwrap();
+    /// assert_eq!((r.len, r.rkey), (4096, mr.rkey()));
+    /// ```
     pub fn remote(&self, range: Range<u64>) -> Result<RemoteSlice> {
         self.raw.remote(range)
     }
     /// Deregister and get the buffer back. An MR the device cannot deregister (memory
     /// windows still bound) is returned as the error, still registered.
+    ///
+    /// ```
+    /// # use mrkit::{AccessFlags as A, Buffer};
+    /// # let pd = mrkit::Context::open(mrkit::DeviceConfig::rxe()).alloc_pd().unwrap();
+    /// # let mut mr = pd.register(Buffer::new(4096).unwrap(), A::LOCAL_WRITE).unwrap();
+    /// let buf = mr.deregister().unwrap();
+    /// assert_eq!(buf.len(), 4096);
+    /// ```
     pub fn deregister(mut self) -> std::result::Result<Buffer, Box<MemoryRegion>> {
         if !self.raw.release() {
             return Err(Box::new(self));
@@ -423,6 +678,17 @@ pub struct LocalSlice {
 }
 
 /// What a peer needs to RDMA READ/WRITE a range: address, length and rkey.
+///
+/// ```
+/// # use mrkit::{AccessFlags as A, Buffer, Context};
+/// # let pd = Context::open(mrkit::DeviceConfig::rxe()).alloc_pd().unwrap();
+/// let mr = pd.register(Buffer::new(4096).unwrap(), A::LOCAL_WRITE | A::REMOTE_READ).unwrap();
+/// let all = mr.remote(0..4096).unwrap();
+/// let tail = all.offset(1024).unwrap();
+/// assert_eq!((tail.addr, tail.len), (all.addr + 1024, 3072));
+/// assert_eq!(tail.slice(0..8).unwrap(), mr.remote(1024..1032).unwrap());
+/// assert_eq!(all.slice(4000..5000).unwrap_err().errno(), mrkit::Errno::EINVAL);
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RemoteSlice {
     /// Address in the MR's (or window's) iova space.
@@ -431,6 +697,28 @@ pub struct RemoteSlice {
     pub len: u64,
     /// rkey.
     pub rkey: u32,
+}
+
+impl RemoteSlice {
+    /// The sub-range `range` (offsets from this slice's first byte), same rkey. `EINVAL` when
+    /// the range is reversed, runs past [`RemoteSlice::len`], or the address would overflow.
+    pub fn slice(&self, range: Range<u64>) -> Result<RemoteSlice> {
+        let (start, len) = crate::qp::registered::check_range(&range, self.len, "remote slice")?;
+        let addr = self
+            .addr
+            .checked_add(start)
+            .ok_or_else(|| Error::new(Errno::EINVAL, "remote address overflows"))?;
+        Ok(RemoteSlice {
+            addr,
+            len,
+            rkey: self.rkey,
+        })
+    }
+
+    /// Everything from byte `off` on (`off == len` gives an empty slice).
+    pub fn offset(&self, off: u64) -> Result<RemoteSlice> {
+        self.slice(off..self.len)
+    }
 }
 
 /// A memory window. Deallocated on drop.
@@ -443,6 +731,13 @@ pub struct MemoryWindow {
 
 impl MemoryWindow {
     /// Current rkey (changes with every bind).
+    ///
+    /// ```
+    /// # use mrkit::{AccessFlags as A, Buffer};
+    /// # let pd = mrkit::Context::open(mrkit::DeviceConfig::rxe()).alloc_pd().unwrap();
+    /// let mw = pd.alloc_mw(mrkit::MwType::Type1).unwrap();
+    /// assert_ne!(mw.rkey(), 0);
+    /// ```
     pub fn rkey(&self) -> u32 {
         self.pd
             .inner
@@ -453,6 +748,13 @@ impl MemoryWindow {
             .unwrap_or(self.alloc_rkey)
     }
     /// Window type.
+    ///
+    /// ```
+    /// # use mrkit::{AccessFlags as A, Buffer};
+    /// # let pd = mrkit::Context::open(mrkit::DeviceConfig::rxe()).alloc_pd().unwrap();
+    /// let mw = pd.alloc_mw(mrkit::MwType::Type1).unwrap();
+    /// assert_eq!(mw.mw_type(), mrkit::MwType::Type1);
+    /// ```
     pub fn mw_type(&self) -> MwType {
         self.ty
     }

@@ -342,7 +342,7 @@ fn owned_entry_is_a_loopback_rdma_target() {
     let cache = RegCache::new(&pd, explicit()).unwrap();
     let io = Arc::new(Buffer::new(8192).unwrap());
     let acc = RW | A::REMOTE_WRITE | A::REMOTE_READ;
-    let mut q1 = QueuePair::new(&pd, QpCap::default()).unwrap();
+    let q1 = QueuePair::new(&pd, QpCap::default()).unwrap();
     let q2 = QueuePair::new(&pd, QpCap::default()).unwrap();
     QueuePair::connect(&q1, &q2, acc).unwrap();
     let mut src = pd.register(Buffer::new(4096).unwrap(), RW).unwrap();
@@ -453,4 +453,55 @@ fn handles_are_send_and_owned_handles_clone() {
     send(&h2);
     std::thread::spawn(move || drop(h2)).join().unwrap();
     assert_eq!(Arc::strong_count(&b), 3, "caller, handle, entry");
+}
+
+/// Cache handles post through `QueuePair` like any registered memory (issue 20, item 3): an
+/// owned handle moves into a pipelined work request of a `QueuePair<Owned>` and comes back
+/// with its completion; a `&mut`-borrowed handle is the READ destination of
+/// a queue pair whose type carries the borrow.
+#[test]
+fn cache_handles_post_through_queue_pairs() {
+    use mrkit::Owned;
+    use std::time::Duration;
+    let (_ctx, pd) = open();
+    let cache = RegCache::new(&pd, CacheConfig::default()).unwrap();
+    let q1 = QueuePair::new(&pd, QpCap::default()).unwrap();
+    let q2 = QueuePair::new(&pd, QpCap::default()).unwrap();
+    QueuePair::connect(&q1, &q2, A::REMOTE_WRITE | A::REMOTE_READ).unwrap();
+    let mut dst = pd
+        .register(
+            Buffer::new(8192).unwrap(),
+            RW | A::REMOTE_WRITE | A::REMOTE_READ,
+        )
+        .unwrap();
+
+    // An owned cached handle is the source of a pipelined WRITE and comes back.
+    let mut io = Buffer::new(4096).unwrap();
+    io.as_mut_slice().fill(0x11);
+    let io = Arc::new(io);
+    let h = cache.get_owned(&io, 0..4096, RW).unwrap();
+    let t = q1
+        .post_write(h, 0..4096, dst.remote(0..4096).unwrap())
+        .unwrap();
+    let c = q1.wait_ticket(t, Duration::from_secs(10)).unwrap();
+    assert_eq!(c.status(), WcStatus::Success);
+    assert!(matches!(c.buf, Owned::Cached(_)));
+    drop(c);
+    assert!(dst.as_slice()[..4096].iter().all(|&b| b == 0x11));
+
+    // A borrowed handle (`get_mut`) is the destination of a READ on a QP typed by the borrow.
+    let mut mine = vec![0u8; 4096];
+    {
+        let h = cache.get_mut(&mut mine, RW).unwrap();
+        let q3: QueuePair<mrkit::cache::RegMut<'_>> =
+            QueuePair::new_typed(&pd, QpCap::default()).unwrap();
+        let q4 = QueuePair::new(&pd, QpCap::default()).unwrap();
+        QueuePair::connect(&q3, &q4, A::REMOTE_READ).unwrap();
+        let t = q3
+            .post_read(h, 0..4096, dst.remote(0..4096).unwrap())
+            .unwrap();
+        let c = q3.wait_ticket(t, Duration::from_secs(10)).unwrap();
+        assert_eq!(c.status(), WcStatus::Success);
+    }
+    assert!(mine.iter().all(|&b| b == 0x11));
 }

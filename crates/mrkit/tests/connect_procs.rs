@@ -201,7 +201,7 @@ fn read_after_the_peer_died(model: StatusModel) -> (WcStatus, Duration) {
     let port = kid.expect("PORT ");
     let ctx = Context::open(DeviceConfig::from_env().unwrap().status_model(model));
     let pd = ctx.alloc_pd().unwrap();
-    let mut c = tcp::connect(
+    let c = tcp::connect(
         format!("127.0.0.1:{port}"),
         &pd,
         QpCap::default(),

@@ -71,7 +71,7 @@ fn handshake_carries_private_data_and_the_qps_work() {
         private_data: b"client".to_vec(),
         ..Default::default()
     };
-    let mut c = tcp::connect(addr, &cpd, QpCap::default(), &opts).unwrap();
+    let c = tcp::connect(addr, &cpd, QpCap::default(), &opts).unwrap();
     assert_eq!(c.peer, addr);
     let remote = RemoteSlice::from_bytes(&c.private_data).unwrap();
     let mut local = cpd

@@ -1,13 +1,16 @@
 //! Safe queue-pair API: borrow-scoped blocking work requests, completions as values.
 use mrkit::{AccessFlags as A, Buffer, Context, QpCap, QpState, QueuePair, WcStatus};
 
+/// Bound on every wait (generous: the machine is shared).
+const WAIT: std::time::Duration = std::time::Duration::from_secs(60);
+
 #[test]
 fn safe_write_read_atomic_and_error_as_value() {
     let c1 = Context::open(mrkit::DeviceConfig::rxe());
     let c2 = Context::open(mrkit::DeviceConfig::rxe());
     let (p1, p2) = (c1.alloc_pd().unwrap(), c2.alloc_pd().unwrap());
-    let mut q1 = QueuePair::new(&p1, QpCap::default()).unwrap();
-    let mut q2 = QueuePair::new(&p2, QpCap::default()).unwrap();
+    let q1 = QueuePair::new(&p1, QpCap::default()).unwrap();
+    let q2 = QueuePair::new(&p2, QpCap::default()).unwrap();
     QueuePair::connect(
         &q1,
         &q2,
@@ -68,7 +71,7 @@ fn pipelined_owned_buffers_come_back_with_completions() {
     let c1 = Context::open(mrkit::DeviceConfig::rxe());
     let c2 = Context::open(mrkit::DeviceConfig::rxe());
     let (p1, p2) = (c1.alloc_pd().unwrap(), c2.alloc_pd().unwrap());
-    let mut q1 = QueuePair::new(&p1, QpCap::default()).unwrap();
+    let q1 = QueuePair::new(&p1, QpCap::default()).unwrap();
     let q2 = QueuePair::new(&p2, QpCap::default()).unwrap();
     QueuePair::connect(&q1, &q2, A::REMOTE_WRITE | A::REMOTE_READ).unwrap();
     let dst = p2
@@ -110,20 +113,21 @@ fn pipelined_owned_buffers_come_back_with_completions() {
         .read(&mut probe, 0..16, dst.remote(0..16).unwrap())
         .unwrap();
     assert_eq!(wc.status, WcStatus::Success);
-    let done = q1.wait_all().unwrap();
+    let done = q1.wait_all(WAIT).unwrap();
     assert_eq!(done.len(), 12);
     assert_eq!(q1.in_flight(), 0);
-    let mut ids: Vec<u64> = done.iter().map(|(w, _)| w.wr_id).collect();
+    let mut ids: Vec<u64> = done.iter().map(|c| c.wc.wr_id).collect();
     ids.sort();
     let mut want: Vec<u64> = tickets.iter().map(|t| t.wr_id()).collect();
     want.sort();
     assert_eq!(ids, want);
     let mut slots = 0;
-    for (wc, buf) in done {
-        assert_eq!(wc.status, WcStatus::Success);
-        match buf.expect("buffer back") {
+    for c in done {
+        assert_eq!(c.wc.status, WcStatus::Success);
+        match c.buf {
             Owned::Mr(m) => assert_eq!(m.as_slice().len(), 4096),
             Owned::Slot(_) => slots += 1,
+            other => panic!("unexpected buffer kind {other:?}"),
         }
     }
     assert_eq!(slots, 4);
@@ -137,10 +141,10 @@ fn pipelined_owned_buffers_come_back_with_completions() {
     let t = q1
         .post_read(s, 0..4096, dst.remote(4096..8192).unwrap())
         .unwrap();
-    let (wc, buf) = q1.wait_all().unwrap().pop().unwrap();
-    assert_eq!((wc.wr_id, wc.status), (t.wr_id(), WcStatus::Success));
-    let buf = buf.unwrap();
-    assert!(buf.as_slice().iter().all(|&b| b == 2));
+    let c = q1.wait_all(WAIT).unwrap().pop().unwrap();
+    assert_eq!((c.wc.wr_id, c.wc.status), (t.wr_id(), WcStatus::Success));
+    let buf = c.buf;
+    assert!(buf.as_slice().unwrap().iter().all(|&b| b == 2));
     let refused = q1
         .post_write(buf, 0..8192, dst.remote(0..8192).unwrap())
         .unwrap_err();

@@ -37,13 +37,13 @@ fn pair(owner: &ProtectionDomain, p: &Peer) -> (QueuePair, QueuePair) {
 
 /// The peer RDMA WRITEs `len` bytes of 0xab to `to`.
 fn peer_write(owner: &ProtectionDomain, p: &Peer, to: RemoteSlice, len: u64) -> WcStatus {
-    let (_a, mut b) = pair(owner, p);
+    let (_a, b) = pair(owner, p);
     b.write(&p.src, 0..len, to).unwrap().status
 }
 
 /// The peer RDMA READs `len` bytes from `from`.
 fn peer_read(owner: &ProtectionDomain, p: &mut Peer, from: RemoteSlice, len: u64) -> WcStatus {
-    let (_a, mut b) = pair(owner, p);
+    let (_a, b) = pair(owner, p);
     b.read(&mut p.dst, 0..len, from).unwrap().status
 }
 

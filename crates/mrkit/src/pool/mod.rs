@@ -53,7 +53,7 @@
 //! # use mrkit::pool::{MrPool, PoolConfig};
 //! # let ctx = mrkit::Context::open(mrkit::DeviceConfig::rxe());
 //! # let pd = ctx.alloc_pd().unwrap();
-//! # let mut q1 = QueuePair::new(&pd, QpCap::default()).unwrap();
+//! # let q1 = QueuePair::new(&pd, QpCap::default()).unwrap();
 //! # let q2 = QueuePair::new(&pd, QpCap::default()).unwrap();
 //! # QueuePair::connect(&q1, &q2, A::REMOTE_WRITE).unwrap();
 //! # let dst = pd.register(Buffer::new(4096).unwrap(), A::LOCAL_WRITE | A::REMOTE_WRITE).unwrap();
@@ -61,8 +61,8 @@
 //! let mut s = pool.alloc_owned().unwrap();
 //! s.as_mut_slice().fill(7);
 //! let t = q1.post_write(s, 0..4096, dst.remote(0..4096).unwrap()).unwrap();
-//! let (wc, _slot) = q1.wait_all().unwrap().pop().unwrap(); // the slot comes back
-//! assert_eq!((wc.wr_id, wc.status), (t.wr_id(), WcStatus::Success));
+//! let c = q1.wait_ticket(t, std::time::Duration::from_secs(10)).unwrap(); // the slot comes back
+//! assert_eq!((c.wr_id(), c.status()), (t.wr_id(), WcStatus::Success));
 //! assert!(dst.as_slice().iter().all(|&b| b == 7));
 //! ```
 

@@ -40,8 +40,10 @@ use std::sync::OnceLock;
 use crate::{AccessFlags, Errno, Error, Result};
 use serde::{Deserialize, Serialize};
 
+use super::registered::Registered;
 use super::QueuePair;
 use crate::verbs::RemoteSlice;
+use mrkit_soft::qp::AddressVector;
 
 /// A path MTU (`enum ibv_mtu`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -465,59 +467,51 @@ struct Resolved {
 }
 
 /// **The one place that reads a QP's address from the device** (GID of its RoCEv2 link,
-/// binding the link if needed, and its loopback node).
-fn device_address(qp: &QueuePair) -> Result<DeviceAddress> {
-    let gid = qp.dev.query_gid()?;
-    Ok(DeviceAddress {
-        gid,
-        node: qp.dev.node_id(),
-    })
+/// binding the link if needed, and, for mrkit0, its in-process loopback node; 0 elsewhere).
+fn device_address<B: Registered>(qp: &QueuePair<B>) -> Result<DeviceAddress> {
+    let provider = qp.ctx.provider();
+    let gid = provider.query_gid()?;
+    let node = match provider.local_av() {
+        Ok(av) if av.dgid.is_none() => av.dest_node,
+        _ => 0,
+    };
+    Ok(DeviceAddress { gid, node })
 }
 
-/// **The one place that connects a QP to a peer on the device**: RESET → INIT → RTR → RTS.
-/// On failure the QP is put back to RESET, so it can be connected again.
-fn device_connect(qp: &QueuePair, path: PeerPath, r: &Resolved) -> Result<()> {
-    use mrkit_soft::qp::connect::{connect_qp, ConnectOpts as SoftOpts, RemoteQp};
-    let remote = match path {
-        PeerPath::Udp(ip) => RemoteQp {
-            qpn: r.peer_qpn,
-            psn: r.peer_psn,
-            ip: Some(ip),
-            node: 0,
+/// **The one place that connects a QP to a peer on the device**: RESET → INIT → RTR → RTS
+/// through the provider's `modify_qp`. On failure the QP is put back to RESET, so it can be
+/// connected again.
+fn device_connect<B: Registered>(qp: &QueuePair<B>, path: PeerPath, r: &Resolved) -> Result<()> {
+    let av = match path {
+        PeerPath::Udp(ip) => AddressVector {
+            dest_node: 0,
+            dgid: Some(ip),
+            port_num: 1,
         },
-        PeerPath::Loopback(node) => RemoteQp {
-            qpn: r.peer_qpn,
-            psn: r.peer_psn,
-            ip: None,
-            node,
+        PeerPath::Loopback(node) => AddressVector {
+            dest_node: node,
+            dgid: None,
+            port_num: 1,
         },
     };
-    let o = SoftOpts {
-        access: r.opts.access,
-        path_mtu: r.mtu.ibv(),
-        sq_psn: r.sq_psn,
-        timeout: r.opts.timeout,
-        retry_cnt: r.opts.retry_cnt,
-        rnr_retry: r.opts.rnr_retry,
-        rd_atomic: r.opts.rd_atomic,
+    let opts = ConnectOpts {
+        path_mtu: r.mtu,
+        ..r.opts
     };
-    let res = connect_qp(&qp.dev, qp.qpn, remote, o);
+    let res = qp.bring_up(av, r.peer_qpn, r.peer_psn, r.sq_psn, &opts);
     if res.is_err() {
         let reset = mrkit_soft::qp::QpAttr {
             qp_state: mrkit_soft::qp::QpState::Reset as u32,
             ..Default::default()
         };
-        if let Err(e) = qp
-            .dev
-            .modify_qp(qp.qpn, &reset, mrkit_soft::qp::attr_mask::STATE)
-        {
+        if let Err(e) = qp.modify_qp(&reset, mrkit_soft::qp::attr_mask::STATE) {
             tracing::warn!(error = %e, qpn = qp.qpn, "could not reset a QP whose connect failed");
         }
     }
     res
 }
 
-impl QueuePair {
+impl<B: Registered> QueuePair<B> {
     /// This QP's endpoint with the default options: [`QueuePair::endpoint_for`] with
     /// [`ConnectOpts::default`]. Binds the device's RoCEv2 link if it is not yet bound
     /// (`MRKIT_ADDR`, see the [module docs](crate::qp::endpoint)).

@@ -29,6 +29,19 @@ use crate::{Errno, Error, Result};
 
 /// Registered memory that a work request may carry.
 ///
+/// ```
+/// use mrkit::{AccessFlags as A, Buffer, Context, Registered};
+/// let pd = Context::open(mrkit::DeviceConfig::rxe()).alloc_pd().unwrap();
+/// let a = pd.register(Buffer::new(4096).unwrap(), A::LOCAL_WRITE).unwrap();
+/// let b = pd.register(Buffer::new(4096).unwrap(), A::LOCAL_WRITE).unwrap();
+/// let list = vec![&a, &b];
+/// let mut sges = Vec::new();
+/// list.sges(4000..4196, &mut sges).unwrap(); // crosses from `a` into `b`
+/// assert_eq!(sges.len(), 2);
+/// assert_eq!((sges[0].len, sges[1].len), (96, 100));
+/// assert!(list.sges(0..8193, &mut sges).is_err());
+/// ```
+///
 /// # Safety
 ///
 /// An implementation promises that for as long as the value lives:
