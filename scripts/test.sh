@@ -29,15 +29,17 @@ if [ "$(id -u)" -eq 0 ]; then
 fi
 
 # --- Rust checks ---------------------------------------------------------------------------
+# The optional tokio feature of mrkit (async completions) is built, linted and tested too.
+FEATURES=(--features mrkit/tokio)
 echo "==> cargo fmt --check"
 cargo fmt --all -- --check
 echo "==> cargo clippy --all-targets -D warnings"
-cargo clippy --workspace --all-targets -- -D warnings
+cargo clippy --workspace --all-targets "${FEATURES[@]}" -- -D warnings
 echo "==> cargo doc -D warnings (broken or private intra-doc links)"
-RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --quiet
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --quiet "${FEATURES[@]}"
 echo "==> cargo test"
-cargo test --workspace --all-targets -- --test-threads=2
-cargo test --workspace --doc
+cargo test --workspace --all-targets "${FEATURES[@]}" -- --test-threads=2
+cargo test --workspace --doc "${FEATURES[@]}"
 RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test -p mrkit --profile loom --test loom_pool --test loom_cache
 echo "==> fuzzing (bounded): packet parser, responder and completer"
 command -v cargo-fuzz >/dev/null 2>&1 || cargo install -q cargo-fuzz --locked
@@ -47,4 +49,9 @@ command -v cargo-fuzz >/dev/null 2>&1 || cargo install -q cargo-fuzz --locked
 (cd fuzz && cargo fuzz run -s none completer -- -max_total_time=20 -print_final_stats=1 2>&1 | tail -3)
 echo "==> CLI smoke"
 cargo run -q -p mrkit-cli -- demo >/dev/null
+echo "==> examples (each checks its own results)"
+for ex in kv_get pool_echo storage_cache async_echo; do
+  echo "    $ex"
+  cargo run -q -p mrkit "${FEATURES[@]}" --example "$ex" >/dev/null
+done
 echo "all tests passed"

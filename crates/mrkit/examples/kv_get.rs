@@ -71,18 +71,14 @@ fn server(addr: &str) -> Result<()> {
 }
 
 fn get(
-    qp: &mut QueuePair,
+    qp: &QueuePair,
     buf: &mut MemoryRegion,
     table: RemoteSlice,
     key: &str,
 ) -> Result<Option<String>> {
     let mut s = home(key);
     for _ in 0..SLOTS {
-        let slot = RemoteSlice {
-            addr: table.addr + s * SLOT,
-            len: SLOT,
-            rkey: table.rkey,
-        };
+        let slot = table.slice(s * SLOT..(s + 1) * SLOT)?; // EINVAL outside the table
         let wc = qp.read(buf, 0..SLOT, slot)?;
         if wc.status != WcStatus::Success {
             return Err(format!("READ failed: {:?}", wc.status).into());
@@ -101,7 +97,7 @@ fn get(
 
 fn client(addr: &str, keys: &[&str]) -> Result<Vec<Option<String>>> {
     let pd = Context::open_default()?.alloc_pd()?;
-    let mut conn = tcp::connect(addr, &pd, QpCap::default(), &HandshakeOpts::default())?;
+    let conn = tcp::connect(addr, &pd, QpCap::default(), &HandshakeOpts::default())?;
     let table = RemoteSlice::from_bytes(&conn.private_data)?;
     if table.len < SLOTS * SLOT {
         return Err("the server's table is too small".into()); // so no slot address overflows
@@ -109,7 +105,7 @@ fn client(addr: &str, keys: &[&str]) -> Result<Vec<Option<String>>> {
     let mut buf = pd.register(Buffer::new(SLOT as usize)?, AccessFlags::LOCAL_WRITE)?;
     let mut out = Vec::new();
     for key in keys {
-        let v = get(&mut conn.qp, &mut buf, table, key)?;
+        let v = get(&conn.qp, &mut buf, table, key)?;
         println!("{key} -> {}", v.as_deref().unwrap_or("(not found)"));
         out.push(v);
     }
