@@ -41,7 +41,7 @@ pub enum Owned {
     /// ([`RegCache::get_owned`](crate::cache::RegCache::get_owned)).
     Cached(RegOwned<Buffer>),
     /// Pool slots standing in for memory the cache could not register
-    /// ([`RegCache::get_or_bounce`](crate::cache::RegCache::get_or_bounce)); copy in and out
+    /// ([`RegCache::get_or_bounce_raw`](crate::cache::RegCache::get_or_bounce_raw)); copy in and out
     /// with [`BounceBuffer::copy_in`] / [`BounceBuffer::copy_out`].
     Bounce(BounceBuffer),
     /// Several pieces posted as one scatter/gather list (their concatenation).
