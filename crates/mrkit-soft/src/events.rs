@@ -13,8 +13,47 @@ use std::time::Duration;
 
 use parking_lot::RwLock;
 
-use crate::progress::AsyncEvent;
 use crate::Context;
+
+/// Affiliated and unaffiliated asynchronous events (`enum ibv_event_type` subset).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AsyncEvent {
+    /// IBV_EVENT_CQ_ERR (0): a CQ overflowed.
+    CqErr {
+        /// CQ number.
+        cqn: u32,
+    },
+    /// IBV_EVENT_QP_FATAL (1).
+    QpFatal {
+        /// QP number.
+        qpn: u32,
+    },
+    /// IBV_EVENT_QP_REQ_ERR (2): invalid request detected as responder (hardware model).
+    QpReqErr {
+        /// QP number.
+        qpn: u32,
+    },
+    /// IBV_EVENT_QP_ACCESS_ERR (3): rkey violation detected as responder (hardware model).
+    QpAccessErr {
+        /// QP number.
+        qpn: u32,
+    },
+    /// IBV_EVENT_SQ_DRAINED (5).
+    SqDrained {
+        /// QP number.
+        qpn: u32,
+    },
+    /// IBV_EVENT_QP_LAST_WQE_REACHED (16): a QP attached to an SRQ entered ERR.
+    QpLastWqeReached {
+        /// QP number.
+        qpn: u32,
+    },
+    /// IBV_EVENT_SRQ_LIMIT_REACHED (15): an armed SRQ dropped below its limit.
+    SrqLimitReached {
+        /// SRQ number.
+        srqn: u32,
+    },
+}
 
 /// Receives every asynchronous event of a device instance once installed.
 pub type AsyncEventHook = Arc<dyn Fn(AsyncEvent) + Send + Sync>;

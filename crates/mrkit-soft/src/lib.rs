@@ -30,6 +30,7 @@
 //! ```
 
 pub mod access;
+pub mod addr;
 mod at_exit;
 mod copy;
 pub mod cq;
@@ -37,8 +38,10 @@ pub mod device;
 pub mod error;
 pub mod events;
 pub mod fastpath;
+pub mod fault;
 mod last_used;
 pub mod mem;
+pub mod memcore;
 pub mod mr;
 pub mod mw;
 pub mod net;
@@ -53,7 +56,6 @@ pub mod table;
 pub mod user_mem;
 pub mod wire;
 
-use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
 pub use access::AccessFlags;
@@ -64,16 +66,12 @@ pub use mw::MwType;
 pub use user_mem::{OwnedMemory, UserMemory};
 
 use crate::error::err;
-use crate::pd::PdObject;
-use crate::table::KeyTable;
+use crate::mr::{AccessDenied, KeyUse, MrGuard, MrObject};
+use crate::mw::{BindInfo, MwInfo};
+pub use memcore::MemCore;
 
 /// Name of the embedded device.
 pub const DEVICE_NAME: &str = "mrkit0";
-
-/// Index range of MR keys: keys below 2^31 are MRs.
-pub(crate) const MR_INDEX: (u32, u32) = (1, (1 << 23) - 1);
-/// Index range of MW keys: keys with bit 31 set are memory windows.
-pub(crate) const MW_INDEX: (u32, u32) = (1 << 23, (1 << 24) - 1);
 
 /// Devices this library provides (`ibv_get_device_list`).
 ///
@@ -87,15 +85,9 @@ pub fn device_list() -> Vec<&'static str> {
 /// Device state shared by all handles of one opened device instance.
 #[derive(Debug)]
 pub struct DeviceInner {
-    pub(crate) config: DeviceConfig,
-    pub(crate) pds: KeyTable<Arc<PdObject>>,
-    pub(crate) mrs: KeyTable<mr::MrObject>,
-    pub(crate) mws: KeyTable<mw::MwObject>,
-    /// Translation entries reserved by live MRs; bounded by `attr.max_mtt`
-    /// (reserved with a compare-exchange loop before an MR is published).
-    pub(crate) mtt_used: AtomicU64,
-    pub(crate) stats: stats::RegStats,
-    /// Data path: CQs, QPs, progress engine (issue 3).
+    /// PDs, MR and MW tables, translation accounting, statistics, limits.
+    pub(crate) core: MemCore,
+    /// Data path: CQs, QPs, the progress engine.
     pub(crate) dp: progress::DataPath,
     /// Shared receive queues.
     pub(crate) srqs: srq::SrqTable,
@@ -162,7 +154,6 @@ pub struct Context {
 impl Context {
     /// Open a device instance with the given limits.
     pub fn open(config: DeviceConfig) -> Context {
-        let a = config.attr().clone();
         let ctx = Context {
             dev: Arc::new(DeviceInner {
                 dp: progress::DataPath::new(config.uses_delayed_acks()),
@@ -173,16 +164,11 @@ impl Context {
                 progress_runners: std::sync::atomic::AtomicUsize::new(0),
                 rx: parking_lot::Mutex::new(net::udp::RecvBufs::default()),
                 event_hook: events::HookSlot::default(),
-                pds: KeyTable::new(1, (1 << 24) - 1, a.max_pd),
-                mrs: KeyTable::new(MR_INDEX.0, MR_INDEX.1, a.max_mr),
-                mws: KeyTable::new(MW_INDEX.0, MW_INDEX.1, a.max_mw),
-                mtt_used: AtomicU64::new(0),
-                stats: stats::RegStats::default(),
-                config,
+                core: MemCore::new(config),
             }),
         };
         net::loopback::attach(ctx.dev.dp.node_id, &ctx.dev);
-        if ctx.dev.config.uses_delayed_acks() {
+        if ctx.dev.core.config.uses_delayed_acks() {
             at_exit::register();
         }
         ctx
@@ -206,8 +192,8 @@ impl Context {
             return Ok(p.clone());
         }
         let port = net::udp::UdpPort::bind(
-            self.dev.config.configured_udp_addr(),
-            self.dev.config.configured_faults(),
+            self.dev.core.config.configured_udp_addr(),
+            self.dev.core.config.configured_faults(),
         )
         .map_err(|e| {
             err!(
@@ -244,78 +230,202 @@ impl Context {
 
     /// `ibv_query_device`.
     pub fn query_device(&self) -> DeviceAttr {
-        self.dev.config.attr().clone()
+        self.dev.core.config.attr().clone()
     }
 
     /// The configuration (with the source of each value).
     pub fn config(&self) -> &DeviceConfig {
-        &self.dev.config
+        &self.dev.core.config
     }
 
     /// Device counters.
     pub fn stats(&self) -> stats::StatsSnapshot {
-        self.dev.stats.snapshot()
+        self.dev.core.stats.snapshot()
     }
 
     /// Objects alive on this device instance right now (as `rdma resource show` counts them):
     /// lets a long-running program check that it tears every connection down.
     pub fn resource_counts(&self) -> ResourceCounts {
         ResourceCounts {
-            pds: self.dev.pds.len(),
-            mrs: self.dev.mrs.len(),
-            mws: self.dev.mws.len(),
+            pds: self.dev.core.pds.len(),
+            mrs: self.dev.core.mrs.len(),
+            mws: self.dev.core.mws.len(),
             cqs: self.dev.dp.cqs.read().len(),
             qps: self.dev.dp.qps.read().len(),
         }
     }
 
+    /// The device's memory core: PDs, MR and MW tables, the access predicate.
+    pub fn memory_core(&self) -> &MemCore {
+        &self.dev.core
+    }
+
     /// `ibv_alloc_pd`: ENOMEM when max_pd PDs exist.
     pub fn alloc_pd(&self) -> Result<u32> {
-        let r = self.dev.pds.reserve().map_err(|_| {
-            err!(
-                ENOMEM,
-                "max_pd ({}) protection domains exist; deallocate one or raise MRKIT_MAX_PD",
-                self.dev.pds.limit()
-            )
-        })?;
-        let handle = r.key();
-        Ok(r.publish(Arc::new(PdObject {
-            handle,
-            usecnt: Default::default(),
-        })))
+        self.dev.core.alloc_pd()
     }
 
     /// `ibv_dealloc_pd`: EBUSY while MRs, MWs, QPs or SRQs use it; EINVAL for an unknown PD.
     pub fn dealloc_pd(&self, pd: u32) -> Result<()> {
-        let g = self
-            .dev
-            .pds
-            .get(pd)
-            .ok_or_else(|| err!(EINVAL, "PD {pd:#x} does not exist (already deallocated?)"))?;
-        let used = g.usecnt();
-        if used > 0 {
-            return Err(err!(
-                EBUSY,
-                "PD {pd:#x} is still used by {used} MR/MW/QP/SRQ object(s); destroy them first"
-            ));
-        }
-        drop(g);
-        // A racing creator may have taken a use between the check and here: re-check after
-        // unpublishing and put the PD back if so.
-        let u = self
-            .dev
-            .pds
-            .unpublish(pd)
-            .ok_or_else(|| err!(EINVAL, "PD {pd:#x} does not exist"))?;
-        let _ = u.drain_entry();
-        Ok(())
+        self.dev.core.dealloc_pd(pd)
     }
 
-    pub(crate) fn pd(&self, pd: u32) -> Result<Arc<PdObject>> {
+    /// `ibv_reg_mr`: register `mem` with iova = its address.
+    ///
+    /// The device's [`MemCore::reg_mr_va`] does the work; its documentation has the full contract.
+    pub fn reg_mr_va(&self, pd: u32, mem: UserMemory, access: AccessFlags) -> Result<MrInfo> {
+        self.dev.core.reg_mr_va(pd, mem, access)
+    }
+
+    /// `ibv_reg_mr_iova2`: register `mem` (`[addr, addr+length)`) whose first byte has address
+    /// `iova` in the MR's address space. See the module docs for the validation order.
+    ///
+    /// The device's [`MemCore::reg_mr`] does the work; its documentation has the full contract.
+    pub fn reg_mr(
+        &self,
+        pd: u32,
+        mem: UserMemory,
+        iova: u64,
+        access: AccessFlags,
+    ) -> Result<MrInfo> {
+        self.dev.core.reg_mr(pd, mem, iova, access)
+    }
+
+    /// `ibv_dereg_mr`. EINVAL while memory windows are bound (as rxe and the man page) or for
+    /// an unknown key. Otherwise: unpublish the key (every later lookup fails), wait for
+    /// in-flight accesses to finish, then unpin. **After this returns the device never touches
+    /// the memory again.**
+    ///
+    /// The device's [`MemCore::dereg_mr`] does the work; its documentation has the full contract.
+    pub fn dereg_mr(&self, lkey: u32) -> Result<()> {
+        self.dev.core.dereg_mr(lkey)
+    }
+
+    /// `ibv_query_mr`-like: everything the device knows about an MR.
+    ///
+    /// The device's [`MemCore::query_mr`] does the work; its documentation has the full contract.
+    pub fn query_mr(&self, lkey: u32) -> Result<MrInfo> {
+        self.dev.core.query_mr(lkey)
+    }
+
+    /// The MR object behind a key (for inspection: segments, frame numbers).
+    ///
+    /// The device's [`MemCore::mr_object`] does the work; its documentation has the full contract.
+    pub fn mr_object(&self, lkey: u32) -> Option<MrObject> {
+        self.dev.core.mr_object(lkey)
+    }
+
+    /// `ibv_rereg_mr`. `flags` is a combination of [`ReregFlags`] constants. Errors follow the
+    /// library checks, then the kernel's (`docs/semantics.md` §4): flags 0 → EINVAL, unknown
+    /// flags → EOPNOTSUPP, `access` without CHANGE_ACCESS → EINVAL, TRANSLATION with length 0 or
+    /// address 0 → EINVAL, page-offset mismatch → EINVAL, access rules as reg_mr, unknown PD →
+    /// EINVAL, upgrading a read-only pin to writable without a new translation → **EACCES**
+    /// (CVE-2026-52908). PD/ACCESS changes keep the keys; TRANSLATION makes a new MR with new
+    /// keys (returned). On error the old MR stays valid.
+    ///
+    /// The device's [`MemCore::rereg_mr`] does the work; its documentation has the full contract.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rereg_mr(
+        &self,
+        lkey: u32,
+        flags: u32,
+        pd: u32,
+        mem: UserMemory,
+        iova: u64,
+        access: AccessFlags,
+    ) -> Result<MrInfo> {
+        self.dev.core.rereg_mr(lkey, flags, pd, mem, iova, access)
+    }
+
+    /// **The** access predicate. Every path that touches registered memory calls this: local
+    /// SGEs (lkey), RETH/AtomicETH (rkey, MRs and windows), ODP faults, the C ABI.
+    ///
+    /// The device's [`MemCore::check_access`] does the work; its documentation has the full contract.
+    #[allow(clippy::too_many_arguments)]
+    pub fn check_access(
+        &self,
+        key: u32,
+        pd: u32,
+        need: AccessFlags,
+        iova: u64,
+        len: u64,
+        key_use: KeyUse,
+        qp_num: u32,
+    ) -> std::result::Result<MrGuard, AccessDenied> {
         self.dev
-            .pds
-            .get(pd)
-            .map(|g| (*g).clone())
-            .ok_or_else(|| err!(EINVAL, "PD {pd:#x} does not exist"))
+            .core
+            .check_access(key, pd, need, iova, len, key_use, qp_num)
+    }
+
+    /// `ibv_advise_mr`: advice 0 = PREFETCH (read), 1 = PREFETCH_WRITE, 2 = PREFETCH_NO_FAULT;
+    /// flag 1 = FLUSH (synchronous). Each SGE is `(lkey, addr, length)`. Unlike rxe (which needs
+    /// LOCAL_WRITE even for a read prefetch), PREFETCH needs no right and PREFETCH_WRITE needs
+    /// a writable MR (EPERM otherwise, the man page rule); a non-ODP MR is EINVAL (mlx5).
+    ///
+    /// The device's [`MemCore::advise_mr`] does the work; its documentation has the full contract.
+    pub fn advise_mr(
+        &self,
+        pd: u32,
+        advice: u32,
+        flags: u32,
+        sges: &[(u32, u64, u32)],
+    ) -> Result<()> {
+        self.dev.core.advise_mr(pd, advice, flags, sges)
+    }
+
+    /// Invalidate ODP translations covering `[va, va+len)` in every ODP MR of this device
+    /// (what the kernel's MMU notifier does on munmap/madvise(DONTNEED)).
+    ///
+    /// The device's [`MemCore::odp_invalidate`] does the work; its documentation has the full contract.
+    pub fn odp_invalidate(&self, va: u64, len: u64) {
+        self.dev.core.odp_invalidate(va, len)
+    }
+
+    /// `ibv_alloc_mw`: ENOMEM when max_mw windows exist, EINVAL for an unknown PD.
+    ///
+    /// The device's [`MemCore::alloc_mw`] does the work; its documentation has the full contract.
+    pub fn alloc_mw(&self, pd: u32, mw_type: MwType) -> Result<u32> {
+        self.dev.core.alloc_mw(pd, mw_type)
+    }
+
+    /// `ibv_dealloc_mw` (by the rkey returned at allocation or its current rkey). Unbinds.
+    ///
+    /// The device's [`MemCore::dealloc_mw`] does the work; its documentation has the full contract.
+    pub fn dealloc_mw(&self, rkey: u32) -> Result<()> {
+        self.dev.core.dealloc_mw(rkey)
+    }
+
+    /// Describe a window by its current rkey.
+    ///
+    /// The device's [`MemCore::query_mw`] does the work; its documentation has the full contract.
+    pub fn query_mw(&self, rkey: u32) -> Result<MwInfo> {
+        self.dev.core.query_mw(rkey)
+    }
+
+    /// Execute a bind (`docs/semantics.md` §5.2). `mw_rkey` is the window's *current* rkey (as
+    /// the WR carries it), `new_key` the 8-bit key to install, `qp_pd`/`qp_num` the QP executing
+    /// the bind. Returns the window's new rkey. Every failure is EINVAL with the reason; the
+    /// data path reports it as `IBV_WC_MW_BIND_ERR` and moves the QP to ERR.
+    ///
+    /// The device's [`MemCore::bind_mw`] does the work; its documentation has the full contract.
+    pub fn bind_mw(
+        &self,
+        qp_pd: u32,
+        qp_num: u32,
+        mw_rkey: u32,
+        new_key: u8,
+        info: BindInfo,
+    ) -> Result<u32> {
+        self.dev.core.bind_mw(qp_pd, qp_num, mw_rkey, new_key, info)
+    }
+
+    /// Invalidate a key (LOCAL_INV, or SEND_WITH_INV at the responder when `remote`).
+    /// Type-2 windows go FREE; type-1 windows and ordinary MRs cannot be invalidated; an unbound
+    /// window or a window bound to another QP is an error. EINVAL on every failure; the data
+    /// path reports LOC_QP_OP_ERR (local) or REM_INV_REQ_ERR (remote).
+    ///
+    /// The device's [`MemCore::invalidate_rkey`] does the work; its documentation has the full contract.
+    pub fn invalidate_rkey(&self, pd: u32, qp_num: u32, rkey: u32) -> Result<()> {
+        self.dev.core.invalidate_rkey(pd, qp_num, rkey)
     }
 }

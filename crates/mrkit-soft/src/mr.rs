@@ -48,11 +48,11 @@ use crate::error::{err, Errno, Error, Result};
 use crate::mem::{
     self, account::Charge, fork::DontFork, pin::Pin, pin::PinPath, translate::PageList,
 };
+use crate::memcore::MemCore;
 use crate::odp::OdpState;
 use crate::pd::PdObject;
 use crate::table::Guard;
 use crate::user_mem::{Owner, UserMemory};
-use crate::Context;
 
 /// How an MR holds its memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -276,7 +276,7 @@ pub fn range_ok(base: u64, size: u64, a: u64, len: u64) -> bool {
     a >= base && len <= size && a - base <= size - len
 }
 
-fn check_mr_access(ctx: &Context, access: AccessFlags) -> Result<()> {
+fn check_mr_access(ctx: &MemCore, access: AccessFlags) -> Result<()> {
     let bits = access.bits();
     if access.intersects(AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_ATOMIC)
         && !access.contains(AccessFlags::LOCAL_WRITE)
@@ -298,7 +298,7 @@ fn check_mr_access(ctx: &Context, access: AccessFlags) -> Result<()> {
             bits & !AccessFlags::SUPPORTED
         ));
     }
-    let attr = ctx.dev.config.attr();
+    let attr = ctx.config.attr();
     if access.contains(AccessFlags::ON_DEMAND) && attr.odp_general_caps & 1 == 0 {
         return Err(err!(
             EOPNOTSUPP,
@@ -316,8 +316,8 @@ fn check_mr_access(ctx: &Context, access: AccessFlags) -> Result<()> {
     Ok(())
 }
 
-fn check_driver_access(ctx: &Context, access: AccessFlags) -> Result<()> {
-    if ctx.dev.config.model() == StatusModel::Rxe
+fn check_driver_access(ctx: &MemCore, access: AccessFlags) -> Result<()> {
+    if ctx.config.model() == StatusModel::Rxe
         && access.intersects(AccessFlags::ZERO_BASED | AccessFlags::HUGETLB)
     {
         return Err(err!(
@@ -347,7 +347,7 @@ fn human(bytes: u64) -> String {
 /// io_uring caps one fixed buffer at 1 GiB: larger pins are made of several pieces.
 const PIN_PIECE: u64 = 1 << 30;
 
-impl Context {
+impl MemCore {
     /// `ibv_reg_mr`: register `mem` with iova = its address.
     pub fn reg_mr_va(&self, pd: u32, mem: UserMemory, access: AccessFlags) -> Result<MrInfo> {
         let iova = mem.addr();
@@ -370,7 +370,7 @@ impl Context {
         let (addr, length) = (mem.addr(), mem.len());
         let t0 = Instant::now();
         let r = self.reg_mr_inner(pd, addr, length, iova, access, mem.into_owner());
-        let s = &self.dev.stats;
+        let s = &self.stats;
         let p = crate::stats::process();
         match &r {
             Ok(_) => {
@@ -416,7 +416,7 @@ impl Context {
         let pdo = self.pd(pd)?;
         // 7. driver-supported bits.
         check_driver_access(self, access)?;
-        let attr = self.dev.config.attr();
+        let attr = self.config.attr();
         if implicit {
             return self.reg_implicit(pdo, iova, access, owner);
         }
@@ -470,7 +470,7 @@ impl Context {
             let pins = pin_range(start, span, writable)?;
             let path = pins.first().map(|p| p.path());
             let pages = mem::translate::walk(start, span)?;
-            let dontfork = if self.dev.config.uses_dontfork() {
+            let dontfork = if self.config.uses_dontfork() {
                 Some(mem::fork::dontfork(start, span)?)
             } else {
                 None
@@ -493,7 +493,7 @@ impl Context {
         // 14. translation capacity.
         self.reserve_mtt(entries, page_size)?;
         // 15. key.
-        let res = match self.dev.mrs.reserve() {
+        let res = match self.mrs.reserve() {
             Ok(r) => r,
             Err(_) => {
                 self.release_mtt(entries);
@@ -501,13 +501,13 @@ impl Context {
                     ENOMEM,
                     "max_mr ({}) MRs are registered; deregister some, use an MR pool or cache, \
                      or raise MRKIT_MAX_MR",
-                    self.dev.mrs.limit()
+                    self.mrs.limit()
                 ));
             }
         };
         let key = res.key();
         if let Some(path) = pin_path {
-            self.dev.stats.pinned(pinned_bytes, path);
+            self.stats.pinned(pinned_bytes, path);
             crate::stats::process().pinned(pinned_bytes, path);
         }
         pdo.get();
@@ -544,7 +544,7 @@ impl Context {
         access: AccessFlags,
         owner: Option<Owner>,
     ) -> Result<MrInfo> {
-        let attr = self.dev.config.attr();
+        let attr = self.config.attr();
         if attr.odp_general_caps & crate::device::odp_caps::IMPLICIT == 0 {
             return Err(err!(
                 EINVAL,
@@ -558,11 +558,11 @@ impl Context {
                 "implicit ODP MRs must have iova 0 (got {iova:#x})"
             ));
         }
-        let res = self.dev.mrs.reserve().map_err(|_| {
+        let res = self.mrs.reserve().map_err(|_| {
             err!(
                 ENOMEM,
                 "max_mr ({}) MRs are registered; deregister some or raise MRKIT_MAX_MR",
-                self.dev.mrs.limit()
+                self.mrs.limit()
             )
         })?;
         let key = res.key();
@@ -593,9 +593,8 @@ impl Context {
     }
 
     fn reserve_mtt(&self, entries: u64, page_size: u64) -> Result<()> {
-        let max = self.dev.config.attr().max_mtt;
-        self.dev
-            .mtt_used
+        let max = self.config.attr().max_mtt;
+        self.mtt_used
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |u| {
                 u.checked_add(entries).filter(|n| *n <= max)
             })
@@ -607,13 +606,10 @@ impl Context {
                      needs 512x fewer entries), deregister MRs, or raise MRKIT_LOG_NUM_MTT",
                     human(page_size),
                     max.saturating_sub(used),
-                    self.dev.config.attr().log_num_mtt
+                    self.config.attr().log_num_mtt
                 )
             })?;
-        self.dev
-            .stats
-            .mtt_used
-            .fetch_add(entries, Ordering::Relaxed);
+        self.stats.mtt_used.fetch_add(entries, Ordering::Relaxed);
         crate::stats::process()
             .mtt_used
             .fetch_add(entries, Ordering::Relaxed);
@@ -621,11 +617,8 @@ impl Context {
     }
 
     fn release_mtt(&self, entries: u64) {
-        self.dev.mtt_used.fetch_sub(entries, Ordering::AcqRel);
-        self.dev
-            .stats
-            .mtt_used
-            .fetch_sub(entries, Ordering::Relaxed);
+        self.mtt_used.fetch_sub(entries, Ordering::AcqRel);
+        self.stats.mtt_used.fetch_sub(entries, Ordering::Relaxed);
         crate::stats::process()
             .mtt_used
             .fetch_sub(entries, Ordering::Relaxed);
@@ -637,7 +630,6 @@ impl Context {
     /// the memory again.**
     pub fn dereg_mr(&self, lkey: u32) -> Result<()> {
         let g = self
-            .dev
             .mrs
             .get(lkey)
             .ok_or_else(|| err!(EINVAL, "no MR with key {lkey:#x} (already deregistered?)"))?;
@@ -651,7 +643,6 @@ impl Context {
         }
         drop(g);
         let u = self
-            .dev
             .mrs
             .unpublish(lkey)
             .ok_or_else(|| err!(EINVAL, "no MR with key {lkey:#x}"))?;
@@ -665,7 +656,7 @@ impl Context {
         drop(mem); // unpin, DOFORK, uncharge
         self.release_mtt(obj.shared.entries);
         obj.pd.put();
-        for st in [&self.dev.stats, crate::stats::process()] {
+        for st in [&self.stats, crate::stats::process()] {
             st.deregistrations.fetch_add(1, Ordering::Relaxed);
             st.mrs_live.fetch_sub(1, Ordering::Relaxed);
             if obj.shared.pinned_bytes > 0 {
@@ -677,7 +668,6 @@ impl Context {
     /// `ibv_query_mr`-like: everything the device knows about an MR.
     pub fn query_mr(&self, lkey: u32) -> Result<MrInfo> {
         let g = self
-            .dev
             .mrs
             .get(lkey)
             .ok_or_else(|| err!(EINVAL, "no MR with key {lkey:#x}"))?;
@@ -686,7 +676,7 @@ impl Context {
 
     /// The MR object behind a key (for inspection: segments, frame numbers).
     pub fn mr_object(&self, lkey: u32) -> Option<MrObject> {
-        self.dev.mrs.get(lkey).map(|g| (*g).clone())
+        self.mrs.get(lkey).map(|g| (*g).clone())
     }
 
     /// `ibv_rereg_mr`. `flags` is a combination of [`ReregFlags`] constants. Errors follow the
@@ -744,7 +734,6 @@ impl Context {
             ));
         }
         let cur = self
-            .dev
             .mrs
             .get(lkey)
             .ok_or_else(|| err!(EINVAL, "no MR with key {lkey:#x}"))?;
@@ -791,8 +780,7 @@ impl Context {
             obj.writable = true;
         }
         let info = info_of(lkey, &obj);
-        self.dev
-            .mrs
+        self.mrs
             .replace(lkey, obj)
             .map_err(|_| err!(EINVAL, "MR {lkey:#x} was deregistered concurrently"))?;
         Ok(info)
@@ -823,7 +811,7 @@ impl Context {
             }
             return self.check_window(key, pd, need, iova, len, qp_num);
         }
-        let g = self.dev.mrs.get(key).ok_or(AccessDenied::NoSuchKey)?;
+        let g = self.mrs.get(key).ok_or(AccessDenied::NoSuchKey)?;
         check_mr(g, pd, need, iova, len)
     }
 
@@ -850,7 +838,6 @@ impl Context {
         let mut faults = 0;
         for &(lkey, addr, length) in sges {
             let g = self
-                .dev
                 .mrs
                 .get(lkey)
                 .filter(|g| g.pd.handle == pd)
@@ -872,18 +859,15 @@ impl Context {
                 }
             }
         }
-        self.dev
-            .stats
-            .odp_faults
-            .fetch_add(faults, Ordering::Relaxed);
+        self.stats.odp_faults.fetch_add(faults, Ordering::Relaxed);
         Ok(())
     }
 
     /// Invalidate ODP translations covering `[va, va+len)` in every ODP MR of this device
     /// (what the kernel's MMU notifier does on munmap/madvise(DONTNEED)).
     pub fn odp_invalidate(&self, va: u64, len: u64) {
-        for k in self.dev.mrs.keys() {
-            if let Some(g) = self.dev.mrs.get(k) {
+        for k in self.mrs.keys() {
+            if let Some(g) = self.mrs.get(k) {
                 if let Some(odp) = g.shared.odp.as_ref() {
                     odp.invalidate(va, len);
                 }

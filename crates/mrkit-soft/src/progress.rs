@@ -48,50 +48,12 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex, RwLock};
 
 use crate::cq::{CompChannel, CqObject, Wc};
+pub use crate::device::ProgressPolicy;
 use crate::error::{err, Result};
+pub use crate::events::AsyncEvent;
 use crate::net::{loopback, Pkt};
 use crate::qp::QpObject;
 use crate::{Context, DeviceInner};
-
-/// Affiliated and unaffiliated asynchronous events (`enum ibv_event_type` subset).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum AsyncEvent {
-    /// IBV_EVENT_CQ_ERR (0): a CQ overflowed.
-    CqErr {
-        /// CQ number.
-        cqn: u32,
-    },
-    /// IBV_EVENT_QP_FATAL (1).
-    QpFatal {
-        /// QP number.
-        qpn: u32,
-    },
-    /// IBV_EVENT_QP_REQ_ERR (2): invalid request detected as responder (hardware model).
-    QpReqErr {
-        /// QP number.
-        qpn: u32,
-    },
-    /// IBV_EVENT_QP_ACCESS_ERR (3): rkey violation detected as responder (hardware model).
-    QpAccessErr {
-        /// QP number.
-        qpn: u32,
-    },
-    /// IBV_EVENT_SQ_DRAINED (5).
-    SqDrained {
-        /// QP number.
-        qpn: u32,
-    },
-    /// IBV_EVENT_QP_LAST_WQE_REACHED (16): a QP attached to an SRQ entered ERR.
-    QpLastWqeReached {
-        /// QP number.
-        qpn: u32,
-    },
-    /// IBV_EVENT_SRQ_LIMIT_REACHED (15): an armed SRQ dropped below its limit.
-    SrqLimitReached {
-        /// SRQ number.
-        srqn: u32,
-    },
-}
 
 #[derive(Debug, Default)]
 struct Sched {
@@ -550,31 +512,6 @@ impl Drop for DataPath {
     }
 }
 
-/// What the progress thread does while idle and no application thread polls the device
-/// (module docs). `MRKIT_PROGRESS=auto|spin|block`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum ProgressPolicy {
-    /// Spin adaptively and yield; block when preempted (shared CPUs). The default.
-    #[default]
-    Auto,
-    /// Spin up to [`SPIN_DEDICATED`] of idleness, even when preempted (a dedicated core).
-    Spin,
-    /// Block at once when idle (oversubscribed CPUs; every wake-up then costs a context switch).
-    Block,
-}
-
-impl ProgressPolicy {
-    /// Parse `auto`, `spin` or `block`.
-    pub fn parse(s: &str) -> Option<ProgressPolicy> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "auto" | "adaptive" => Some(ProgressPolicy::Auto),
-            "spin" | "poll" => Some(ProgressPolicy::Spin),
-            "block" | "sleep" => Some(ProgressPolicy::Block),
-            _ => None,
-        }
-    }
-}
-
 /// Whether a pass's table of QPs already holds `q`.
 fn holds(batch: &[Option<Arc<QpObject>>], q: &Arc<QpObject>) -> bool {
     batch.iter().flatten().any(|b| Arc::ptr_eq(b, q))
@@ -609,7 +546,7 @@ pub const CONTENDED_FOR: Duration = Duration::from_millis(20);
 
 fn progress_thread(weak: Weak<DeviceInner>, sched: Arc<Sched>) {
     let policy = match weak.upgrade() {
-        Some(d) => d.config.progress_policy(),
+        Some(d) => d.core.config.progress_policy(),
         None => return,
     };
     let mut idle_since: Option<Instant> = None;
@@ -865,7 +802,7 @@ impl Context {
 
     /// `ibv_create_cq`: `cqe` in 1..=max_cqe (EINVAL otherwise); optional channel.
     pub fn create_cq(&self, cqe: u32, channel: Option<u32>) -> Result<u32> {
-        let max = self.dev.config.attr().max_cqe;
+        let max = self.dev.core.config.attr().max_cqe;
         if cqe == 0 || cqe > max {
             return Err(err!(EINVAL, "cqe {cqe} must be in 1..={max}"));
         }
@@ -881,7 +818,7 @@ impl Context {
             ),
             None => None,
         };
-        if self.dev.dp.cqs.read().len() as u32 >= self.dev.config.attr().max_cq {
+        if self.dev.dp.cqs.read().len() as u32 >= self.dev.core.config.attr().max_cq {
             return Err(err!(ENOMEM, "max_cq CQs exist"));
         }
         let n = self.dev.dp.next_cqn.fetch_add(1, Ordering::Relaxed);
@@ -895,7 +832,7 @@ impl Context {
 
     /// `ibv_resize_cq`: EINVAL below the number of queued completions or above max_cqe.
     pub fn resize_cq(&self, cqn: u32, cqe: u32) -> Result<()> {
-        let max = self.dev.config.attr().max_cqe;
+        let max = self.dev.core.config.attr().max_cqe;
         if cqe == 0 || cqe > max {
             return Err(err!(EINVAL, "cqe {cqe} must be in 1..={max}"));
         }

@@ -24,8 +24,8 @@ use std::sync::Arc;
 use parking_lot::{Mutex, RwLock};
 
 use crate::error::{err, Result};
+use crate::events::AsyncEvent;
 use crate::pd::PdObject;
-use crate::progress::AsyncEvent;
 use crate::qp::RecvWqe;
 use crate::qp::{PostError, RecvWr};
 use crate::Context;
@@ -111,7 +111,7 @@ impl Context {
     /// PD is unknown; ENOMEM when max_srq SRQs exist. `srq_limit` is ignored at creation (arm
     /// it with [`Context::modify_srq`]). Returns the SRQ number and the actual attributes.
     pub fn create_srq(&self, pd: u32, attr: SrqAttr) -> Result<(u32, SrqAttr)> {
-        let a = self.dev.config.attr();
+        let a = self.dev.core.config.attr();
         if attr.max_wr > a.max_srq_wr {
             return Err(err!(
                 EINVAL,
@@ -128,7 +128,7 @@ impl Context {
                 a.max_srq_sge
             ));
         }
-        let pd = self.pd(pd)?;
+        let pd = self.dev.core.pd(pd)?;
         let t = &self.dev.srqs;
         if t.map.read().len() as u32 >= a.max_srq {
             return Err(err!(ENOMEM, "max_srq ({}) SRQs exist", a.max_srq));
@@ -167,7 +167,7 @@ impl Context {
         let mut g = s.inner.lock();
         let mut new = g.attr;
         if mask & m::MAX_WR != 0 {
-            let max = self.dev.config.attr().max_srq_wr;
+            let max = self.dev.core.config.attr().max_srq_wr;
             if attr.max_wr == 0 || attr.max_wr > max {
                 return Err(err!(
                     EINVAL,

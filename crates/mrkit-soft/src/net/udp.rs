@@ -21,18 +21,16 @@
 
 use std::collections::HashMap;
 use std::io;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, UdpSocket};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, UdpSocket};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::Instant;
 
 use parking_lot::Mutex;
 
+pub use crate::addr::{gid_of, ip_of_gid, parse_addr, ROCE_PORT};
 use crate::sockio::{self, OutMsg, RecvMeta};
 
-use super::fault::{Corruptible, FaultConfig, FaultInjector, FaultStats};
-
-/// The RoCEv2 UDP port.
-pub const ROCE_PORT: u16 = 4791;
+use crate::fault::{Corruptible, FaultConfig, FaultInjector, FaultStats};
 
 /// Buffer size for one receive (a GRO batch of up to 64 × 4 KiB datagrams).
 pub const RECV_BUF: usize = 64 * 4200;
@@ -40,23 +38,6 @@ pub const RECV_BUF: usize = 64 * 4200;
 /// Counts device instances of this process, so each gets its own default address.
 /// Only ever incremented.
 static INSTANCE: AtomicU32 = AtomicU32::new(0);
-
-/// A GID as 16 bytes: `::ffff:a.b.c.d` for IPv4.
-pub fn gid_of(ip: IpAddr) -> [u8; 16] {
-    match ip {
-        IpAddr::V4(v4) => v4.to_ipv6_mapped().octets(),
-        IpAddr::V6(v6) => v6.octets(),
-    }
-}
-
-/// The IP address a GID names (IPv4-mapped GIDs are IPv4).
-pub fn ip_of_gid(gid: [u8; 16]) -> IpAddr {
-    let v6 = Ipv6Addr::from(gid);
-    match v6.to_ipv4_mapped() {
-        Some(v4) => IpAddr::V4(v4),
-        None => IpAddr::V6(v6),
-    }
-}
 
 /// Candidate default addresses: 127.a.b.c derived from the pid and the instance number,
 /// avoiding .0 and .255 octets and 127.0.0.1.
@@ -72,25 +53,6 @@ fn default_candidates() -> impl Iterator<Item = Ipv4Addr> {
         let oct = |x: u32| (x % 253 + 1) as u8;
         Ipv4Addr::new(127, oct(b), oct(b >> 8), oct(b >> 16))
     })
-}
-
-/// How to choose the device address: `MRKIT_ADDR` (an IP, optionally `ip:port`), or the default.
-pub fn configured_addr() -> Result<Option<SocketAddr>, String> {
-    match std::env::var("MRKIT_ADDR") {
-        Ok(s) if !s.trim().is_empty() => parse_addr(&s).map(Some),
-        _ => Ok(None),
-    }
-}
-
-/// Parse `127.0.0.5`, `127.0.0.5:4791`, `::1`, `[::1]:4791`.
-pub fn parse_addr(s: &str) -> Result<SocketAddr, String> {
-    let s = s.trim();
-    if let Ok(sa) = s.parse::<SocketAddr>() {
-        return Ok(sa);
-    }
-    s.parse::<IpAddr>()
-        .map(|ip| SocketAddr::new(ip, ROCE_PORT))
-        .map_err(|_| format!("`{s}` is not an IP address (or ip:port)"))
 }
 
 /// Most send sockets (distinct UDP source ports) one device opens (`UdpPort::sport_for`).
@@ -770,7 +732,7 @@ pub(crate) fn send_pkts_on(dev: &crate::DeviceInner, port: &UdpPort, pkts: &[sup
     }
     // With a fault injector every datagram leaves alone (ID 0), so none may be built as a
     // GSO segment: its ICRC would cover ID `k` and the receiver would drop it.
-    let max_seg = if dev.config.uses_gso() && port.faults.is_none() {
+    let max_seg = if dev.core.config.uses_gso() && port.faults.is_none() {
         port.max_gso_segments() // 1..=sockio::MAX_GSO_SEGMENTS
     } else {
         1
@@ -1019,7 +981,7 @@ pub(crate) fn poll_rx(
     let slots = bufs.slots_for(one_ok);
     let mut small = true;
     let mut cut_run = false;
-    let mode = ctx.dev.config.icrc_ipv4();
+    let mode = ctx.dev.core.config.icrc_ipv4();
     let r = port.recv_some(bufs, slots, 1, |src, d| {
         small &= d.len < SMALL_DATAGRAM;
         received += 1;

@@ -7,9 +7,9 @@ use crate::user_mem::UserMemory;
 
 use super::{rc_connect, QpState, SendWr, WrOpcode};
 use crate::cq::{Wc, WcStatus};
+use crate::events::AsyncEvent;
 use crate::net::loopback::drive_until_idle;
 use crate::net::{Payload, Pkt};
-use crate::progress::AsyncEvent;
 use crate::wire::{
     Aeth, AtomicAckEth, AtomicEth, Bth, ExtHeaders, IcrcInputs, Ieth, ImmDt, Opcode, Packet, Reth,
 };

@@ -23,10 +23,10 @@ use crate::access::AccessFlags;
 use crate::cq::{CqObject, Wc, WcOpcode, WcStatus};
 use crate::device::StatusModel;
 use crate::error::{err, Error, Result};
+use crate::events::AsyncEvent;
 use crate::mw::BindInfo;
 use crate::net::Pkt;
 use crate::pd::PdObject;
-use crate::progress::AsyncEvent;
 use crate::wire::PSN_MASK;
 use crate::Context;
 
@@ -337,7 +337,8 @@ pub(crate) struct RecvWqe {
 /// Everything the engines need to know about their QP for one run.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct QpCtx<'a> {
-    pub ctx: &'a Context,
+    /// The memory core: the access predicate, key invalidation, window binding.
+    pub mem: &'a crate::memcore::MemCore,
     pub qpn: u32,
     pub pd: u32,
     pub mtu: usize,
@@ -745,7 +746,7 @@ impl QpObject {
         let mut inbox = std::mem::take(&mut st.inbox_spare);
         self.inbox.swap_into(&mut inbox);
         let q = QpCtx {
-            ctx,
+            mem: &ctx.dev.core,
             qpn: self.qpn,
             pd: self.pd.handle,
             mtu: 128usize << st.attr.path_mtu.clamp(1, 5),
@@ -757,7 +758,7 @@ impl QpObject {
             max_rd_atomic: st.attr.max_rd_atomic,
             max_dest_rd_atomic: st.attr.max_dest_rd_atomic,
             min_rnr_timer: st.attr.min_rnr_timer,
-            model: ctx.dev.config.model(),
+            model: ctx.dev.core.config.model(),
             state: st.state,
         };
         let mut out = Out {
@@ -1037,7 +1038,7 @@ impl Context {
         init: QpInitAttr,
         srq: Option<Arc<crate::srq::SrqObject>>,
     ) -> Result<(u32, QpCap)> {
-        let a = self.dev.config.attr();
+        let a = self.dev.core.config.attr();
         let c = init.cap;
         if c.max_send_wr > a.max_qp_wr || c.max_recv_wr > a.max_qp_wr {
             return Err(err!(
@@ -1065,7 +1066,7 @@ impl Context {
                 a.max_inline_data
             ));
         }
-        let pd = self.pd(init.pd)?;
+        let pd = self.dev.core.pd(init.pd)?;
         let send_cq = self.cq(init.send_cq)?;
         let recv_cq = self.cq(init.recv_cq)?;
         let dp = &self.dev.dp;
@@ -1183,7 +1184,7 @@ impl Context {
         let mut g = q.inner.lock();
         let cur = g.state;
         let to = state::check_modify(cur, mask, attr.qp_state)?;
-        let dev = self.dev.config.attr();
+        let dev = self.dev.core.config.attr();
         if mask & m::CUR_STATE != 0 && attr.cur_qp_state != cur as u32 {
             return Err(err!(
                 EINVAL,

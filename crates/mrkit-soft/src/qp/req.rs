@@ -210,7 +210,7 @@ impl QpCtx<'_> {
         len: u64,
         need: AccessFlags,
     ) -> Result<crate::mr::MrGuard, AccessDenied> {
-        self.ctx.check_access(
+        self.mem.check_access(
             s.lkey,
             self.pd,
             need,
@@ -550,7 +550,7 @@ impl Requester {
 
 fn exec_local(q: &QpCtx<'_>, wr: &SendWr) -> WcStatus {
     match wr.opcode {
-        WrOpcode::LocalInv => match q.ctx.invalidate_rkey(q.pd, q.qpn, wr.invalidate_rkey) {
+        WrOpcode::LocalInv => match q.mem.invalidate_rkey(q.pd, q.qpn, wr.invalidate_rkey) {
             Ok(()) => WcStatus::Success,
             Err(_) => WcStatus::LocQpOpErr,
         },
@@ -558,7 +558,7 @@ fn exec_local(q: &QpCtx<'_>, wr: &SendWr) -> WcStatus {
             let Some(b) = wr.bind else {
                 return WcStatus::MwBindErr;
             };
-            match q.ctx.bind_mw(q.pd, q.qpn, b.mw_rkey, b.new_key, b.info) {
+            match q.mem.bind_mw(q.pd, q.qpn, b.mw_rkey, b.new_key, b.info) {
                 Ok(_) => WcStatus::Success,
                 Err(_) => WcStatus::MwBindErr,
             }

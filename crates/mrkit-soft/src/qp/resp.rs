@@ -14,9 +14,9 @@ use crate::access::AccessFlags;
 use crate::copy::{self, AtomicOp, Unreachable};
 use crate::cq::{Wc, WcOpcode, WcStatus, WC_WITH_IMM, WC_WITH_INV};
 use crate::device::StatusModel;
+use crate::events::AsyncEvent;
 use crate::mr::KeyUse;
 use crate::net::{Payload, Pkt};
-use crate::progress::AsyncEvent;
 use crate::wire::{
     psn_add, psn_cmp, psn_diff, Aeth, AtomicAckEth, Bth, ExtHeaders, NakCode, Opcode, MSN_MASK,
 };
@@ -555,7 +555,7 @@ impl Responder {
             }
             let mut inv_failed = false;
             if let Some(ieth) = p.ext.ieth {
-                match q.ctx.invalidate_rkey(q.pd, q.qpn, ieth.rkey) {
+                match q.mem.invalidate_rkey(q.pd, q.qpn, ieth.rkey) {
                     Ok(()) => {
                         wc.imm_data = ieth.rkey;
                         wc.wc_flags |= WC_WITH_INV;
@@ -603,7 +603,7 @@ impl Responder {
             let single = is_last_or_only(op) && p.payload.len() as u64 == len;
             if len > 0
                 && !single
-                && q.ctx
+                && q.mem
                     .check_access(
                         reth.rkey,
                         q.pd,
@@ -643,7 +643,7 @@ impl Responder {
             return;
         }
         if n > 0 {
-            match q.ctx.check_access(
+            match q.mem.check_access(
                 *rkey,
                 q.pd,
                 AccessFlags::REMOTE_WRITE,
@@ -706,7 +706,7 @@ impl Responder {
         let Some(reth) = p.ext.reth else { return };
         let len = u64::from(reth.dma_len);
         if len > 0
-            && q.ctx
+            && q.mem
                 .check_access(
                     reth.rkey,
                     q.pd,
@@ -788,7 +788,7 @@ impl Responder {
             }
             if n > 0 {
                 let g = q
-                    .ctx
+                    .mem
                     .check_access(
                         rkey,
                         q.pd,
@@ -813,7 +813,7 @@ impl Responder {
             self.error(q, psn, fail(NakCode::InvalidRequest, None), None, out);
             return;
         }
-        let g = match q.ctx.check_access(
+        let g = match q.mem.check_access(
             ae.rkey,
             q.pd,
             AccessFlags::REMOTE_ATOMIC,
