@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use common::{all, connect_udp, ctx_with, host_with_cap, BufHost};
 use mrkit_soft::cq::{Wc, WcOpcode, WcStatus};
-use mrkit_soft::fastpath::ACK_DELAY_MAX;
+use mrkit_soft::driver::caller_thread::ACK_DELAY_MAX;
 use mrkit_soft::qp::connect::ConnectOpts;
 use mrkit_soft::qp::{attr_mask, QpAttr, QpCap, QpState, RecvWr, SendWr, WrOpcode};
 use mrkit_soft::DeviceConfig;

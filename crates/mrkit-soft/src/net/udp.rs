@@ -15,7 +15,7 @@
 //!   run is one message of the batch. (A message's first packet carries a RETH and is 16
 //!   bytes longer than its middle packets, so it cannot share their GSO buffer; batching the
 //!   runs keeps the system calls at about one per pass anyway.)
-//! * The system calls themselves are in [`crate::sockio`], the link's only `unsafe` module.
+//! * The system calls themselves are in [`crate::net::sockio`], the link's only `unsafe` module.
 //! * An optional [`FaultInjector`] sits on the send path.
 #![forbid(unsafe_code)]
 
@@ -28,7 +28,7 @@ use std::time::Instant;
 use parking_lot::Mutex;
 
 pub use crate::addr::{gid_of, ip_of_gid, parse_addr, ROCE_PORT};
-use crate::sockio::{self, OutMsg, RecvMeta};
+use crate::net::sockio::{self, OutMsg, RecvMeta};
 
 use crate::fault::{Corruptible, FaultConfig, FaultInjector, FaultStats};
 
@@ -699,29 +699,19 @@ const MAX_GSO_BYTES: usize = 65_507;
 /// IPv4 flags word with DF set (what an unconnected `IP_PMTUDISC_PROBE` socket sends).
 const IPV4_DF: u16 = 0x4000;
 
-/// Serialise packets and send them over the device's UDP port. Consecutive packets of one QP
-/// to one destination with equal length go out as one GSO send; segment `k` of such a send
-/// leaves with IPv4 identification `k` (the kernel numbers GSO segments), so its ICRC is
-/// computed for that ID. Packets for a device whose port cannot be bound are dropped and
-/// counted (the RC retry machinery then reports RETRY_EXC_ERR, as a dead link would).
-pub(crate) fn send_pkts(ctx: &crate::Context, pkts: Vec<super::Pkt>) {
-    // Bound already (the common case): no reference count taken per send.
-    if let Some(port) = ctx.dev.udp.get() {
-        send_pkts_on(&ctx.dev, port, &pkts);
-        return super::recycle(pkts);
-    }
-    let port = match ctx.udp_port() {
-        Ok(p) => p,
-        Err(e) => {
-            tracing::warn!(error = %e, "UDP port unavailable; dropping packets");
-            return;
-        }
-    };
-    send_pkts_on(&ctx.dev, &port, &pkts);
-}
-
-/// [`send_pkts`] on a bound port, with the device only (also used while it is dropped).
-pub(crate) fn send_pkts_on(dev: &crate::DeviceInner, port: &UdpPort, pkts: &[super::Pkt]) {
+/// Serialise packets and send them on `port`. Consecutive packets of one QP to one
+/// destination with equal length go out as one GSO send (when `gso` allows it); segment `k`
+/// of such a send leaves with IPv4 identification `k` (the kernel numbers GSO segments), so
+/// its ICRC is computed for that ID. A packet whose payload cannot be read from registered
+/// memory is not sent: `gather_failed` hears of it (and that QP's later packets of this call
+/// are dropped, as a NIC stops at the error).
+pub(crate) fn send_pkts_on(
+    port: &UdpPort,
+    stats: &NetStats,
+    gso: bool,
+    gather_failed: &mut dyn FnMut(&super::Pkt),
+    pkts: &[super::Pkt],
+) {
     let local = port.local_addr();
     // READ responses of more than one packet come back as GSO runs: GRO must be on first.
     if pkts.iter().any(|p| {
@@ -732,7 +722,7 @@ pub(crate) fn send_pkts_on(dev: &crate::DeviceInner, port: &UdpPort, pkts: &[sup
     }
     // With a fault injector every datagram leaves alone (ID 0), so none may be built as a
     // GSO segment: its ICRC would cover ID `k` and the receiver would drop it.
-    let max_seg = if dev.core.config.uses_gso() && port.faults.is_none() {
+    let max_seg = if gso && port.faults.is_none() {
         port.max_gso_segments() // 1..=sockio::MAX_GSO_SEGMENTS
     } else {
         1
@@ -742,16 +732,17 @@ pub(crate) fn send_pkts_on(dev: &crate::DeviceInner, port: &UdpPort, pkts: &[sup
             (Vec::with_capacity(MAX_GSO_BYTES), Vec::with_capacity(sockio::MAX_BATCH)),
         );
     }
-    // At process exit (`crate::at_exit`) this thread's buffer may already be destroyed.
+    // At process exit (`crate::driver::at_exit`) this thread's buffer may already be destroyed.
     if SEND_BUF
         .try_with(|b| {
             let (buf, runs) = &mut *b.borrow_mut();
-            send_runs(dev, port, local, max_seg, pkts, buf, runs)
+            send_runs(stats, gather_failed, port, local, max_seg, pkts, buf, runs)
         })
         .is_err()
     {
         send_runs(
-            dev,
+            stats,
+            gather_failed,
             port,
             local,
             max_seg,
@@ -777,8 +768,10 @@ struct Run {
 /// Serialised bytes after which the runs built so far are sent (bounds the buffer).
 const FLUSH_BYTES: usize = 512 << 10;
 
+#[allow(clippy::too_many_arguments)]
 fn send_runs(
-    dev: &crate::DeviceInner,
+    stats: &NetStats,
+    gather_failed: &mut dyn FnMut(&super::Pkt),
     port: &UdpPort,
     local: SocketAddr,
     max_seg: usize,
@@ -813,7 +806,7 @@ fn send_runs(
             || used >= FLUSH_BYTES
             || runs.last().is_some_and(|r| r.sport != sport)
         {
-            flush_runs(dev, port, runs, buf);
+            flush_runs(stats, port, runs, buf);
             runs.clear();
             used = 0;
         }
@@ -858,7 +851,7 @@ fn send_runs(
                 Ok(l) => l,
                 Err(crate::wire::WireError::PayloadUnreachable) => {
                     // Not sent; the QP turns it into the error a NIC's failed gather gives.
-                    gather_failed(dev, p);
+                    gather_failed(p);
                     failed_qpn = Some(p.src_qpn);
                     i += 1;
                     break;
@@ -897,26 +890,11 @@ fn send_runs(
             seg: (n > 1).then_some(seg_len as u16),
         });
     }
-    flush_runs(dev, port, runs, buf);
-}
-
-/// The payload of `p`, one of this device's packets, could not be read from registered memory:
-/// tell its QP (a READ response: the responder NAKs it; a request: the requester fails it).
-fn gather_failed(dev: &crate::DeviceInner, p: &super::Pkt) {
-    use crate::wire::Opcode::*;
-    let psn = p.bth.psn;
-    let n = match p.bth.opcode {
-        RdmaReadResponseFirst
-        | RdmaReadResponseMiddle
-        | RdmaReadResponseLast
-        | RdmaReadResponseOnly => crate::qp::Notice::ReadSourceFault { psn },
-        _ => crate::qp::Notice::GatherFault { psn },
-    };
-    dev.dp.notify(p.src_qpn, n);
+    flush_runs(stats, port, runs, buf);
 }
 
 /// Send the runs (all from one source port) built in `buf`, and count them.
-fn flush_runs(dev: &crate::DeviceInner, port: &UdpPort, runs: &[Run], buf: &[u8]) {
+fn flush_runs(stats: &NetStats, port: &UdpPort, runs: &[Run], buf: &[u8]) {
     let Some(first) = runs.first() else {
         return;
     };
@@ -934,12 +912,12 @@ fn flush_runs(dev: &crate::DeviceInner, port: &UdpPort, runs: &[Run], buf: &[u8]
         port.send_msgs(first.sport, &msgs[..runs.len()])
     };
     if let Some(e) = err {
-        dev.net_stats
+        stats
             .send_errors
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         tracing::debug!(error = %e, dst = %first.dst, "UDP send failed");
     }
-    dev.net_stats
+    stats
         .tx_datagrams
         .fetch_add(sent as u64, std::sync::atomic::Ordering::Relaxed);
 }
@@ -948,26 +926,31 @@ fn flush_runs(dev: &crate::DeviceInner, port: &UdpPort, runs: &[Run], buf: &[u8]
 /// 64 KiB).
 pub(crate) const RX_SLOTS_PER_PASS: usize = 4;
 
-/// Receive ready datagrams (one bounded batch) on the device's port and hand the packets to
-/// their QPs: `deliver(qp, packets)` for each run of consecutive packets for one QP (it
-/// takes the packets). Returns how many datagrams arrived. `one_ok`: the pass may take one
-/// datagram at a time in request/response mode ([`RecvBufs::slots_per_pass`]); otherwise it
-/// takes a full batch (`Context::progress_pass` decides).
-pub(crate) fn poll_rx(
-    ctx: &crate::Context,
+/// Receive ready datagrams (one bounded batch) on `port` and hand the packets on, grouped:
+/// `lookup(qpn)` finds the destination QP of a packet (`None`: the packet is dropped and
+/// counted as [`DatagramDrop::UnknownQp`]), and `deliver(qp, packets)` takes each run of
+/// consecutive packets for one QP. Returns how many datagrams arrived. `one_ok`: the pass may
+/// take one datagram at a time in request/response mode ([`RecvBufs::slots_per_pass`]);
+/// otherwise it takes a full batch (the progress pass decides). `node` is the receiving
+/// device's node id, `mode` its IPv4 ICRC mode; `answered` is the device's "a send was posted
+/// since the last receive" flag (taken here after a receive that found something).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn poll_rx<Q>(
     port: &UdpPort,
     bufs: &mut RecvBufs,
     one_ok: bool,
-    mut deliver: impl FnMut(std::sync::Arc<crate::qp::QpObject>, &mut Vec<super::Pkt>),
+    node: u64,
+    mode: super::Ipv4IcrcMode,
+    st: &NetStats,
+    answered: &AtomicBool,
+    mut lookup: impl FnMut(u32) -> Option<Q>,
+    mut deliver: impl FnMut(Q, &mut Vec<super::Pkt>),
 ) -> usize {
     use std::sync::atomic::Ordering::Relaxed;
     let local = port.local_addr();
-    let node = ctx.dev.dp.node_id;
-    let st = &ctx.dev.net_stats;
-    let dp = &ctx.dev.dp;
     // Consecutive packets for one QP (a GRO batch is one flow) are handed over together:
     // one QP lookup and one hand-over per run instead of per packet.
-    let mut cur: Option<(u32, std::sync::Arc<crate::qp::QpObject>)> = None;
+    let mut cur: Option<(u32, Q)> = None;
     let mut run = std::mem::take(&mut bufs.run);
     let mut dropped = 0u64;
     let mut received = 0u64;
@@ -981,7 +964,6 @@ pub(crate) fn poll_rx(
     let slots = bufs.slots_for(one_ok);
     let mut small = true;
     let mut cut_run = false;
-    let mode = ctx.dev.core.config.icrc_ipv4();
     let r = port.recv_some(bufs, slots, 1, |src, d| {
         small &= d.len < SMALL_DATAGRAM;
         received += 1;
@@ -1003,7 +985,7 @@ pub(crate) fn poll_rx(
                     if let Some((_, q)) = cur.take() {
                         deliver(q, &mut run);
                     }
-                    cur = ctx.qp_cached(qpn).map(|q| (qpn, q));
+                    cur = lookup(qpn).map(|q| (qpn, q));
                 }
                 if cur.is_some() {
                     run.push(p);
@@ -1032,7 +1014,7 @@ pub(crate) fn poll_rx(
     match r {
         Ok(n) => {
             // Load first: the flag is usually already clear, and a swap is a locked RMW.
-            let answered = n > 0 && dp.answered.load(Relaxed) && dp.answered.swap(false, Relaxed);
+            let answered = n > 0 && answered.load(Relaxed) && answered.swap(false, Relaxed);
             bufs.after_receive(port, n, slots, small, answered);
             n
         }

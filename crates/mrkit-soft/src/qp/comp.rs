@@ -14,7 +14,7 @@ use crate::copy::Unreachable;
 use crate::cq::{Wc, WcStatus};
 use crate::device::StatusModel;
 use crate::mr::AccessDenied;
-use crate::net::{Payload, Pkt};
+use crate::pkt::{Payload, Pkt};
 use crate::wire::{
     local_ack_timeout, psn_add, psn_cmp, psn_diff, rnr_timer_to_duration, NakCode, Opcode, Syndrome,
 };
@@ -375,7 +375,7 @@ impl Completer {
                         PlaceError::Copy(Unreachable::Src) => {
                             // The responder's memory (loopback): see `copy_failed`.
                             let n = Notice::ReadSourceFault { psn };
-                            crate::net::loopback::notify(q.dest_node, q.dest_qpn, n);
+                            out.peer_notices.push((q.dest_node, q.dest_qpn, n));
                             WcStatus::RemAccessErr
                         }
                         _ => WcStatus::LocProtErr,
@@ -459,7 +459,7 @@ impl Completer {
             Unreachable::Dst => WcStatus::LocProtErr,
             Unreachable::Src => {
                 let n = Notice::ReadSourceFault { psn };
-                crate::net::loopback::notify(q.dest_node, q.dest_qpn, n);
+                out.peer_notices.push((q.dest_node, q.dest_qpn, n));
                 WcStatus::RemAccessErr
             }
         };

@@ -24,12 +24,13 @@ use crate::cq::{CqObject, Wc, WcOpcode, WcStatus};
 use crate::device::StatusModel;
 use crate::error::{err, Error, Result};
 use crate::events::AsyncEvent;
+use crate::memcore::MemCore;
 use crate::mw::BindInfo;
-use crate::net::Pkt;
 use crate::pd::PdObject;
-use crate::wire::PSN_MASK;
-use crate::Context;
+use crate::pkt::Pkt;
+use crate::stats::RxDrop;
 
+pub use connect::rc_connect;
 pub use state::{attr_mask, QpState};
 
 /// `enum ibv_wr_opcode` (RC subset).
@@ -390,13 +391,16 @@ pub(crate) struct Out {
     pub events: Vec<AsyncEvent>,
     /// RDMA WRITE placements and READ response placements not yet copied (coalesced by
     /// [`Out::flush_copies`]).
-    pub copies: Vec<(crate::mr::MrGuard, crate::net::Payload, CopyOwner)>,
+    pub copies: Vec<(crate::mr::MrGuard, crate::pkt::Payload, CopyOwner)>,
     /// The first responder placement a flush could not do: (PSN, side). Taken by the
     /// responder before it acknowledges anything (`resp::Responder::copy_failed`).
     pub resp_fault: Option<(u32, crate::copy::Unreachable)>,
     /// The first READ response placement a flush could not do: (PSN, side). Taken by the run
     /// before completions are produced (`comp::Completer::copy_failed`).
     pub req_fault: Option<(u32, crate::copy::Unreachable)>,
+    /// Notices for the peer QP `(node, qpn, notice)` on the loopback link: a copy from its
+    /// memory failed here (the driver hands them over after the run).
+    pub peer_notices: Vec<(u64, u32, Notice)>,
 }
 
 impl Out {
@@ -406,11 +410,11 @@ impl Out {
     pub(crate) fn place(
         &mut self,
         dst: crate::mr::MrGuard,
-        payload: crate::net::Payload,
+        payload: crate::pkt::Payload,
         owner: CopyOwner,
     ) -> std::result::Result<(), crate::copy::Unreachable> {
         match payload {
-            crate::net::Payload::Mem(_) => {
+            crate::pkt::Payload::Mem(_) => {
                 self.copies.push((dst, payload, owner));
                 Ok(())
             }
@@ -428,7 +432,7 @@ impl Out {
         }
         let mut items = Vec::new();
         for (dst, p, _) in &self.copies {
-            if let crate::net::Payload::Mem(pieces) = p {
+            if let crate::pkt::Payload::Mem(pieces) = p {
                 let mut doff = 0u64;
                 for (g, goff, glen) in pieces {
                     items.push((dst, doff, g, *goff, *glen));
@@ -445,7 +449,7 @@ impl Out {
             // go on with the rest.
             if owners.is_empty() {
                 for (_, p, owner) in &self.copies {
-                    if let crate::net::Payload::Mem(pieces) = p {
+                    if let crate::pkt::Payload::Mem(pieces) = p {
                         owners.extend(std::iter::repeat(*owner).take(pieces.len()));
                     }
                 }
@@ -597,7 +601,7 @@ pub(crate) struct QpObject {
 
 thread_local! {
     /// The QP this thread posted to or received for last (`last_used.rs`).
-    static LAST_QP: crate::last_used::Slot<QpObject> = const { std::cell::RefCell::new(None) };
+    pub(crate) static LAST_QP: crate::last_used::Slot<QpObject> = const { std::cell::RefCell::new(None) };
 }
 
 impl crate::last_used::Cached for QpObject {
@@ -615,7 +619,7 @@ impl std::fmt::Debug for QpObject {
     }
 }
 
-fn pow2(v: u32) -> u32 {
+pub(crate) fn pow2(v: u32) -> u32 {
     if v == 0 {
         0
     } else {
@@ -706,6 +710,30 @@ impl Inbox {
     }
 }
 
+/// What a QP run needs from the device that runs it, beyond the memory core. The driver
+/// implements it; a run calls it only for these side effects, so the engines and the run loop
+/// know nothing of threads, links or the device object.
+pub(crate) trait RunHost {
+    /// The memory core (access predicate, key invalidation, window binding).
+    fn mem(&self) -> &MemCore;
+    /// This device instance's node id on the loopback link.
+    fn node_id(&self) -> u64;
+    /// Count a received packet the QP dropped.
+    fn count_rx_drop(&self, why: RxDrop);
+    /// The key under which a timer due at `at` is registered (ns since the driver's epoch).
+    fn timer_key(&self, at: Instant) -> u64;
+    /// How long after `now` a QP with WQEs not yet sent looks again (the progress tick).
+    fn tick(&self) -> std::time::Duration;
+    /// Register QP `qpn`'s timer under `key` (see `QpInner::timer_at`).
+    fn arm_timer(&self, qpn: u32, key: u64);
+    /// Run QP `qpn` again soon.
+    fn schedule(&self, qpn: u32);
+    /// Raise an asynchronous event.
+    fn raise(&self, e: AsyncEvent);
+    /// Hand a notice to QP `qpn` of node `node` (loopback link).
+    fn notify_peer(&self, node: u64, qpn: u32, n: Notice);
+}
+
 impl QpObject {
     /// Execute the deferred placements and turn one that could not reach memory into its
     /// error (responder: NAK remote access error; requester: the READ's WQE fails), before
@@ -723,15 +751,15 @@ impl QpObject {
     /// One run: process the inbox, timers and the send queue; push completions; hand back the
     /// packets to send. When its timers next fall due is registered in the device's timer heap
     /// before the QP lock is released (`QpInner::timer_at`).
-    pub(crate) fn run(&self, ctx: &Context, now: Instant) -> Vec<Pkt> {
-        self.run_locked(ctx, now, self.inner.lock())
+    pub(crate) fn run(&self, host: &impl RunHost, now: Instant) -> Vec<Pkt> {
+        self.run_locked(host, now, self.inner.lock())
     }
 
     /// [`run`](Self::run) with the QP lock already held (`post_send` posts and runs under
     /// one lock); releases it before raising events.
     pub(crate) fn run_locked(
         &self,
-        ctx: &Context,
+        host: &impl RunHost,
         now: Instant,
         mut g: parking_lot::MutexGuard<'_, QpInner>,
     ) -> Vec<Pkt> {
@@ -746,23 +774,23 @@ impl QpObject {
         let mut inbox = std::mem::take(&mut st.inbox_spare);
         self.inbox.swap_into(&mut inbox);
         let q = QpCtx {
-            mem: &ctx.dev.core,
+            mem: host.mem(),
             qpn: self.qpn,
             pd: self.pd.handle,
             mtu: 128usize << st.attr.path_mtu.clamp(1, 5),
             dest_qpn: st.attr.dest_qp_num,
             dest_node: st.attr.ah_attr.dest_node,
             dest_ip: st.attr.ah_attr.dgid,
-            src_node: ctx.dev.dp.node_id,
+            src_node: host.node_id(),
             access: st.attr.qp_access_flags,
             max_rd_atomic: st.attr.max_rd_atomic,
             max_dest_rd_atomic: st.attr.max_dest_rd_atomic,
             min_rnr_timer: st.attr.min_rnr_timer,
-            model: ctx.dev.core.config.model(),
+            model: host.mem().config.model(),
             state: st.state,
         };
         let mut out = Out {
-            pkts: crate::net::pkt_vec(),
+            pkts: crate::pkt::pkt_vec(),
             recv_wcs: std::mem::take(&mut st.recv_wcs),
             ..Out::default()
         };
@@ -775,7 +803,7 @@ impl QpObject {
             // A QP in ERR (or one an earlier packet of this run put there) drops everything.
             let state = if out.error { QpState::Err } else { st.state };
             if let Err(why) = receive_check(&p, response, state, &st.attr) {
-                ctx.dev.net_stats.count(why, 1);
+                host.count_rx_drop(why);
                 continue;
             }
             if response {
@@ -920,7 +948,7 @@ impl QpObject {
         let timer = if matches!(st.state, QpState::Rts | QpState::Sqd) {
             st.comp.next_timer(&st.sq).or_else(|| {
                 (st.state == QpState::Rts && st.sq.cursor < st.sq.q.len())
-                    .then(|| now + crate::progress::TICK_EVERY)
+                    .then(|| now + host.tick())
             })
         } else {
             None
@@ -928,18 +956,21 @@ impl QpObject {
         inbox.clear(); // what an error left unprocessed
         st.inbox_spare = inbox;
         if let Some(at) = timer {
-            let ns = crate::progress::ns_since_epoch(at);
+            let ns = host.timer_key(at);
             if st.timer_at.map_or(true, |t| ns < t) {
                 st.timer_at = Some(ns);
-                ctx.dev.dp.arm_timer(self.qpn, ns);
+                host.arm_timer(self.qpn, ns);
             }
         }
         drop(g);
         if more {
-            ctx.dev.dp.schedule(self.qpn);
+            host.schedule(self.qpn);
+        }
+        for (node, qpn, n) in out.peer_notices {
+            host.notify_peer(node, qpn, n);
         }
         for e in out.events {
-            ctx.raise_async_event(e);
+            host.raise(e);
         }
         out.pkts
     }
@@ -960,530 +991,17 @@ impl QpObject {
 
     /// Run this QP for its timer entry due at `at` (`ns_since_epoch`), unless the entry is
     /// stale (the QP registered another since): then `None`.
-    pub(crate) fn run_timer(&self, ctx: &Context, at: u64, now: Instant) -> Option<Vec<Pkt>> {
+    pub(crate) fn run_timer(&self, host: &impl RunHost, at: u64, now: Instant) -> Option<Vec<Pkt>> {
         let mut g = self.inner.lock();
         if g.timer_at != Some(at) {
             return None;
         }
         g.timer_at = None;
-        Some(self.run_locked(ctx, now, g))
+        Some(self.run_locked(host, now, g))
     }
 }
 
-impl Context {
-    /// This device instance's node id on the loopback link (put it in a peer's
-    /// [`AddressVector::dest_node`]).
-    pub fn node_id(&self) -> u64 {
-        self.dev.dp.node_id
-    }
-
-    fn qp(&self, qpn: u32) -> Result<Arc<QpObject>> {
-        self.dev
-            .dp
-            .qps
-            .read()
-            .get(&qpn)
-            .cloned()
-            .ok_or_else(|| err!(EINVAL, "QP {qpn} does not exist"))
-    }
-
-    /// Run `f` on QP `qpn` through this thread's last-used QP cache (`last_used.rs`).
-    fn with_qp<R>(&self, qpn: u32, f: impl FnOnce(&Arc<QpObject>) -> R) -> Result<R> {
-        let dp = &self.dev.dp;
-        crate::last_used::with_cached(&LAST_QP, dp.node_id, qpn, || dp.qp_object(qpn), f)
-            .ok_or_else(|| err!(EINVAL, "QP {qpn} does not exist"))
-    }
-
-    /// QP `qpn` (a clone of its handle) through this thread's last-used QP cache: the
-    /// receive path's lookup per packet run.
-    pub(crate) fn qp_cached(&self, qpn: u32) -> Option<Arc<QpObject>> {
-        let dp = &self.dev.dp;
-        crate::last_used::with_cached(&LAST_QP, dp.node_id, qpn, || dp.qp_object(qpn), Arc::clone)
-    }
-
-    /// `ibv_create_qp` (RC). EINVAL for caps above the device limits (queue depth ≤ max_qp_wr,
-    /// SGEs ≤ max_sge, inline ≤ 512), an unknown PD or CQ; ENOMEM when max_qp QPs exist.
-    /// Returns the QP number and the actual caps.
-    pub fn create_qp(&self, init: QpInitAttr) -> Result<(u32, QpCap)> {
-        self.create_qp_inner(init, None)
-    }
-
-    /// `ibv_create_qp` with `srq` set: receive WQEs come from the shared receive queue `srq`
-    /// (same PD required, EINVAL otherwise); `post_recv` on the QP → EINVAL; entering ERR
-    /// raises `QpLastWqeReached` instead of flushing SRQ WQEs. `max_recv_wr`/`max_recv_sge`
-    /// are ignored (reported as 0).
-    pub fn create_qp_srq(&self, init: QpInitAttr, srq: u32) -> Result<(u32, QpCap)> {
-        let s = self.srq(srq)?;
-        if s.pd.handle != init.pd {
-            return Err(err!(
-                EINVAL,
-                "SRQ {srq} belongs to PD {:#x}, the QP to PD {:#x}",
-                s.pd.handle,
-                init.pd
-            ));
-        }
-        let init = QpInitAttr {
-            cap: QpCap {
-                max_recv_wr: 0,
-                max_recv_sge: 0,
-                ..init.cap
-            },
-            ..init
-        };
-        self.create_qp_inner(init, Some(s))
-    }
-
-    fn create_qp_inner(
-        &self,
-        init: QpInitAttr,
-        srq: Option<Arc<crate::srq::SrqObject>>,
-    ) -> Result<(u32, QpCap)> {
-        let a = self.dev.core.config.attr();
-        let c = init.cap;
-        if c.max_send_wr > a.max_qp_wr || c.max_recv_wr > a.max_qp_wr {
-            return Err(err!(
-                EINVAL,
-                "queue depth {}/{} exceeds max_qp_wr {}",
-                c.max_send_wr,
-                c.max_recv_wr,
-                a.max_qp_wr
-            ));
-        }
-        if c.max_send_sge > a.max_sge || c.max_recv_sge > a.max_sge {
-            return Err(err!(
-                EINVAL,
-                "SGE count {}/{} exceeds max_sge {}",
-                c.max_send_sge,
-                c.max_recv_sge,
-                a.max_sge
-            ));
-        }
-        if c.max_inline_data > a.max_inline_data {
-            return Err(err!(
-                EINVAL,
-                "max_inline_data {} exceeds the device's {}",
-                c.max_inline_data,
-                a.max_inline_data
-            ));
-        }
-        let pd = self.dev.core.pd(init.pd)?;
-        let send_cq = self.cq(init.send_cq)?;
-        let recv_cq = self.cq(init.recv_cq)?;
-        let dp = &self.dev.dp;
-        if dp.qps.read().len() as u32 >= a.max_qp {
-            return Err(err!(ENOMEM, "max_qp ({}) QPs exist; destroy one", a.max_qp));
-        }
-        let qpn = dp.alloc_qpn();
-        pd.get();
-        send_cq.users.fetch_add(1, Ordering::AcqRel);
-        recv_cq.users.fetch_add(1, Ordering::AcqRel);
-        let cap = QpCap {
-            max_send_wr: c.max_send_wr.max(1),
-            max_recv_wr: if srq.is_some() {
-                0
-            } else {
-                c.max_recv_wr.max(1)
-            },
-            ..c
-        };
-        if let Some(s) = &srq {
-            s.users.fetch_add(1, Ordering::AcqRel);
-        }
-        let attr = QpAttr {
-            cap,
-            ..QpAttr::default()
-        };
-        let obj = Arc::new(QpObject {
-            qpn,
-            pd,
-            send_cq,
-            recv_cq,
-            sq_sig_all: init.sq_sig_all,
-            srq,
-            inbox: Inbox::default(),
-            scheduled: AtomicBool::new(false),
-            delay_acks: AtomicBool::new(true),
-            destroyed: AtomicBool::new(false),
-            inner: Mutex::new(QpInner {
-                attr,
-                state: QpState::Reset,
-                sq: req::SendQueue::default(),
-                rq: VecDeque::new(),
-                req: req::Requester::default(),
-                comp: comp::Completer::new(Instant::now()),
-                resp: resp::Responder::default(),
-                destroyed: false,
-                sqd_notified: false,
-                last_wqe_notified: false,
-                send_wcs: Vec::new(),
-                inbox_spare: Vec::new(),
-                recv_wcs: Vec::new(),
-                timer_at: None,
-            }),
-        });
-        dp.qps.write().insert(qpn, obj);
-        dp.ensure_thread(&self.dev);
-        Ok((qpn, cap))
-    }
-
-    /// `ibv_destroy_qp`: outstanding WRs are discarded without completions; after this
-    /// returns the device never processes the QP again.
-    pub fn destroy_qp(&self, qpn: u32) -> Result<()> {
-        // Held (delayed) ACKs leave now: the application may exit right after this.
-        self.flush_acks(None);
-        let q = self
-            .dev
-            .dp
-            .qps
-            .write()
-            .remove(&qpn)
-            .ok_or_else(|| err!(EINVAL, "QP {qpn} does not exist"))?;
-        q.destroyed.store(true, Ordering::Release);
-        {
-            let mut g = q.inner.lock();
-            g.destroyed = true;
-            g.sq.q.clear();
-            g.rq.clear();
-            g.resp.reset(0);
-            // Its timer entries are skipped: the QP is out of the table (and a new QP with
-            // the same number has its own `timer_at`).
-        }
-        q.inbox.clear();
-        q.send_cq.users.fetch_sub(1, Ordering::AcqRel);
-        q.recv_cq.users.fetch_sub(1, Ordering::AcqRel);
-        if let Some(s) = &q.srq {
-            s.users.fetch_sub(1, Ordering::AcqRel);
-        }
-        q.pd.put();
-        Ok(())
-    }
-
-    /// `ibv_query_qp`: the attributes and the current state (in `qp_state`/`cur_qp_state`).
-    pub fn query_qp(&self, qpn: u32) -> Result<QpAttr> {
-        let q = self.qp(qpn)?;
-        let g = q.inner.lock();
-        let mut a = g.attr;
-        a.qp_state = g.state as u32;
-        a.cur_qp_state = g.state as u32;
-        Ok(a)
-    }
-
-    /// Current state.
-    pub fn qp_state(&self, qpn: u32) -> Result<QpState> {
-        Ok(self.qp(qpn)?.inner.lock().state)
-    }
-
-    /// `ibv_modify_qp` with the RC table and attribute rules of `docs/semantics.md` §8.
-    /// A transition to RESET empties the queues and removes the QP's completions from its send
-    /// and receive CQs (other QPs' completions stay; see `cq.rs`).
-    pub fn modify_qp(&self, qpn: u32, attr: &QpAttr, mask: u32) -> Result<()> {
-        use attr_mask as m;
-        // Held (delayed) ACKs leave before the QP changes state (fastpath::ACK_DELAY_MAX).
-        self.flush_acks(None);
-        let q = self.qp(qpn)?;
-        let mut g = q.inner.lock();
-        let cur = g.state;
-        let to = state::check_modify(cur, mask, attr.qp_state)?;
-        let dev = self.dev.core.config.attr();
-        if mask & m::CUR_STATE != 0 && attr.cur_qp_state != cur as u32 {
-            return Err(err!(
-                EINVAL,
-                "cur_qp_state {} does not match the QP's state {:?}",
-                attr.cur_qp_state,
-                cur
-            ));
-        }
-        if mask & m::PORT != 0 && attr.port_num != 1 {
-            return Err(err!(
-                EINVAL,
-                "port {} does not exist (mrkit0 has port 1)",
-                attr.port_num
-            ));
-        }
-        if mask & m::AV != 0 && attr.ah_attr.port_num > 1 {
-            return Err(err!(
-                EINVAL,
-                "address vector names port {}",
-                attr.ah_attr.port_num
-            ));
-        }
-        if mask & m::PKEY_INDEX != 0 && attr.pkey_index >= dev.max_pkeys {
-            return Err(err!(
-                EINVAL,
-                "pkey_index {} >= max_pkeys {}",
-                attr.pkey_index,
-                dev.max_pkeys
-            ));
-        }
-        if mask & m::ACCESS_FLAGS != 0 && attr.qp_access_flags.bits() & !AccessFlags::SUPPORTED != 0
-        {
-            return Err(err!(
-                EINVAL,
-                "unknown QP access bits {:#x}",
-                attr.qp_access_flags.bits()
-            ));
-        }
-        if mask & m::PATH_MTU != 0 && !(1..=5).contains(&attr.path_mtu) {
-            return Err(err!(
-                EINVAL,
-                "path_mtu {} is not IBV_MTU_256..IBV_MTU_4096",
-                attr.path_mtu
-            ));
-        }
-        if mask & m::MAX_QP_RD_ATOMIC != 0 && attr.max_rd_atomic > dev.max_qp_init_rd_atom {
-            return Err(err!(
-                EINVAL,
-                "max_rd_atomic {} > {}",
-                attr.max_rd_atomic,
-                dev.max_qp_init_rd_atom
-            ));
-        }
-        if mask & m::MAX_DEST_RD_ATOMIC != 0 && attr.max_dest_rd_atomic > dev.max_qp_rd_atom {
-            return Err(err!(
-                EINVAL,
-                "max_dest_rd_atomic {} > {}",
-                attr.max_dest_rd_atomic,
-                dev.max_qp_rd_atom
-            ));
-        }
-        if mask & m::TIMEOUT != 0 && attr.timeout > 31 {
-            return Err(err!(EINVAL, "timeout {} > 31", attr.timeout));
-        }
-        if mask & m::RETRY_CNT != 0 && attr.retry_cnt > 7 {
-            return Err(err!(EINVAL, "retry_cnt {} > 7", attr.retry_cnt));
-        }
-        if mask & m::RNR_RETRY != 0 && attr.rnr_retry > 7 {
-            return Err(err!(EINVAL, "rnr_retry {} > 7", attr.rnr_retry));
-        }
-        if mask & m::MIN_RNR_TIMER != 0 && attr.min_rnr_timer > 31 {
-            return Err(err!(EINVAL, "min_rnr_timer {} > 31", attr.min_rnr_timer));
-        }
-        if mask & m::CAP != 0 {
-            let c = attr.cap;
-            if c.max_send_wr > dev.max_qp_wr
-                || c.max_recv_wr > dev.max_qp_wr
-                || c.max_send_sge > dev.max_sge
-                || c.max_recv_sge > dev.max_sge
-                || c.max_inline_data > dev.max_inline_data
-            {
-                return Err(err!(EINVAL, "IBV_QP_CAP exceeds the device limits"));
-            }
-        }
-        // Apply.
-        let a = &mut g.attr;
-        if mask & m::EN_SQD_ASYNC_NOTIFY != 0 {
-            a.en_sqd_async_notify = attr.en_sqd_async_notify;
-        }
-        if mask & m::ACCESS_FLAGS != 0 {
-            a.qp_access_flags = attr.qp_access_flags;
-        }
-        if mask & m::PKEY_INDEX != 0 {
-            a.pkey_index = attr.pkey_index;
-        }
-        if mask & m::PORT != 0 {
-            a.port_num = attr.port_num;
-        }
-        if mask & m::AV != 0 {
-            a.ah_attr = attr.ah_attr;
-        }
-        if mask & m::PATH_MTU != 0 {
-            a.path_mtu = attr.path_mtu;
-        }
-        if mask & m::TIMEOUT != 0 {
-            a.timeout = attr.timeout;
-        }
-        if mask & m::RETRY_CNT != 0 {
-            a.retry_cnt = attr.retry_cnt;
-        }
-        if mask & m::RNR_RETRY != 0 {
-            a.rnr_retry = attr.rnr_retry;
-        }
-        if mask & m::RQ_PSN != 0 {
-            a.rq_psn = attr.rq_psn & PSN_MASK;
-        }
-        if mask & m::MAX_QP_RD_ATOMIC != 0 {
-            a.max_rd_atomic = pow2(attr.max_rd_atomic);
-        }
-        if mask & m::MIN_RNR_TIMER != 0 {
-            a.min_rnr_timer = attr.min_rnr_timer;
-        }
-        if mask & m::SQ_PSN != 0 {
-            a.sq_psn = attr.sq_psn & PSN_MASK;
-        }
-        if mask & m::MAX_DEST_RD_ATOMIC != 0 {
-            a.max_dest_rd_atomic = pow2(attr.max_dest_rd_atomic);
-        }
-        if mask & m::DEST_QPN != 0 {
-            a.dest_qp_num = attr.dest_qp_num & crate::wire::QPN_MASK;
-        }
-        if mask & m::CAP != 0 {
-            a.cap = attr.cap;
-        }
-        let a = *a;
-        g.state = to;
-        match to {
-            QpState::Reset if cur != QpState::Reset => {
-                g.sq = req::SendQueue::default();
-                if let Some(s) = &q.srq {
-                    s.give_back(g.rq.drain(..));
-                }
-                g.rq.clear();
-                g.last_wqe_notified = false;
-                g.req = req::Requester::default();
-                g.comp = comp::Completer::new(Instant::now());
-                g.resp = resp::Responder::default();
-                q.inbox.clear();
-                // CQ clean (cq.rs): under the QP lock, so no completion of this QP can be
-                // pushed between the clean and the state change becoming visible.
-                q.send_cq.clean_qp(qpn);
-                if !Arc::ptr_eq(&q.send_cq, &q.recv_cq) {
-                    q.recv_cq.clean_qp(qpn);
-                }
-            }
-            QpState::Rtr if cur == QpState::Init => g.resp.reset(a.rq_psn),
-            QpState::Rts if cur == QpState::Rtr => {
-                g.req.start(a.sq_psn);
-                g.comp.start(
-                    a.sq_psn,
-                    a.retry_cnt,
-                    a.rnr_retry,
-                    a.timeout,
-                    Instant::now(),
-                );
-            }
-            QpState::Sqd => g.sqd_notified = false,
-            _ => {}
-        }
-        g.comp.set_limits(a.retry_cnt, a.rnr_retry, a.timeout);
-        drop(g);
-        self.dev.dp.schedule(qpn);
-        Ok(())
-    }
-
-    /// `ibv_post_send`. Post-time checks of `docs/semantics.md` §6.2: state RESET/INIT/RTR →
-    /// EINVAL; too many SGEs, bad atomic length/alignment, inline too long or on an opcode
-    /// that cannot be inline, BIND_MW with SGEs/imm, message > 2^31 → EINVAL; SQ full → ENOMEM.
-    /// Keys are not checked here. WRs before `bad_wr` are posted. In ERR every WR completes
-    /// with WR_FLUSH_ERR.
-    pub fn post_send(&self, qpn: u32, wrs: &[SendWr]) -> std::result::Result<(), PostError> {
-        self.post_on(qpn, |q| self.post_send_to(q, wrs))
-    }
-
-    /// Run a post on QP `qpn` (an unknown QP fails the first WR with EINVAL).
-    fn post_on(
-        &self,
-        qpn: u32,
-        post: impl FnOnce(&Arc<QpObject>) -> std::result::Result<(), PostError>,
-    ) -> std::result::Result<(), PostError> {
-        self.with_qp(qpn, post)
-            .map_err(|error| PostError { bad_wr: 0, error })?
-    }
-
-    fn post_send_to(
-        &self,
-        q: &Arc<QpObject>,
-        wrs: &[SendWr],
-    ) -> std::result::Result<(), PostError> {
-        let mut g = q.inner.lock();
-        // Inline requester (docs/datapath.md "Latency"): an idle QP in RTS generates and
-        // delivers its packets on the caller's thread instead of waking the progress thread.
-        let inline = g.state == QpState::Rts && idle_for_inline(&g.sq) && !self.dev.dp.manual();
-        let res = (|| {
-            for (i, wr) in wrs.iter().enumerate() {
-                let fail = |error| PostError { bad_wr: i, error };
-                if matches!(g.state, QpState::Reset | QpState::Init | QpState::Rtr) {
-                    return Err(fail(err!(
-                        EINVAL,
-                        "post_send on a QP in {:?}; move it to RTS first",
-                        g.state
-                    )));
-                }
-                let wqe = validate_send(wr, &g.attr.cap).map_err(fail)?;
-                if g.sq.q.len() as u32 >= g.attr.cap.max_send_wr {
-                    return Err(fail(err!(
-                        ENOMEM,
-                        "send queue full ({} WRs outstanding); poll the CQ or raise max_send_wr",
-                        g.attr.cap.max_send_wr
-                    )));
-                }
-                g.sq.q.push_back(wqe);
-            }
-            Ok(())
-        })();
-        q.delay_acks.store(true, Ordering::Relaxed);
-        self.dev.dp.answered.store(true, Ordering::Relaxed);
-        if inline {
-            self.run_qp_inline(q, g);
-        } else {
-            drop(g);
-            self.dev.dp.schedule(q.qpn);
-        }
-        res
-    }
-
-    /// `ibv_post_recv`: RESET → EINVAL, too many SGEs → EINVAL, RQ full → ENOMEM.
-    pub fn post_recv(&self, qpn: u32, wrs: &[RecvWr]) -> std::result::Result<(), PostError> {
-        self.post_on(qpn, |q| self.post_recv_to(q, wrs))
-    }
-
-    fn post_recv_to(
-        &self,
-        q: &Arc<QpObject>,
-        wrs: &[RecvWr],
-    ) -> std::result::Result<(), PostError> {
-        let qpn = q.qpn;
-        let mut g = q.inner.lock();
-        let mut flushed = false;
-        let res = (|| {
-            for (i, wr) in wrs.iter().enumerate() {
-                let fail = |error| PostError { bad_wr: i, error };
-                if q.srq.is_some() {
-                    return Err(fail(err!(
-                        EINVAL,
-                        "QP {qpn} takes receives from an SRQ; use post_srq_recv"
-                    )));
-                }
-                if g.state == QpState::Reset {
-                    return Err(fail(err!(
-                        EINVAL,
-                        "post_recv on a QP in RESET; move it to INIT first"
-                    )));
-                }
-                if wr.sg_list.len() as u32 > g.attr.cap.max_recv_sge {
-                    return Err(fail(err!(
-                        EINVAL,
-                        "{} SGEs > max_recv_sge {}",
-                        wr.sg_list.len(),
-                        g.attr.cap.max_recv_sge
-                    )));
-                }
-                if g.rq.len() as u32 >= g.attr.cap.max_recv_wr {
-                    return Err(fail(err!(
-                        ENOMEM,
-                        "receive queue full ({})",
-                        g.attr.cap.max_recv_wr
-                    )));
-                }
-                g.rq.push_back(RecvWqe {
-                    wr_id: wr.wr_id,
-                    sges: wr.sg_list.clone(),
-                });
-                flushed |= g.state == QpState::Err;
-            }
-            Ok(())
-        })();
-        drop(g);
-        if flushed {
-            // A receive posted in ERR completes at once with WR_FLUSH_ERR (the next run
-            // flushes it). In any other state nothing waits for it: a SEND that found no
-            // receive was RNR-NAKed and its retry arrives as a new packet.
-            self.dev.dp.schedule(qpn);
-        }
-        res
-    }
-}
-
-fn validate_send(wr: &SendWr, cap: &QpCap) -> Result<req::Wqe> {
+pub(crate) fn validate_send(wr: &SendWr, cap: &QpCap) -> Result<req::Wqe> {
     use WrOpcode as O;
     if wr.sg_list.len() as u32 > cap.max_send_sge && wr.flags & send_flags::INLINE == 0 {
         return Err(err!(
@@ -1552,36 +1070,6 @@ fn validate_send(wr: &SendWr, cap: &QpCap) -> Result<req::Wqe> {
     Ok(req::Wqe::from_wr(wr, len, inline))
 }
 
-/// Bring two RC QPs (possibly on different device instances) to RTS, connected to each other:
-/// RESET→INIT (port 1, `access`), INIT→RTR (path MTU `mtu` as `IBV_MTU_*`, PSN 0, 16
-/// responder resources, min_rnr_timer 1), RTR→RTS (timeout 14, retry 7, rnr_retry 7, 16
-/// outstanding READ/atomics).
-pub fn rc_connect(
-    a: &Context,
-    qpa: u32,
-    b: &Context,
-    qpb: u32,
-    access: AccessFlags,
-    mtu: u8,
-) -> Result<()> {
-    use connect::{connect_qp, ConnectOpts, RemoteQp};
-    let opts = ConnectOpts {
-        access,
-        path_mtu: mtu,
-        ..ConnectOpts::default()
-    };
-    for (c, q, node, qpn) in [(a, qpa, b.node_id(), qpb), (b, qpb, a.node_id(), qpa)] {
-        let remote = RemoteQp {
-            qpn,
-            psn: 0,
-            ip: None,
-            node,
-        };
-        connect_qp(c, q, remote, opts)?;
-    }
-    Ok(())
-}
-
 /// Whether `post_send` runs the requester on the caller's thread: the send queue is empty, or
 /// holds one message already sent that waits for its ACK. The second case is request/response
 /// traffic with delayed ACKs (`fastpath::ACK_DELAY_MAX`): the peer's ACK of this side's last
@@ -1590,7 +1078,7 @@ pub fn rc_connect(
 /// SEND echo). More than one WQE queued is a stream, whose packets the next progress pass sends
 /// together (one GSO send per run): running each post inline sends each message on its own
 /// (4 KiB WRITEs with 64 in flight fell from ~2.9 to ~1.1 GB/s).
-fn idle_for_inline(sq: &req::SendQueue) -> bool {
+pub(crate) fn idle_for_inline(sq: &req::SendQueue) -> bool {
     sq.cursor == sq.q.len() && sq.q.len() <= 1
 }
 

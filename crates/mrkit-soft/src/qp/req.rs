@@ -13,7 +13,7 @@ use crate::access::AccessFlags;
 use crate::cq::{Wc, WcStatus};
 use crate::device::StatusModel;
 use crate::mr::{AccessDenied, KeyUse};
-use crate::net::{Payload, Pkt};
+use crate::pkt::{Payload, Pkt};
 use crate::wire::{
     psn_add, psn_cmp, psn_diff, AtomicEth, Bth, ExtHeaders, Ieth, ImmDt, Opcode, Reth,
 };
@@ -39,7 +39,7 @@ pub(crate) struct Wqe {
     /// WQE's `inline_data` are empty here (see `inline_bytes`).
     pub wr: SendWr,
     /// An inline WQE's bytes (copied at post time; in the WQE itself up to
-    /// `net::SMALL_PAYLOAD` bytes, so posting a short inline message allocates nothing).
+    /// `pkt::SMALL_PAYLOAD` bytes, so posting a short inline message allocates nothing).
     pub inline_bytes: Payload,
     pub len: u64,
     pub inline: bool,
@@ -97,7 +97,7 @@ impl Wqe {
     }
 
     /// The WQE of a validated work request: copies what the device needs of it, without
-    /// allocating for an inline message of up to `net::SMALL_PAYLOAD` bytes.
+    /// allocating for an inline message of up to `pkt::SMALL_PAYLOAD` bytes.
     pub(crate) fn from_wr(wr: &SendWr, len: u64, inline: bool) -> Wqe {
         let stored = SendWr {
             wr_id: wr.wr_id,

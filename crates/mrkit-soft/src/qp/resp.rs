@@ -16,7 +16,7 @@ use crate::cq::{Wc, WcOpcode, WcStatus, WC_WITH_IMM, WC_WITH_INV};
 use crate::device::StatusModel;
 use crate::events::AsyncEvent;
 use crate::mr::KeyUse;
-use crate::net::{Payload, Pkt};
+use crate::pkt::{Payload, Pkt};
 use crate::wire::{
     psn_add, psn_cmp, psn_diff, Aeth, AtomicAckEth, Bth, ExtHeaders, NakCode, Opcode, MSN_MASK,
 };
@@ -319,7 +319,8 @@ impl Responder {
                     self.cur = Cur::None;
                 }
                 self.epsn = psn;
-                crate::net::loopback::notify(q.dest_node, q.dest_qpn, Notice::GatherFault { psn });
+                out.peer_notices
+                    .push((q.dest_node, q.dest_qpn, Notice::GatherFault { psn }));
             }
         }
     }
@@ -510,11 +511,8 @@ impl Responder {
                             rq.push_front(recv);
                         }
                     }
-                    crate::net::loopback::notify(
-                        q.dest_node,
-                        q.dest_qpn,
-                        Notice::GatherFault { psn },
-                    );
+                    out.peer_notices
+                        .push((q.dest_node, q.dest_qpn, Notice::GatherFault { psn }));
                 }
                 // The receive buffer could not be reached: a local protection error on the
                 // receive WQE in both models (a fault, not a malformed WQE), the class of a
@@ -936,8 +934,8 @@ mod tests {
     use std::time::Instant;
 
     use super::{BACKLOG_MAX, READ_BURST};
-    use crate::net::loopback::drive_until_idle;
-    use crate::net::{Payload, Pkt};
+    use crate::driver::loopback::drive_until_idle;
+    use crate::pkt::{Payload, Pkt};
     use crate::qp::{rc_connect, QpState, SendWr, WrOpcode};
     use crate::wire::{Bth, ExtHeaders, Opcode, Reth};
     use crate::{AccessFlags as A, Context};
@@ -959,8 +957,8 @@ mod tests {
     /// Two manual hosts, `b` exposing `len` bytes for READ, `a` a `len`-byte destination.
     fn pair(len: usize) -> Pair {
         let all = A::LOCAL_WRITE | A::REMOTE_WRITE | A::REMOTE_READ | A::REMOTE_ATOMIC;
-        let (a, apd, acq, aqp) = crate::net::fuzz::manual_rc_host(256, true);
-        let (b, bpd, _, bqp) = crate::net::fuzz::manual_rc_host(256, true);
+        let (a, apd, acq, aqp) = crate::fuzz::manual_rc_host(256, true);
+        let (b, bpd, _, bqp) = crate::fuzz::manual_rc_host(256, true);
         rc_connect(&a, aqp, &b, bqp, all, 3).unwrap();
         let src = std::sync::Arc::new((0..len).map(|i| (i * 7 + 3) as u8).collect::<Vec<u8>>());
         let dst = std::sync::Arc::new(vec![0u8; len]);

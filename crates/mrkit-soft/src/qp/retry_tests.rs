@@ -11,7 +11,7 @@ use crate::access::AccessFlags;
 use crate::cq::WcStatus;
 use crate::device::StatusModel;
 use crate::memcore::MemCore;
-use crate::net::{Payload, Pkt};
+use crate::pkt::{Payload, Pkt};
 use crate::wire::{Aeth, Bth, ExtHeaders, NakCode, Opcode};
 use crate::DeviceConfig;
 

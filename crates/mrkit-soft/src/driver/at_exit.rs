@@ -30,5 +30,5 @@ pub(crate) fn register() {
 
 extern "C" fn flush_at_exit() {
     // A panic must not unwind into libc; nothing is left to report it to at exit.
-    let _ = std::panic::catch_unwind(crate::net::loopback::flush_held_acks_of_every_device);
+    let _ = std::panic::catch_unwind(crate::driver::loopback::flush_held_acks_of_every_device);
 }

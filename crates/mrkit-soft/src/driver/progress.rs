@@ -47,13 +47,14 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex, RwLock};
 
+use super::loopback;
 use crate::cq::{CompChannel, CqObject, Wc};
 pub use crate::device::ProgressPolicy;
+use crate::driver::{Context, DeviceInner};
 use crate::error::{err, Result};
 pub use crate::events::AsyncEvent;
-use crate::net::{loopback, Pkt};
+use crate::pkt::Pkt;
 use crate::qp::QpObject;
-use crate::{Context, DeviceInner};
 
 #[derive(Debug, Default)]
 struct Sched {
@@ -77,7 +78,7 @@ struct Sched {
     park_lock: Mutex<()>,
     park_cond: Condvar,
     /// Plain ACKs held back by application progress passes (delayed ACKs,
-    /// [`ACK_DELAY_MAX`](crate::fastpath::ACK_DELAY_MAX)).
+    /// [`ACK_DELAY_MAX`](crate::driver::caller_thread::ACK_DELAY_MAX)).
     held_acks: Mutex<Vec<Pkt>>,
     /// When the oldest ACK in `held_acks` was held (ns since [`epoch`]; 0: none held). Written
     /// under the `held_acks` lock; read without it so that passes check for due ACKs cheaply.
@@ -132,7 +133,9 @@ pub const TIMERS_PER_MS: u32 = 64;
 #[derive(Debug, Default)]
 struct Timers {
     heap: std::collections::BinaryHeap<std::cmp::Reverse<(u64, u32)>>,
-    /// Start of the current pacing window and timers run in it (`TIMERS_PER_MS`).
+    /// Start of the current pacing window and timers run in it (`TIMERS_PER_MS`). 0: no
+    /// window yet (`ns_since_epoch` is at least 1), so the first window starts at the first
+    /// take, also in a process whose clock origin is less than a millisecond old.
     window_ns: u64,
     in_window: u32,
 }
@@ -235,7 +238,7 @@ impl DataPath {
             return Vec::new();
         }
         let mut t = self.timers.lock();
-        if now_ns.saturating_sub(t.window_ns) >= 1_000_000 {
+        if t.window_ns == 0 || now_ns.saturating_sub(t.window_ns) >= 1_000_000 {
             t.window_ns = now_ns;
             t.in_window = 0;
         }
@@ -318,7 +321,7 @@ impl DataPath {
                 s.held_at_ns.store(at, Ordering::SeqCst);
             }
         }
-        crate::net::recycle(pkts);
+        crate::pkt::recycle(pkts);
         // A progress thread sleeping (nobody was driving the device) is woken: it then
         // sleeps again with a timeout capped at the ACK's deadline. A *parked* thread is not
         // (the application is polling and sends the ACK itself once due; see
@@ -345,7 +348,7 @@ impl DataPath {
         let flush = self.sched.ack_flush.lock();
         let mut g = self.sched.held_acks.lock();
         self.sched.held_at_ns.store(0, Ordering::Release);
-        let pkts = std::mem::replace(&mut *g, crate::net::pkt_vec());
+        let pkts = std::mem::replace(&mut *g, crate::pkt::pkt_vec());
         HeldAcks {
             _flush: flush,
             pkts,
@@ -464,7 +467,7 @@ impl Sched {
         if held == 0 {
             return timeout;
         }
-        let deadline = held + crate::fastpath::ACK_DELAY_MAX.as_nanos() as u64;
+        let deadline = held + crate::driver::caller_thread::ACK_DELAY_MAX.as_nanos() as u64;
         timeout.min(Duration::from_nanos(
             deadline.saturating_sub(ns_since_epoch(now)),
         ))
@@ -477,7 +480,7 @@ impl Sched {
             return None;
         }
         let age = Duration::from_nanos(ns_since_epoch(now).saturating_sub(at));
-        Some(crate::fastpath::ACK_DELAY_MAX.saturating_sub(age))
+        Some(crate::driver::caller_thread::ACK_DELAY_MAX.saturating_sub(age))
     }
 }
 
@@ -646,7 +649,7 @@ impl Context {
     /// plain ACKs back and sends them once due.
     pub(crate) fn progress_pass(&self, now: Instant, app: bool) -> usize {
         let dp = &self.dev.dp;
-        let _running = crate::fastpath::Running::enter(self);
+        let _running = crate::driver::caller_thread::Running::enter(self);
         let hold = (app && dp.delayed_acks).then_some(now);
         if !app {
             self.flush_acks(None);
@@ -672,8 +675,18 @@ impl Context {
                 // way. That thread takes full batches. (Always full batches for the progress
                 // thread cost a passive WRITE target ~0.4 µs per round trip.)
                 let one_ok = app || !dp.sched.app_polled_recently(now);
-                rx_datagrams =
-                    crate::net::udp::poll_rx(self, port, &mut bufs, one_ok, |q, pkts| {
+                // Demultiplexing: each run of packets for one QP goes to its inbox, and the QP
+                // into this pass's table (or, when the table is full, onto the run queue).
+                rx_datagrams = crate::net::udp::poll_rx(
+                    port,
+                    &mut bufs,
+                    one_ok,
+                    dp.node_id,
+                    self.dev.core.config.icrc_ipv4(),
+                    &self.dev.net_stats,
+                    &dp.answered,
+                    |qpn| self.qp_cached(qpn),
+                    |q, pkts| {
                         q.inbox.append(pkts);
                         if holds(&batch[..received], &q) {
                             return;
@@ -684,7 +697,8 @@ impl Context {
                         } else {
                             dp.schedule_obj(&q);
                         }
-                    });
+                    },
+                );
             }
             let _ = port.tick(now);
         }
@@ -929,8 +943,8 @@ mod tests {
     #[test]
     fn request_response_traffic_arms_a_timer_once_per_timeout_not_per_message() {
         use crate::qp::{rc_connect, RecvWr, SendWr, WrOpcode};
-        let (c, _, cq, q1) = crate::net::fuzz::manual_rc_host(16, false);
-        let (d, _, dcq, q2) = crate::net::fuzz::manual_rc_host(16, false);
+        let (c, _, cq, q1) = crate::fuzz::manual_rc_host(16, false);
+        let (d, _, dcq, q2) = crate::fuzz::manual_rc_host(16, false);
         rc_connect(&c, q1, &d, q2, crate::AccessFlags::LOCAL_WRITE, 3).unwrap();
         let dp = &c.dev.dp;
         let t0 = Instant::now();

@@ -26,9 +26,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::net::Pkt;
+use crate::driver::Context;
+use crate::pkt::Pkt;
 use crate::qp::QpObject;
-use crate::Context;
 
 /// Longest time a plain ACK may be held back (delayed ACK) before it is sent on its own.
 ///
@@ -77,10 +77,10 @@ pub const ACK_DELAY_MAX: Duration = Duration::from_micros(30);
 
 /// Bound on a held ACK's delay when the application stops calling verbs without blocking,
 /// destroying its QP or closing the device (the parked progress thread's longest re-check,
-/// [`PARK_MAX`](crate::progress::PARK_MAX), after the application's window
-/// [`APP_WINDOW`](crate::progress::APP_WINDOW)), plus scheduling delays.
-pub const ACK_DELAY_IDLE_MAX: Duration = crate::progress::PARK_MAX
-    .saturating_add(crate::progress::APP_WINDOW)
+/// [`PARK_MAX`](crate::driver::progress::PARK_MAX), after the application's window
+/// [`APP_WINDOW`](crate::driver::progress::APP_WINDOW)), plus scheduling delays.
+pub const ACK_DELAY_IDLE_MAX: Duration = crate::driver::progress::PARK_MAX
+    .saturating_add(crate::driver::progress::APP_WINDOW)
     .saturating_add(Duration::from_micros(5));
 
 /// A plain ACK to a UDP peer: the only kind of packet that may be held back.
@@ -124,7 +124,7 @@ impl Context {
     /// ACKs along.
     pub(crate) fn deliver_pkts(&self, pkts: Vec<Pkt>, hold: Option<Instant>) {
         if pkts.is_empty() {
-            return crate::net::recycle(pkts);
+            return crate::pkt::recycle(pkts);
         }
         let dp = &self.dev.dp;
         if let Some(now) = hold {
@@ -137,14 +137,14 @@ impl Context {
             let mut held = dp.take_held_acks();
             if !held.pkts.is_empty() {
                 let (first, then) = around_held(std::mem::take(&mut held.pkts), pkts);
-                crate::net::deliver(self, first);
+                super::delivery::deliver(self, first);
                 if !then.is_empty() {
-                    crate::net::deliver(self, then);
+                    super::delivery::deliver(self, then);
                 }
                 return;
             }
         }
-        crate::net::deliver(self, pkts);
+        super::delivery::deliver(self, pkts);
     }
 
     /// Send the held ACKs: all of them (`aged_at = None`), or only if the oldest was held at
@@ -172,7 +172,7 @@ impl Context {
             }
         }
         if !held_pkts.is_empty() {
-            crate::net::deliver(self, held_pkts);
+            super::delivery::deliver(self, held_pkts);
         }
         drop(held); // sent: release the flush lock
     }
@@ -234,7 +234,7 @@ impl Drop for Running<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::net::Payload;
+    use crate::pkt::Payload;
     use crate::wire::{Aeth, Bth, ExtHeaders, Opcode};
 
     fn pkt(src_qpn: u32, opcode: Opcode, psn: u32) -> Pkt {
