@@ -29,11 +29,14 @@
 //! ctx.dealloc_pd(pd).unwrap();
 //! ```
 
+#![deny(unsafe_code)]
+
 // Layers, bottom to top (docs/architecture.md; `tests/layers.rs` keeps every `use crate::…`
 // pointing down): leaves, the memory core, the sans-IO engines, the link, the driver, and
 // this facade.
 pub mod access;
 pub mod addr;
+#[allow(unsafe_code)] // moving bytes into and out of registered memory
 mod copy;
 pub mod cq;
 pub mod device;
@@ -43,6 +46,7 @@ pub mod events;
 pub mod fault;
 pub mod fuzz;
 mod last_used;
+#[allow(unsafe_code)] // system calls on raw addresses, the fault-recovering copy
 pub mod mem;
 pub mod memcore;
 pub mod mr;
@@ -55,6 +59,7 @@ pub mod qp;
 pub mod srq;
 pub mod stats;
 pub mod table;
+#[allow(unsafe_code)] // `UserMemory::new`: the registration contract
 pub mod user_mem;
 pub mod wire;
 

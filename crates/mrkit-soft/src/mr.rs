@@ -1,5 +1,5 @@
 //! Memory registration: `reg_mr`, `reg_mr_iova`, `dereg_mr`, `rereg_mr`, `query_mr`,
-//! `advise_mr`, and **the** access predicate ([`Context::check_access`]) that every path that
+//! `advise_mr`, and **the** access predicate ([`MemCore::check_access`](crate::memcore::MemCore::check_access)) that every path that
 //! touches registered memory goes through.
 //!
 //! Validation order (first failure wins), as the kernel's uverbs REG_MR command, then the
@@ -217,7 +217,7 @@ pub enum KeyUse {
     Remote,
 }
 
-/// Why [`Context::check_access`] refused an access. The data path maps each to a completion
+/// Why [`MemCore::check_access`](crate::memcore::MemCore::check_access) refused an access. The data path maps each to a completion
 /// status according to the device's [`StatusModel`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AccessDenied {

@@ -2,7 +2,7 @@
 //!
 //! * `alloc_mw` / `dealloc_mw`: a type-1 window starts VALID with length 0 (unusable until
 //!   bound); a type-2 window starts FREE. Dealloc always succeeds and unbinds.
-//! * [`Context::bind_mw`] executes a bind (`ibv_bind_mw` for type 1, an `IBV_WR_BIND_MW` WQE
+//! * [`Context::bind_mw`](crate::Context::bind_mw) executes a bind (`ibv_bind_mw` for type 1, an `IBV_WR_BIND_MW` WQE
 //!   for type 2); the data path reports any failure as `IBV_WC_MW_BIND_ERR`.
 //! * Checks beyond rxe (IBA semantics, documented deviations): window PD == MR PD, the MR
 //!   must be valid, type-1 QP PD == MW PD, overflow-safe bind range, and on the data path the
@@ -300,7 +300,7 @@ impl MemCore {
         Ok(())
     }
 
-    /// Window half of the access predicate (called by [`Context::check_access`]).
+    /// Window half of the access predicate (called by [`MemCore::check_access`](crate::memcore::MemCore::check_access)).
     pub(crate) fn check_window(
         &self,
         rkey: u32,

@@ -1,7 +1,7 @@
 //! Shared receive queues (`ibv_create_srq` & co.).
 //!
 //! * An SRQ holds receive WQEs for every RC QP created with it
-//!   ([`Context::create_qp_srq`]); such a QP has no receive queue of its own
+//!   ([`Context::create_qp_srq`](crate::Context::create_qp_srq)); such a QP has no receive queue of its own
 //!   (`post_recv` on it → EINVAL, as the kernel path).
 //! * The responder takes a WQE from the SRQ only when a message that needs one arrives
 //!   in sequence (an empty SRQ → RNR NAK, exactly like an empty RQ).

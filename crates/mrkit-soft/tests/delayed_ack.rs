@@ -1,4 +1,4 @@
-//! Delayed ACKs on the UDP link (`fastpath::ACK_DELAY_MAX`): a plain ACK an application
+//! Delayed ACKs on the UDP link (`caller_thread::ACK_DELAY_MAX`): a plain ACK an application
 //! progress pass holds back leaves within the bound even if the application never sends
 //! again, and at once when the QP is destroyed or the device closed. Deterministic: manual
 //! progress, and the application's passes get an injected `now`.

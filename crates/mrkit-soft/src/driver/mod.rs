@@ -36,7 +36,7 @@ pub struct DeviceInner {
     pub(crate) dp: progress::DataPath,
     /// Shared receive queues.
     pub(crate) srqs: srq::SrqTable,
-    /// Threads inside a progress pass right now (`fastpath.rs`: a poller skips its pass
+    /// Threads inside a progress pass right now (`driver/caller_thread.rs`: a poller skips its pass
     /// while another thread is in one). Orders nothing else.
     pub(crate) progress_runners: std::sync::atomic::AtomicUsize,
     /// The RoCEv2 UDP port, bound on first use (query_gid, a QP with a GID address vector).
@@ -55,7 +55,7 @@ pub struct DeviceInner {
 
 impl Drop for DeviceInner {
     /// The device is closed (the last [`Context`] dropped, e.g. `ibv_close_device`): ACKs an
-    /// application pass held back (`fastpath::ACK_DELAY_MAX`) leave now, or a peer waiting
+    /// application pass held back (`caller_thread::ACK_DELAY_MAX`) leave now, or a peer waiting
     /// for them would time out.
     fn drop(&mut self) {
         self.flush_held_acks();
@@ -260,7 +260,7 @@ impl Context {
         self.dev.core.mr_object(lkey)
     }
 
-    /// `ibv_rereg_mr`. `flags` is a combination of [`ReregFlags`] constants. Errors follow the
+    /// `ibv_rereg_mr`. `flags` is a combination of [`ReregFlags`](crate::ReregFlags) constants. Errors follow the
     /// library checks, then the kernel's (`docs/semantics.md` §4): flags 0 → EINVAL, unknown
     /// flags → EOPNOTSUPP, `access` without CHANGE_ACCESS → EINVAL, TRANSLATION with length 0 or
     /// address 0 → EINVAL, page-offset mismatch → EINVAL, access rules as reg_mr, unknown PD →

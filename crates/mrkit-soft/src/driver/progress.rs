@@ -13,7 +13,7 @@
 //! workload. The progress thread decides at every idle moment (`progress_thread`):
 //!
 //! * **The application drives** (it called `poll_cq` on an empty CQ within [`APP_WINDOW`];
-//!   such a poll runs progress inline, `fastpath.rs`): the thread **parks** on a condition
+//!   such a poll runs progress inline, `driver/caller_thread.rs`): the thread **parks** on a condition
 //!   variable, *not* on the UDP socket, so datagrams the application is about to pick up do
 //!   not wake it (each such wake-up is an IPI that preempts a spinning thread on the other
 //!   vCPU). It re-checks when the window closes; while the application keeps polling, the
@@ -163,7 +163,7 @@ pub(crate) struct DataPath {
     timer_due_ns: AtomicU64,
     /// When a pass last looked at the timers (`ns_since_epoch`); a hint for `TIMER_STARVE`.
     timers_ran_ns: AtomicU64,
-    /// Delayed ACKs allowed (`fastpath::ACK_DELAY_MAX`; `DeviceConfig::delayed_acks`, on by
+    /// Delayed ACKs allowed (`caller_thread::ACK_DELAY_MAX`; `DeviceConfig::delayed_acks`, on by
     /// default).
     pub delayed_acks: bool,
     /// An application posted a send since the UDP receiver last found data: the traffic is
@@ -325,7 +325,7 @@ impl DataPath {
         // A progress thread sleeping (nobody was driving the device) is woken: it then
         // sleeps again with a timeout capped at the ACK's deadline. A *parked* thread is not
         // (the application is polling and sends the ACK itself once due; see
-        // fastpath::ACK_DELAY_MAX for why the parked thread does not wake for it).
+        // caller_thread::ACK_DELAY_MAX for why the parked thread does not wake for it).
         if s.sleeping.load(Ordering::SeqCst) {
             s.cond.notify_all();
             s.kick();
@@ -569,7 +569,7 @@ fn progress_thread(weak: Weak<DeviceInner>, sched: Arc<Sched>) {
             // even run a pass: that would take packets from under it) until it stops;
             // checked again when its window closes, less often the longer it drives.
             idle_since = None;
-            // Delayed ACKs (fastpath::ACK_DELAY_MAX): the application's held ACKs that are due
+            // Delayed ACKs (caller_thread::ACK_DELAY_MAX): the application's held ACKs that are due
             // leave at this re-check. The park is *not* shortened for them: re-checking every
             // few tens of microseconds cost the SEND echo p99 tails of 2-4.5 ms on 2 vCPUs.
             if sched.acks_due(now).is_some_and(|d| d.is_zero()) {
@@ -640,7 +640,7 @@ impl Context {
     }
 
     /// Run every QP that has work once (and the QPs whose timers are due, `TIMERS_PER_MS`). Returns the number of QP runs that did something. Sends every ACK an
-    /// application pass held back (`fastpath::ACK_DELAY_MAX`).
+    /// application pass held back (`caller_thread::ACK_DELAY_MAX`).
     pub fn progress_once(&self, now: Instant) -> usize {
         self.progress_pass(now, false)
     }
@@ -897,7 +897,7 @@ impl Context {
 
     /// `ibv_poll_cq`: append up to `max` completions to `out`; returns how many.
     /// On an empty CQ (and without manual progress) it first runs the device's progress
-    /// inline once (progress-on-poll, `fastpath.rs`).
+    /// inline once (progress-on-poll, `driver/caller_thread.rs`).
     pub fn poll_cq(&self, cqn: u32, out: &mut Vec<Wc>, max: usize) -> Result<usize> {
         let poll = |out: &mut Vec<Wc>| self.with_cq(cqn, |cq| cq.poll(out, max));
         let n = poll(out)?;

@@ -68,7 +68,7 @@ impl ConnectVerbs for Context {
 
 impl Context {
     /// This device instance's node id on the loopback link (put it in a peer's
-    /// [`AddressVector::dest_node`]).
+    /// [`AddressVector::dest_node`](crate::qp::AddressVector::dest_node)).
     pub fn node_id(&self) -> u64 {
         self.dev.dp.node_id
     }
@@ -274,7 +274,7 @@ impl Context {
     /// and receive CQs (other QPs' completions stay; see `cq.rs`).
     pub fn modify_qp(&self, qpn: u32, attr: &QpAttr, mask: u32) -> Result<()> {
         use attr_mask as m;
-        // Held (delayed) ACKs leave before the QP changes state (fastpath::ACK_DELAY_MAX).
+        // Held (delayed) ACKs leave before the QP changes state (caller_thread::ACK_DELAY_MAX).
         self.flush_acks(None);
         let q = self.qp(qpn)?;
         let mut g = q.inner.lock();

@@ -51,7 +51,7 @@ impl Pkt {
 
 /// Why a received datagram was dropped (counted per device; none of them touches memory).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Drop {
+pub enum DatagramDrop {
     /// Not a well-formed RoCEv2 RC packet (truncated, bad version, unknown opcode, bad pad...).
     Malformed,
     /// The ICRC does not match.
@@ -79,7 +79,7 @@ impl Pkt {
         src: std::net::SocketAddr,
         dst: std::net::SocketAddr,
         node: u64,
-    ) -> Result<Pkt, Drop> {
+    ) -> Result<Pkt, DatagramDrop> {
         Self::from_wire_in_batch(datagram, src, dst, node, 0, Ipv4IcrcMode::Exact)
     }
 
@@ -93,7 +93,7 @@ impl Pkt {
         node: u64,
         seg: usize,
         mode: Ipv4IcrcMode,
-    ) -> Result<Pkt, Drop> {
+    ) -> Result<Pkt, DatagramDrop> {
         let (mut p, at) = Self::parse_wire(datagram, src, dst, node, seg, mode)?;
         p.payload = Payload::copied(&datagram[at]);
         Ok(p)
@@ -110,8 +110,8 @@ impl Pkt {
         node: u64,
         seg: usize,
         mode: Ipv4IcrcMode,
-    ) -> Result<(Pkt, std::ops::Range<usize>), Drop> {
-        let view = crate::wire::Packet::parse(datagram).map_err(|_| Drop::Malformed)?;
+    ) -> Result<(Pkt, std::ops::Range<usize>), DatagramDrop> {
+        let view = crate::wire::Packet::parse(datagram).map_err(|_| DatagramDrop::Malformed)?;
         icrc_check(view.datagram(), src, dst, seg, mode)?;
         // The payload's position inside the datagram.
         let at = view.payload.as_ptr() as usize - datagram.as_ptr() as usize;
@@ -143,13 +143,13 @@ fn icrc_check(
     dst: std::net::SocketAddr,
     seg: usize,
     mode: Ipv4IcrcMode,
-) -> Result<(), Drop> {
+) -> Result<(), DatagramDrop> {
     let inputs = IcrcInputs::from_socket_addrs(src, dst);
     if !inputs.is_ipv4() {
-        return inputs.verify(datagram).map_err(|_| Drop::BadIcrc);
+        return inputs.verify(datagram).map_err(|_| DatagramDrop::BadIcrc);
     }
     let Some((body, found)) = datagram.split_last_chunk::<{ crate::wire::ICRC_LEN }>() else {
-        return Err(Drop::BadIcrc);
+        return Err(DatagramDrop::BadIcrc);
     };
     let found = u32::from_le_bytes(*found);
     let expected = inputs.compute(body);
@@ -168,8 +168,8 @@ fn icrc_check(
         }
         match solver.solve_values_df(expected, found) {
             Some(_) if mode == Ipv4IcrcMode::Solve => Ok(()),
-            Some((id, df)) => Err(Drop::IcrcIpv4Id { id, df }),
-            None => Err(Drop::BadIcrc),
+            Some((id, df)) => Err(DatagramDrop::IcrcIpv4Id { id, df }),
+            None => Err(DatagramDrop::BadIcrc),
         }
     })
 }
@@ -218,7 +218,7 @@ mod tests {
         d
     }
 
-    fn check(d: &[u8], seg: usize, mode: Ipv4IcrcMode) -> Result<(), Drop> {
+    fn check(d: &[u8], seg: usize, mode: Ipv4IcrcMode) -> Result<(), DatagramDrop> {
         let (src, dst) = addrs();
         icrc_check(d, src, dst, seg, mode)
     }
@@ -258,7 +258,7 @@ mod tests {
                 let other = if seg == 0 { 1 } else { 0 };
                 assert_eq!(
                     check(&d, other, Ipv4IcrcMode::Exact),
-                    Err(Drop::IcrcIpv4Id { id, df: true }),
+                    Err(DatagramDrop::IcrcIpv4Id { id, df: true }),
                     "len {len} id {id} at {other}"
                 );
             }
@@ -269,7 +269,7 @@ mod tests {
                 .unwrap();
             assert_eq!(
                 check(&d, 0, Ipv4IcrcMode::Exact),
-                Err(Drop::IcrcIpv4Id {
+                Err(DatagramDrop::IcrcIpv4Id {
                     id: 0xBEEF,
                     df: false
                 })
@@ -285,7 +285,10 @@ mod tests {
         for mode in [Ipv4IcrcMode::Exact, Ipv4IcrcMode::Solve] {
             assert_eq!(icrc_check(&d, src6, dst6, 0, mode), Ok(()));
             let other: std::net::SocketAddr = "[fd00::3]:4791".parse().unwrap();
-            assert_eq!(icrc_check(&d, src6, other, 0, mode), Err(Drop::BadIcrc));
+            assert_eq!(
+                icrc_check(&d, src6, other, 0, mode),
+                Err(DatagramDrop::BadIcrc)
+            );
         }
     }
 

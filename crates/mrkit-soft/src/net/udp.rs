@@ -1003,7 +1003,7 @@ pub(crate) fn poll_rx<Q>(
     run.clear();
     bufs.run = run;
     if dropped > 0 {
-        st.dropped(super::Drop::UnknownQp, dropped);
+        st.dropped(super::DatagramDrop::UnknownQp, dropped);
     }
     if received > 0 {
         // One writer at a time: this runs under the device's receive lock (`bufs` lives in
@@ -1028,7 +1028,7 @@ pub(crate) fn poll_rx<Q>(
 /// Receives in a row that found something, with no send posted in between, from which on a
 /// single-slot receiver takes batches again. Two, not one: request/response traffic brings
 /// the peer's message and, right behind it, the delayed ACK of this side's last message
-/// (`fastpath::ACK_DELAY_MAX`: a held ACK leaves after the application's next packets), and
+/// (`caller_thread::ACK_DELAY_MAX`: a held ACK leaves after the application's next packets), and
 /// each is taken by its own pass. Counting only receives with no reply in between keeps a
 /// fast peer's reply, already queued behind that ACK, from looking like a burst (taking the
 /// echo's receives in batches of four cost ~0.4 µs per 8-byte SEND round trip).
@@ -1158,20 +1158,20 @@ impl NetStats {
 
     /// Count `n` datagrams the receive path dropped for `why`. Returns whether they were GSO
     /// segments cut apart from their batch (the receiver then turns GRO back on).
-    pub(crate) fn dropped(&self, why: super::Drop, n: u64) -> bool {
-        use super::Drop;
+    pub(crate) fn dropped(&self, why: super::DatagramDrop, n: u64) -> bool {
+        use super::DatagramDrop;
         use crate::stats::RxDrop;
         match why {
-            Drop::Malformed => self.count(RxDrop::Malformed, n),
-            Drop::BadIcrc => self.count(RxDrop::BadIcrc, n),
-            Drop::IcrcIpv4Id { id, df } => {
+            DatagramDrop::Malformed => self.count(RxDrop::Malformed, n),
+            DatagramDrop::BadIcrc => self.count(RxDrop::BadIcrc, n),
+            DatagramDrop::IcrcIpv4Id { id, df } => {
                 if df && (1..GSO_SEGMENTS_MAX).contains(&id) {
                     self.count(RxDrop::IcrcCutRun, n);
                     return true;
                 }
                 self.count(RxDrop::IcrcForeignId, n);
             }
-            Drop::UnknownQp => self.count(RxDrop::UnknownQp, n),
+            DatagramDrop::UnknownQp => self.count(RxDrop::UnknownQp, n),
         }
         false
     }
@@ -1447,7 +1447,7 @@ mod tests {
         let mut bufs = RecvBufs::default();
         // One receive pass as poll_rx makes it: parse every datagram at its batch index and
         // count what is dropped. Returns (ok, dropped) verdicts in order.
-        let pass = |bufs: &mut RecvBufs| -> Vec<Result<(), super::super::Drop>> {
+        let pass = |bufs: &mut RecvBufs| -> Vec<Result<(), super::super::DatagramDrop>> {
             let slots = bufs.slots_per_pass();
             let mut got = Vec::new();
             let mut cut = false;
@@ -1507,7 +1507,7 @@ mod tests {
         let run: Vec<u8> = (0..3u16).flat_map(|k| ack(100 + u32::from(k), k)).collect();
         a.send(sport, b.local_addr(), &run, Some(20)).unwrap();
         let got = until_some(&mut bufs);
-        use super::super::Drop::IcrcIpv4Id;
+        use super::super::DatagramDrop::IcrcIpv4Id;
         assert_eq!(
             got,
             vec![

@@ -7,7 +7,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::req::{for_pieces, ReadWindow, Requester, SendQueue, WqeSt};
+use super::req::{for_pieces, ReadWindow, Requester, SendQueue, WqeState};
 use super::{CopyOwner, Notice, Out, QpCtx, WrOpcode};
 use crate::access::AccessFlags;
 use crate::copy::Unreachable;
@@ -118,7 +118,7 @@ impl Completer {
     /// earlier copy. READ/atomic WQEs stop the walk: their responses are still needed.
     fn ack_before(&mut self, sq: &mut SendQueue, psn: u32, inclusive: bool) {
         for w in sq.q.iter_mut() {
-            if matches!(w.st, WqeSt::Done(_)) {
+            if matches!(w.st, WqeState::Done(_)) {
                 continue;
             }
             if !w.psn_valid {
@@ -132,7 +132,7 @@ impl Completer {
             if w.wr.opcode.is_rd_atomic() {
                 break; // its responses are missing: left to the retry timer
             }
-            w.st = WqeSt::Done(WcStatus::Success);
+            w.st = WqeState::Done(WcStatus::Success);
             // Every PSN of a completed WQE is acknowledged: the retry point can never
             // be left behind it (nothing there would be resent, and the QP would stall).
             let next = psn_add(w.last_psn, 1);
@@ -178,14 +178,14 @@ impl Completer {
     /// acknowledges SENDs and WRITEs only (IBA 9.7.5.1.3): READ data and atomic results that
     /// were lost must still be requested again, so retries never start beyond this PSN.
     fn oldest_missing(sq: &SendQueue) -> Option<u32> {
-        let w = sq.q.iter().find(|w| !matches!(w.st, WqeSt::Done(_)))?;
+        let w = sq.q.iter().find(|w| !matches!(w.st, WqeState::Done(_)))?;
         if !w.psn_valid {
             return None;
         }
         match w.st {
             _ if w.wr.opcode == WrOpcode::RdmaRead => Some(psn_add(w.first_psn, w.sent)),
             _ if w.wr.opcode.is_atomic() => Some(w.first_psn),
-            WqeSt::Wait => Some(w.first_psn),
+            WqeState::Wait => Some(w.first_psn),
             _ => None,
         }
     }
@@ -193,7 +193,7 @@ impl Completer {
     /// Whether the oldest unfinished WQE is a READ or an atomic.
     fn head_is_rd_atomic(sq: &SendQueue) -> bool {
         sq.q.iter()
-            .find(|w| !matches!(w.st, WqeSt::Done(_)))
+            .find(|w| !matches!(w.st, WqeState::Done(_)))
             .is_some_and(|w| w.wr.opcode.is_rd_atomic())
     }
 
@@ -236,7 +236,7 @@ impl Completer {
         }
         let last =
             sq.q.iter()
-                .find(|w| !matches!(w.st, WqeSt::Done(_)))
+                .find(|w| !matches!(w.st, WqeState::Done(_)))
                 .map_or(m, |w| w.last_psn);
         self.gap_retry = Some((m, last));
         self.started_retry = true;
@@ -262,9 +262,9 @@ impl Completer {
     fn fail(sq: &mut SendQueue, psn: Option<u32>, status: WcStatus, out: &mut Out) {
         let idx = psn
             .and_then(|p| sq.q.iter().position(|w| w.contains(p)))
-            .or_else(|| sq.q.iter().position(|w| !matches!(w.st, WqeSt::Done(_))));
+            .or_else(|| sq.q.iter().position(|w| !matches!(w.st, WqeState::Done(_))));
         if let Some(i) = idx {
-            sq.q[i].st = WqeSt::Done(status);
+            sq.q[i].st = WqeState::Done(status);
         }
         out.error = true;
     }
@@ -345,11 +345,11 @@ impl Completer {
             | Opcode::RdmaReadResponseLast
             | Opcode::RdmaReadResponseOnly => {
                 self.ack_before(sq, psn, false);
-                let Some(i) = sq.q.iter().position(|w| !matches!(w.st, WqeSt::Done(_))) else {
+                let Some(i) = sq.q.iter().position(|w| !matches!(w.st, WqeState::Done(_))) else {
                     return;
                 };
                 let w = &mut sq.q[i];
-                if w.wr.opcode != WrOpcode::RdmaRead || w.st != WqeSt::Wait || !w.contains(psn) {
+                if w.wr.opcode != WrOpcode::RdmaRead || w.st != WqeState::Wait || !w.contains(psn) {
                     // A response for a later request (or a stray one): if it lies beyond the
                     // oldest missing READ response or atomic ACK, that one was lost.
                     self.implied_nak(q, sq, psn, false, out);
@@ -371,7 +371,7 @@ impl Completer {
                 let n = p.payload.len() as u64;
                 let r = scatter_deferred(q, &w.wr.sg_list, off, n, p.payload, psn, out);
                 if let Err(e) = r {
-                    w.st = WqeSt::Done(match e {
+                    w.st = WqeState::Done(match e {
                         PlaceError::Copy(Unreachable::Src) => {
                             // The responder's memory (loopback): see `copy_failed`.
                             let n = Notice::ReadSourceFault { psn };
@@ -406,17 +406,17 @@ impl Completer {
                 let complete = w.sent == w.npkts;
                 if complete {
                     w.ahead = None;
-                    w.st = WqeSt::Done(WcStatus::Success);
+                    w.st = WqeState::Done(WcStatus::Success);
                 }
                 self.advance(done_to);
             }
             Opcode::AtomicAcknowledge => {
                 self.ack_before(sq, psn, false);
-                let Some(i) = sq.q.iter().position(|w| !matches!(w.st, WqeSt::Done(_))) else {
+                let Some(i) = sq.q.iter().position(|w| !matches!(w.st, WqeState::Done(_))) else {
                     return;
                 };
                 let w = &mut sq.q[i];
-                if !w.wr.opcode.is_rd_atomic() || w.st != WqeSt::Wait || w.first_psn != psn {
+                if !w.wr.opcode.is_rd_atomic() || w.st != WqeState::Wait || w.first_psn != psn {
                     self.implied_nak(q, sq, psn, false, out);
                     return;
                 }
@@ -429,7 +429,7 @@ impl Completer {
                     &Payload::copied(&orig.to_ne_bytes()),
                 );
                 self.advance(psn);
-                w.st = WqeSt::Done(if r.is_ok() {
+                w.st = WqeState::Done(if r.is_ok() {
                     WcStatus::Success
                 } else {
                     out.error = true;
@@ -469,10 +469,10 @@ impl Completer {
         }) else {
             return;
         };
-        sq.q[i].st = WqeSt::Done(status);
+        sq.q[i].st = WqeState::Done(status);
         for w in sq.q.iter_mut().skip(i + 1) {
-            if w.st == WqeSt::Done(WcStatus::Success) {
-                w.st = WqeSt::Done(WcStatus::WrFlushErr);
+            if w.st == WqeState::Done(WcStatus::Success) {
+                w.st = WqeState::Done(WcStatus::WrFlushErr);
             }
         }
     }
@@ -483,7 +483,7 @@ impl Completer {
     /// outstanding (an earlier copy of the packet was acknowledged) is left alone.
     pub(crate) fn gather_fault(&mut self, sq: &mut SendQueue, psn: u32, out: &mut Out) {
         if let Some(w) = sq.q.iter_mut().find(|w| w.contains(psn)) {
-            w.st = WqeSt::Done(WcStatus::LocProtErr);
+            w.st = WqeState::Done(WcStatus::LocProtErr);
             out.error = true;
         }
     }
@@ -494,7 +494,7 @@ impl Completer {
         &mut self,
         q: &QpCtx<'_>,
         sq: &mut SendQueue,
-        _req: &mut Requester,
+        req: &mut Requester,
         now: Instant,
         out: &mut Out,
     ) {
@@ -504,7 +504,7 @@ impl Completer {
         }
         let outstanding =
             sq.q.iter()
-                .any(|w| matches!(w.st, WqeSt::Wait | WqeSt::Sending));
+                .any(|w| matches!(w.st, WqeState::Wait | WqeState::Sending));
         if !outstanding || now.duration_since(self.last_activity) < t {
             return;
         }
@@ -519,8 +519,8 @@ impl Completer {
         self.rewind = Some(self.comp_psn);
         tracing::debug!(
             comp_psn = self.comp_psn,
-            req_psn = _req.psn,
-            max_psn = _req.max_psn,
+            req_psn = req.psn,
+            max_psn = req.max_psn,
             retry_left = self.retry_left,
             "retransmit timer: go back"
         );
@@ -534,7 +534,7 @@ impl Completer {
         }
         let t = self.timeout?;
         sq.q.iter()
-            .any(|w| matches!(w.st, WqeSt::Wait | WqeSt::Sending))
+            .any(|w| matches!(w.st, WqeState::Wait | WqeState::Sending))
             .then(|| self.last_activity + t)
     }
 
@@ -548,7 +548,7 @@ impl Completer {
         _req: &mut Requester,
         wcs: &mut Vec<Wc>,
     ) {
-        while let Some(WqeSt::Done(status)) = sq.q.front().map(|w| w.st) {
+        while let Some(WqeState::Done(status)) = sq.q.front().map(|w| w.st) {
             let w = sq.q.pop_front().expect("front exists");
             sq.cursor = sq.cursor.saturating_sub(1);
             if status != WcStatus::Success

@@ -21,8 +21,10 @@ use crate::wire::{
     psn_add, psn_cmp, psn_diff, Aeth, AtomicAckEth, Bth, ExtHeaders, NakCode, Opcode, MSN_MASK,
 };
 
+/// The inbound message the responder is in the middle of: a SEND being placed into its
+/// receive WQE, or an RDMA WRITE being placed at `va` (`off` bytes so far).
 #[derive(Debug, Default)]
-enum Cur {
+enum InboundMessage {
     #[default]
     None,
     Send {
@@ -37,8 +39,11 @@ enum Cur {
     },
 }
 
+/// A responder resource (IBA: one per outstanding READ or atomic the requester may have):
+/// what is needed to answer a duplicate of that request again (a READ's range, an atomic's
+/// original value).
 #[derive(Debug, Clone, Copy)]
-enum Res {
+enum ResponderResource {
     Read {
         first: u32,
         last: u32,
@@ -80,10 +85,10 @@ pub(crate) struct Responder {
     epsn: u32,
     msn: u32,
     sent_psn_nak: bool,
-    cur: Cur,
+    message: InboundMessage,
     /// Responder resources: the last `max_dest_rd_atomic` READ/atomic requests, the only ones
     /// a duplicate is answered for.
-    res: VecDeque<Res>,
+    resources: VecDeque<ResponderResource>,
     /// The READ response stream being sent.
     job: Option<ReadJob>,
     /// Requests waiting behind `job`.
@@ -256,8 +261,8 @@ impl Responder {
         self.job = None;
         self.backlog = VecDeque::new();
         self.ack(q, psn, Aeth::nak(f.nak, self.msn), out);
-        let recv = match std::mem::take(&mut self.cur) {
-            Cur::Send { recv, .. } => Some(recv),
+        let recv = match std::mem::take(&mut self.message) {
+            InboundMessage::Send { recv, .. } => Some(recv),
             _ => taken,
         };
         if let (Some(r), Some(st)) = (recv, f.recv_status) {
@@ -302,8 +307,8 @@ impl Responder {
             .retain(|p| p.bth.opcode != Opcode::Acknowledge || psn_cmp(p.bth.psn, psn).is_lt());
         match side {
             Unreachable::Dst => {
-                if matches!(self.cur, Cur::Write { .. }) {
-                    self.cur = Cur::None;
+                if matches!(self.message, InboundMessage::Write { .. }) {
+                    self.message = InboundMessage::None;
                 }
                 let f = fail(NakCode::RemoteAccessError, Some(WcStatus::RemAccessErr));
                 self.error(q, psn, f, taken, out);
@@ -315,8 +320,8 @@ impl Responder {
                     let wc = self.recv_wc(q, &r, WcStatus::WrFlushErr, WcOpcode::Recv);
                     out.recv_wcs.push((wc, false));
                 }
-                if matches!(self.cur, Cur::Write { .. }) {
-                    self.cur = Cur::None;
+                if matches!(self.message, InboundMessage::Write { .. }) {
+                    self.message = InboundMessage::None;
                 }
                 self.epsn = psn;
                 out.peer_notices
@@ -369,18 +374,19 @@ impl Responder {
         self.sent_psn_nak = false;
         let op = p.bth.opcode;
         // Opcode sequence.
-        let seq_ok = match (&self.cur, op) {
+        let seq_ok = match (&self.message, op) {
             (
-                Cur::Send { .. },
+                InboundMessage::Send { .. },
                 SendMiddle | SendLast | SendLastWithImmediate | SendLastWithInvalidate,
             ) => true,
-            (Cur::Send { .. }, _) => false,
-            (Cur::Write { .. }, RdmaWriteMiddle | RdmaWriteLast | RdmaWriteLastWithImmediate) => {
-                true
-            }
-            (Cur::Write { .. }, _) => false,
+            (InboundMessage::Send { .. }, _) => false,
             (
-                Cur::None,
+                InboundMessage::Write { .. },
+                RdmaWriteMiddle | RdmaWriteLast | RdmaWriteLastWithImmediate,
+            ) => true,
+            (InboundMessage::Write { .. }, _) => false,
+            (
+                InboundMessage::None,
                 SendMiddle
                 | SendLast
                 | SendLastWithImmediate
@@ -389,7 +395,7 @@ impl Responder {
                 | RdmaWriteLast
                 | RdmaWriteLastWithImmediate,
             ) => false,
-            (Cur::None, _) => true,
+            (InboundMessage::None, _) => true,
         };
         if !seq_ok {
             let st = Some(WcStatus::RemInvReqErr);
@@ -483,9 +489,9 @@ impl Responder {
         let psn = p.bth.psn;
         if is_first_or_only(op) {
             let recv = rq.pop_front().expect("checked non-empty");
-            self.cur = Cur::Send { recv, off: 0 };
+            self.message = InboundMessage::Send { recv, off: 0 };
         }
-        let Cur::Send { recv, off } = &mut self.cur else {
+        let InboundMessage::Send { recv, off } = &mut self.message else {
             return;
         };
         let n = p.payload.len() as u64;
@@ -507,7 +513,8 @@ impl Responder {
                 // receive WQE this packet took goes back.
                 Unreachable::Src => {
                     if is_first_or_only(op) {
-                        if let Cur::Send { recv, .. } = std::mem::take(&mut self.cur) {
+                        if let InboundMessage::Send { recv, .. } = std::mem::take(&mut self.message)
+                        {
                             rq.push_front(recv);
                         }
                     }
@@ -541,7 +548,7 @@ impl Responder {
         }
         *off += n;
         if is_last_or_only(op) {
-            let Cur::Send { recv, off } = std::mem::take(&mut self.cur) else {
+            let InboundMessage::Send { recv, off } = std::mem::take(&mut self.message) else {
                 unreachable!()
             };
             self.msn = (self.msn + 1) & MSN_MASK;
@@ -584,7 +591,7 @@ impl Responder {
         );
         let rkey_fail = |s: &mut Self, rq: &mut VecDeque<RecvWqe>, out: &mut Out| {
             let taken = if imm_recv { rq.pop_front() } else { None };
-            s.cur = Cur::None;
+            s.message = InboundMessage::None;
             s.error(
                 q,
                 psn,
@@ -616,20 +623,20 @@ impl Responder {
                 rkey_fail(self, rq, out);
                 return;
             }
-            self.cur = Cur::Write {
+            self.message = InboundMessage::Write {
                 va: reth.va,
                 rkey: reth.rkey,
                 len,
                 off: 0,
             };
         }
-        let Cur::Write { va, rkey, len, off } = &mut self.cur else {
+        let InboundMessage::Write { va, rkey, len, off } = &mut self.message else {
             return;
         };
         let n = p.payload.len() as u64;
         let remaining = *len - *off;
         if n > remaining || (is_last_or_only(op) && n != remaining) {
-            self.cur = Cur::None;
+            self.message = InboundMessage::None;
             let taken = if imm_recv { rq.pop_front() } else { None };
             self.error(
                 q,
@@ -679,13 +686,13 @@ impl Responder {
                 return;
             }
         }
-        let Cur::Write { len, .. } = &self.cur else {
+        let InboundMessage::Write { len, .. } = &self.message else {
             return;
         };
         let len = *len;
         if is_last_or_only(op) {
             let total = len;
-            self.cur = Cur::None;
+            self.message = InboundMessage::None;
             self.msn = (self.msn + 1) & MSN_MASK;
             if imm_recv {
                 let r = rq.pop_front().expect("checked non-empty");
@@ -723,7 +730,7 @@ impl Responder {
         let last = psn_add(psn, npkts - 1);
         self.push_res(
             q,
-            Res::Read {
+            ResponderResource::Read {
                 first: psn,
                 last,
                 va: reth.va,
@@ -744,12 +751,12 @@ impl Responder {
         self.pump(q, out);
     }
 
-    fn push_res(&mut self, q: &QpCtx<'_>, r: Res) {
+    fn push_res(&mut self, q: &QpCtx<'_>, r: ResponderResource) {
         let cap = q.max_dest_rd_atomic.max(1) as usize;
-        while self.res.len() >= cap {
-            self.res.pop_front();
+        while self.resources.len() >= cap {
+            self.resources.pop_front();
         }
-        self.res.push_back(r);
+        self.resources.push_back(r);
     }
 
     /// Emit READ responses for packets `k0..end` of a READ of `len` bytes at `va` whose
@@ -845,7 +852,7 @@ impl Responder {
             self.error(q, psn, fail(NakCode::RemoteAccessError, None), None, out);
             return;
         };
-        self.push_res(q, Res::Atomic { psn, orig });
+        self.push_res(q, ResponderResource::Atomic { psn, orig });
         self.msn = (self.msn + 1) & MSN_MASK;
         self.epsn = psn_add(psn, 1);
         self.atomic_ack(q, psn, orig, out);
@@ -867,8 +874,8 @@ impl Responder {
                 // must lie within that READ (same rkey, its range, its PSNs): a retry asks for
                 // what it still misses. Anything else is dropped silently (IBA class D; rxe).
                 let Some(reth) = p.ext.reth else { return };
-                let found = self.res.iter().rev().find_map(|r| match *r {
-                    Res::Read {
+                let found = self.resources.iter().rev().find_map(|r| match *r {
+                    ResponderResource::Read {
                         first,
                         last,
                         va,
@@ -911,8 +918,8 @@ impl Responder {
                 self.pump(q, out);
             }
             Opcode::CompareSwap | Opcode::FetchAdd => {
-                let found = self.res.iter().rev().find_map(|r| match *r {
-                    Res::Atomic { psn: rp, orig } if rp == psn => Some(orig),
+                let found = self.resources.iter().rev().find_map(|r| match *r {
+                    ResponderResource::Atomic { psn: rp, orig } if rp == psn => Some(orig),
                     _ => None,
                 });
                 if let Some(orig) = found {

@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use super::comp::Completer;
-use super::req::{Requester, SendQueue, Wqe, WqeSt};
+use super::req::{Requester, SendQueue, Wqe, WqeState};
 use super::{Out, QpCtx, QpState, SendWr, WrOpcode};
 use crate::access::AccessFlags;
 use crate::cq::WcStatus;
@@ -228,7 +228,7 @@ fn go_back_n_resends_from_the_nak_and_keeps_the_psns() {
         .q
         .iter()
         .zip(0u32..)
-        .all(|(w, psn)| w.first_psn == psn && w.st == WqeSt::Wait || w.st != WqeSt::Wait));
+        .all(|(w, psn)| w.first_psn == psn && w.st == WqeState::Wait || w.st != WqeState::Wait));
     assert_eq!(r.completed(), [0]);
     r.respond(4, ack());
     assert_eq!(r.completed(), [1, 2, 3, 4]);
