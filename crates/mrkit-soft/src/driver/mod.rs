@@ -10,6 +10,7 @@
 #[allow(unsafe_code)] // `atexit(3)` registration
 pub(crate) mod at_exit;
 pub mod caller_thread;
+mod cq_verbs;
 mod delivery;
 mod event_srq_verbs;
 pub mod loopback;

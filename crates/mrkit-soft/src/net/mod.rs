@@ -14,6 +14,10 @@ pub use crate::fault;
 pub mod sockio;
 pub mod udp;
 
+mod recv;
+mod send;
+mod stats;
+
 pub use crate::pkt::{Payload, Pkt, SMALL_PAYLOAD};
 pub use crate::wire::Ipv4IcrcMode;
 use crate::wire::{IcrcInputs, PacketBuilder, WireError};
