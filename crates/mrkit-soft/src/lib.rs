@@ -1,17 +1,22 @@
 //! # mrkit-soft: the software RDMA device `mrkit0`
 //!
-//! `mrkit0` plays both the RDMA NIC (HCA) and its kernel driver, in user space:
+//! `mrkit0` plays both the RDMA NIC (HCA) and its kernel driver, in user space. The crate is
+//! layered, bottom to top (no module uses one above it; `tests/layers.rs` checks it):
 //!
-//! * [`device`]: attributes, limits and profiles (rxe model by default; every limit
-//!   configurable by builder or `MRKIT_*` environment variables).
-//! * [`table`]: object tables with index + generation keys, two-phase publish, drain-before-free.
-//! * [`mem`]: real page pinning (io_uring fixed buffers = the kernel's long-term pin, mlock
-//!   fallback with per-page pin counts), RLIMIT_MEMLOCK accounting, the page walk, DONTFORK.
-//! * [`mr`]: registration with the kernel's validation order and errnos; **the** access
-//!   predicate every data path goes through.
-//! * [`mw`]: memory windows type 1 and 2.
-//! * [`odp`]: on-demand paging state.
-//! * [`stats`]: counters and latency histograms.
+//! * leaves: [`device`] (attributes, limits and profiles, rxe model by default, every limit
+//!   configurable by builder or `MRKIT_*` environment variables), [`events`], [`addr`],
+//!   [`fault`], [`wire`] (RoCEv2 headers and ICRC), [`mem`] (real page pinning, RLIMIT_MEMLOCK
+//!   accounting, the page walk, DONTFORK), [`table`] (index + generation keys, two-phase
+//!   publish, drain-before-free), [`stats`];
+//! * the memory core: [`MemCore`] with [`pd`], [`mr`] (registration with the kernel's
+//!   validation order and errnos; **the** access predicate every data path goes through),
+//!   [`mw`] (memory windows type 1 and 2) and [`odp`];
+//! * the sans-IO engines: [`qp`] (requester, responder, completer, one QP run), [`srq`],
+//!   [`cq`], [`pkt`];
+//! * the link: [`net`] (RoCEv2 over UDP);
+//! * the driver: [`driver`] ([`Context`] and its verbs, the progress thread, caller-thread
+//!   execution, the loopback link);
+//! * this facade, which only declares and re-exports.
 //!
 //! ```
 //! use std::sync::Arc;
