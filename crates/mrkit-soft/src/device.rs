@@ -587,7 +587,7 @@ impl DeviceConfig {
     }
     /// Delayed ACKs on the UDP link (default on; `MRKIT_DELAYED_ACK=0`). On: a plain ACK
     /// produced while the application polls may wait up to
-    /// [`ACK_DELAY_MAX`](crate::driver::caller_thread::ACK_DELAY_MAX) and leaves right after the
+    /// [`ACK_DELAY_MAX`](crate::driver::held_acks::ACK_DELAY_MAX) and leaves right after the
     /// application's next packets, so that a reply does not wait behind the ACK's send call
     /// (IBA lets a responder coalesce ACKs; the requester's timeout is far longer). Off: every
     /// ACK leaves at once, as a hardware responder sends it. See `docs/transport.md` for the

@@ -3,7 +3,7 @@
 //!
 //! A hardware responder has sent its ACK before the application even sees the completion, so
 //! a program that receives its last message and exits at once still completes its peer's
-//! send on a ConnectX. With delayed ACKs (`caller_thread::ACK_DELAY_MAX`) that ACK may still be
+//! send on a ConnectX. With delayed ACKs (`held_acks::ACK_DELAY_MAX`) that ACK may still be
 //! held in this process; an `atexit` handler sends the ACKs held by every open device. Not
 //! covered: `_exit`, and death by a signal or a crash, which run no exit handlers (the peer
 //! then retransmits to a receiver that is gone, and completes with RETRY_EXC_ERR).

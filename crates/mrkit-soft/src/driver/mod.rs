@@ -13,6 +13,7 @@ pub mod caller_thread;
 mod cq_verbs;
 mod delivery;
 mod event_srq_verbs;
+pub mod held_acks;
 pub mod loopback;
 pub mod progress;
 mod qp_verbs;
@@ -56,22 +57,10 @@ pub struct DeviceInner {
 
 impl Drop for DeviceInner {
     /// The device is closed (the last [`Context`] dropped, e.g. `ibv_close_device`): ACKs an
-    /// application pass held back (`caller_thread::ACK_DELAY_MAX`) leave now, or a peer waiting
+    /// application pass held back (`held_acks::ACK_DELAY_MAX`) leave now, or a peer waiting
     /// for them would time out.
     fn drop(&mut self) {
         self.flush_held_acks();
-    }
-}
-
-impl DeviceInner {
-    /// Send every ACK held back (device close, process exit).
-    pub(crate) fn flush_held_acks(&self) {
-        // No early return when none is held: taking them waits for a thread that took some
-        // and is still sending them (the flush lock), which an exit must not cut short.
-        let held = self.dp.take_held_acks();
-        if let Some(port) = self.udp.get() {
-            delivery::send_pkts_on(self, port, &held.pkts);
-        }
     }
 }
 

@@ -47,6 +47,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex, RwLock};
 
+use super::held_acks::{AckHold, HeldAcks, ACK_DELAY_MAX};
 use super::loopback;
 use crate::cq::{CompChannel, CqObject};
 pub use crate::device::ProgressPolicy;
@@ -77,23 +78,8 @@ struct Sched {
     /// thread's re-checks never hold the lock the application's `post_recv` / `poll_cq` take.
     park_lock: Mutex<()>,
     park_cond: Condvar,
-    /// Plain ACKs held back by application progress passes (delayed ACKs,
-    /// [`ACK_DELAY_MAX`](crate::driver::caller_thread::ACK_DELAY_MAX)).
-    held_acks: Mutex<Vec<Pkt>>,
-    /// When the oldest ACK in `held_acks` was held (ns since [`epoch`]; 0: none held). Written
-    /// under the `held_acks` lock; read without it so that passes check for due ACKs cheaply.
-    held_at_ns: AtomicU64,
-    /// Held from taking held ACKs until they are sent ([`HeldAcks`]): a thread that exits or
-    /// closes the device right after must not find them taken but not yet sent (the exit
-    /// would kill the sending thread mid-way: seen as a lost ACK in 1 of 8 runs).
-    ack_flush: Mutex<()>,
-}
-
-/// Held ACKs taken for sending; the flush lock is held until this is dropped (send first).
-pub(crate) struct HeldAcks<'a> {
-    _flush: parking_lot::MutexGuard<'a, ()>,
-    /// The ACKs.
-    pub pkts: Vec<Pkt>,
+    /// Plain ACKs held back by application progress passes (delayed ACKs, `held_acks.rs`).
+    pub(crate) acks: AckHold,
 }
 
 /// Process-wide time origin for the atomics holding timestamps.
@@ -163,7 +149,7 @@ pub(crate) struct DataPath {
     timer_due_ns: AtomicU64,
     /// When a pass last looked at the timers (`ns_since_epoch`); a hint for `TIMER_STARVE`.
     timers_ran_ns: AtomicU64,
-    /// Delayed ACKs allowed (`caller_thread::ACK_DELAY_MAX`; `DeviceConfig::delayed_acks`, on by
+    /// Delayed ACKs allowed (`held_acks::ACK_DELAY_MAX`; `DeviceConfig::delayed_acks`, on by
     /// default).
     pub delayed_acks: bool,
     /// An application posted a send since the UDP receiver last found data: the traffic is
@@ -305,27 +291,12 @@ impl DataPath {
     /// A newer ACK of a QP replaces its held one (ACKs are cumulative).
     pub(crate) fn hold_acks(&self, mut pkts: Vec<Pkt>, now: Instant) {
         let s = &*self.sched;
-        let at = ns_since_epoch(now);
-        {
-            let mut g = s.held_acks.lock();
-            for p in pkts.drain(..) {
-                if let Some(old) = g.iter_mut().find(|h| h.src_qpn == p.src_qpn) {
-                    *old = p;
-                } else {
-                    g.push(p);
-                }
-            }
-            if s.held_at_ns.load(Ordering::Relaxed) == 0 {
-                // SeqCst with the load of `sleeping` below, against sleep()'s store of
-                // `sleeping` and load of held_at_ns: one of the two sides sees the other.
-                s.held_at_ns.store(at, Ordering::SeqCst);
-            }
-        }
+        s.acks.hold(&mut pkts, ns_since_epoch(now));
         crate::pkt::recycle(pkts);
         // A progress thread sleeping (nobody was driving the device) is woken: it then
         // sleeps again with a timeout capped at the ACK's deadline. A *parked* thread is not
         // (the application is polling and sends the ACK itself once due; see
-        // caller_thread::ACK_DELAY_MAX for why the parked thread does not wake for it).
+        // held_acks::ACK_DELAY_MAX for why the parked thread does not wake for it).
         if s.sleeping.load(Ordering::SeqCst) {
             s.cond.notify_all();
             s.kick();
@@ -334,29 +305,22 @@ impl DataPath {
 
     /// Whether any ACK is held back (one atomic load).
     pub(crate) fn acks_held(&self) -> bool {
-        self.sched.held_at_ns.load(Ordering::Acquire) != 0
+        self.sched.acks.any()
     }
 
     /// With ACKs held: how long until the oldest is due (zero: due now).
     pub(crate) fn acks_due(&self, now: Instant) -> Option<std::time::Duration> {
-        self.sched.acks_due(now)
+        self.sched.acks.due(now)
     }
 
     /// Take every held ACK, holding the flush lock until the returned value is dropped: send
     /// them before dropping it.
     pub(crate) fn take_held_acks(&self) -> HeldAcks<'_> {
-        let flush = self.sched.ack_flush.lock();
-        let mut g = self.sched.held_acks.lock();
-        self.sched.held_at_ns.store(0, Ordering::Release);
-        let pkts = std::mem::replace(&mut *g, crate::pkt::pkt_vec());
-        HeldAcks {
-            _flush: flush,
-            pkts,
-        }
+        self.sched.acks.take()
     }
 
     pub(crate) fn held_ack_count(&self) -> usize {
-        self.sched.held_acks.lock().len()
+        self.sched.acks.count()
     }
 
     /// Wake the progress thread (e.g. after the UDP port was bound, so it starts polling it).
@@ -463,11 +427,11 @@ impl Sched {
     /// `timeout`, shortened to the deadline of the oldest held ACK if there is one. Called
     /// after publishing that this thread sleeps (SeqCst, see `hold_acks`).
     fn cap_to_held_ack(&self, now: Instant, timeout: Duration) -> Duration {
-        let held = self.held_at_ns.load(Ordering::SeqCst);
+        let held = self.acks.held_at_ns_seqcst();
         if held == 0 {
             return timeout;
         }
-        let deadline = held + crate::driver::caller_thread::ACK_DELAY_MAX.as_nanos() as u64;
+        let deadline = held + ACK_DELAY_MAX.as_nanos() as u64;
         timeout.min(Duration::from_nanos(
             deadline.saturating_sub(ns_since_epoch(now)),
         ))
@@ -475,12 +439,7 @@ impl Sched {
 
     /// With ACKs held: how long until the oldest is due (zero: due now).
     fn acks_due(&self, now: Instant) -> Option<Duration> {
-        let at = self.held_at_ns.load(Ordering::Acquire);
-        if at == 0 {
-            return None;
-        }
-        let age = Duration::from_nanos(ns_since_epoch(now).saturating_sub(at));
-        Some(crate::driver::caller_thread::ACK_DELAY_MAX.saturating_sub(age))
+        self.acks.due(now)
     }
 }
 
@@ -569,7 +528,7 @@ fn progress_thread(weak: Weak<DeviceInner>, sched: Arc<Sched>) {
             // even run a pass: that would take packets from under it) until it stops;
             // checked again when its window closes, less often the longer it drives.
             idle_since = None;
-            // Delayed ACKs (caller_thread::ACK_DELAY_MAX): the application's held ACKs that are due
+            // Delayed ACKs (held_acks::ACK_DELAY_MAX): the application's held ACKs that are due
             // leave at this re-check. The park is *not* shortened for them: re-checking every
             // few tens of microseconds cost the SEND echo p99 tails of 2-4.5 ms on 2 vCPUs.
             if sched.acks_due(now).is_some_and(|d| d.is_zero()) {
@@ -640,7 +599,7 @@ impl Context {
     }
 
     /// Run every QP that has work once (and the QPs whose timers are due, `TIMERS_PER_MS`). Returns the number of QP runs that did something. Sends every ACK an
-    /// application pass held back (`caller_thread::ACK_DELAY_MAX`).
+    /// application pass held back (`held_acks::ACK_DELAY_MAX`).
     pub fn progress_once(&self, now: Instant) -> usize {
         self.progress_pass(now, false)
     }

@@ -274,7 +274,7 @@ impl Context {
     /// and receive CQs (other QPs' completions stay; see `cq.rs`).
     pub fn modify_qp(&self, qpn: u32, attr: &QpAttr, mask: u32) -> Result<()> {
         use attr_mask as m;
-        // Held (delayed) ACKs leave before the QP changes state (caller_thread::ACK_DELAY_MAX).
+        // Held (delayed) ACKs leave before the QP changes state (held_acks::ACK_DELAY_MAX).
         self.flush_acks(None);
         let q = self.qp(qpn)?;
         let mut g = q.inner.lock();

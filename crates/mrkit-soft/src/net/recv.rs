@@ -396,7 +396,7 @@ pub(crate) fn poll_rx<Q>(
 /// Receives in a row that found something, with no send posted in between, from which on a
 /// single-slot receiver takes batches again. Two, not one: request/response traffic brings
 /// the peer's message and, right behind it, the delayed ACK of this side's last message
-/// (`caller_thread::ACK_DELAY_MAX`: a held ACK leaves after the application's next packets), and
+/// (`held_acks::ACK_DELAY_MAX`: a held ACK leaves after the application's next packets), and
 /// each is taken by its own pass. Counting only receives with no reply in between keeps a
 /// fast peer's reply, already queued behind that ACK, from looking like a burst (taking the
 /// echo's receives in batches of four cost ~0.4 µs per 8-byte SEND round trip).

@@ -87,7 +87,7 @@ pub(crate) fn validate_send(wr: &SendWr, cap: &QpCap) -> Result<req::Wqe> {
 
 /// Whether `post_send` runs the requester on the caller's thread: the send queue is empty, or
 /// holds one message already sent that waits for its ACK. The second case is request/response
-/// traffic with delayed ACKs (`caller_thread::ACK_DELAY_MAX`): the peer's ACK of this side's last
+/// traffic with delayed ACKs (`held_acks::ACK_DELAY_MAX`): the peer's ACK of this side's last
 /// reply travels behind its next request, so the reply to that request is posted before the ACK
 /// of the previous one is processed; scheduling it instead cost a progress pass (~2.4 µs of a
 /// SEND echo). More than one WQE queued is a stream, whose packets the next progress pass sends

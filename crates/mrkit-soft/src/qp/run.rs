@@ -278,7 +278,7 @@ pub(crate) struct QpObject {
     pub inbox: Inbox,
     pub scheduled: AtomicBool,
     /// Whether application passes may hold this QP's plain ACKs back (delayed ACK,
-    /// `caller_thread::ACK_DELAY_MAX`). Cleared when a held ACK had to leave on its own (the
+    /// `held_acks::ACK_DELAY_MAX`). Cleared when a held ACK had to leave on its own (the
     /// application did not send within the bound: a one-way stream, whose sender would wait
     /// for every ACK); set again by `post_send` (the request/response pattern that pays).
     /// A hint only: no other data is ordered by it.
