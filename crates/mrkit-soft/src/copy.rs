@@ -2,7 +2,7 @@
 //! memory.
 //!
 //! Every function takes an [`MrGuard`] (the proof returned by
-//! [`Context::check_access`](crate::Context::check_access)) plus an offset and a length inside
+//! [`Context::check_access`](crate::driver::Context::check_access)) plus an offset and a length inside
 //! the guard's checked range, and asserts `offset + len <= guard.len` before touching memory.
 //! While the guard lives the MR cannot finish deregistration (dereg drains guards), so the
 //! pages stay pinned; after dereg returns no guard exists and no function here can reach that
@@ -399,7 +399,7 @@ mod tests {
     /// the error), and the requester's READ placements around it still land.
     #[test]
     fn a_failed_deferred_placement_stops_its_owner_only() {
-        use crate::net::Payload;
+        use crate::pkt::Payload;
         use crate::qp::{CopyOwner, Out};
         let ctx = Context::open(DeviceConfig::rxe());
         let pd = ctx.alloc_pd().unwrap();

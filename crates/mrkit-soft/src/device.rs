@@ -184,10 +184,10 @@ pub struct DeviceConfig {
     dontfork: bool,
     udp_addr: Option<std::net::SocketAddr>,
     gso: bool,
-    icrc_ipv4: crate::net::Ipv4IcrcMode,
+    icrc_ipv4: crate::wire::Ipv4IcrcMode,
     delayed_acks: bool,
-    progress: crate::progress::ProgressPolicy,
-    faults: Option<crate::net::fault::FaultConfig>,
+    progress: ProgressPolicy,
+    faults: Option<crate::fault::FaultConfig>,
     sources: BTreeMap<&'static str, Source>,
 }
 
@@ -342,9 +342,9 @@ impl DeviceConfig {
             dontfork: false,
             udp_addr: None,
             gso: true,
-            icrc_ipv4: crate::net::Ipv4IcrcMode::Exact,
+            icrc_ipv4: crate::wire::Ipv4IcrcMode::Exact,
             delayed_acks: true,
-            progress: crate::progress::ProgressPolicy::Auto,
+            progress: ProgressPolicy::Auto,
             faults: None,
             sources: BTreeMap::new(),
         }
@@ -468,8 +468,7 @@ impl DeviceConfig {
                 .insert("status_model", Source::Env("MRKIT_STATUS_MODEL"));
         }
         if let Some(v) = get("MRKIT_ADDR").filter(|v| !v.trim().is_empty()) {
-            c.udp_addr =
-                Some(crate::net::udp::parse_addr(&v).map_err(|e| format!("MRKIT_ADDR: {e}"))?);
+            c.udp_addr = Some(crate::addr::parse_addr(&v).map_err(|e| format!("MRKIT_ADDR: {e}"))?);
             c.sources.insert("udp_addr", Source::Env("MRKIT_ADDR"));
         }
         if let Some(v) = get("MRKIT_DELAYED_ACK").filter(|v| !v.trim().is_empty()) {
@@ -482,20 +481,19 @@ impl DeviceConfig {
             c.sources.insert("gso", Source::Env("MRKIT_GSO"));
         }
         if let Some(v) = get("MRKIT_ICRC_IPV4").filter(|v| !v.trim().is_empty()) {
-            c.icrc_ipv4 = crate::net::Ipv4IcrcMode::parse(&v)
+            c.icrc_ipv4 = crate::wire::Ipv4IcrcMode::parse(&v)
                 .ok_or_else(|| format!("MRKIT_ICRC_IPV4={v}: expected exact or solve"))?;
             c.sources
                 .insert("icrc_ipv4", Source::Env("MRKIT_ICRC_IPV4"));
         }
         if let Some(v) = get("MRKIT_PROGRESS").filter(|v| !v.trim().is_empty()) {
-            c.progress = crate::progress::ProgressPolicy::parse(&v)
+            c.progress = ProgressPolicy::parse(&v)
                 .ok_or_else(|| format!("MRKIT_PROGRESS={v}: expected auto, spin or block"))?;
             c.sources.insert("progress", Source::Env("MRKIT_PROGRESS"));
         }
         if let Some(v) = get("MRKIT_FAULTS").filter(|v| !v.trim().is_empty()) {
             c.faults = Some(
-                crate::net::fault::FaultConfig::parse(&v)
-                    .map_err(|e| format!("MRKIT_FAULTS: {e}"))?,
+                crate::fault::FaultConfig::parse(&v).map_err(|e| format!("MRKIT_FAULTS: {e}"))?,
             );
             c.sources.insert("faults", Source::Env("MRKIT_FAULTS"));
         }
@@ -560,7 +558,7 @@ impl DeviceConfig {
         self
     }
     /// Inject faults on the UDP send path (tests; see [`crate::net::fault`]).
-    pub fn faults(mut self, f: crate::net::fault::FaultConfig) -> Self {
+    pub fn faults(mut self, f: crate::fault::FaultConfig) -> Self {
         self.faults = Some(f);
         self.sources.insert("faults", Source::Builder);
         self
@@ -577,19 +575,19 @@ impl DeviceConfig {
         self.gso
     }
     /// How received IPv4 packets' ICRCs are checked (default
-    /// [`Exact`](crate::net::Ipv4IcrcMode::Exact); `MRKIT_ICRC_IPV4`).
-    pub fn icrc_ipv4_mode(mut self, mode: crate::net::Ipv4IcrcMode) -> Self {
+    /// [`Exact`](crate::wire::Ipv4IcrcMode::Exact); `MRKIT_ICRC_IPV4`).
+    pub fn icrc_ipv4_mode(mut self, mode: crate::wire::Ipv4IcrcMode) -> Self {
         self.icrc_ipv4 = mode;
         self.sources.insert("icrc_ipv4", Source::Builder);
         self
     }
     /// The IPv4 ICRC check mode.
-    pub fn icrc_ipv4(&self) -> crate::net::Ipv4IcrcMode {
+    pub fn icrc_ipv4(&self) -> crate::wire::Ipv4IcrcMode {
         self.icrc_ipv4
     }
     /// Delayed ACKs on the UDP link (default on; `MRKIT_DELAYED_ACK=0`). On: a plain ACK
     /// produced while the application polls may wait up to
-    /// [`ACK_DELAY_MAX`](crate::fastpath::ACK_DELAY_MAX) and leaves right after the
+    /// [`ACK_DELAY_MAX`](crate::driver::held_acks::ACK_DELAY_MAX) and leaves right after the
     /// application's next packets, so that a reply does not wait behind the ACK's send call
     /// (IBA lets a responder coalesce ACKs; the requester's timeout is far longer). Off: every
     /// ACK leaves at once, as a hardware responder sends it. See `docs/transport.md` for the
@@ -610,14 +608,14 @@ impl DeviceConfig {
     pub fn uses_delayed_acks(&self) -> bool {
         self.delayed_acks
     }
-    /// What the progress thread does while idle (see [`crate::progress`]).
-    pub fn progress(mut self, policy: crate::progress::ProgressPolicy) -> Self {
+    /// What the progress thread does while idle (see [`crate::driver::progress`]).
+    pub fn progress(mut self, policy: ProgressPolicy) -> Self {
         self.progress = policy;
         self.sources.insert("progress", Source::Builder);
         self
     }
     /// The progress-thread policy.
-    pub fn progress_policy(&self) -> crate::progress::ProgressPolicy {
+    pub fn progress_policy(&self) -> ProgressPolicy {
         self.progress
     }
     /// Configured UDP address (None: default 127.x.y.z).
@@ -625,7 +623,7 @@ impl DeviceConfig {
         self.udp_addr
     }
     /// Configured fault injection.
-    pub fn configured_faults(&self) -> Option<crate::net::fault::FaultConfig> {
+    pub fn configured_faults(&self) -> Option<crate::fault::FaultConfig> {
         self.faults
     }
     /// Direct access to every attribute (for profiles the builder does not cover).
@@ -663,6 +661,31 @@ impl DeviceConfig {
 impl Default for DeviceConfig {
     fn default() -> Self {
         DeviceConfig::rxe()
+    }
+}
+
+/// What the progress thread does while idle and no application thread polls the device
+/// (the `progress` module docs). `MRKIT_PROGRESS=auto|spin|block`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ProgressPolicy {
+    /// Spin adaptively and yield; block when preempted (shared CPUs). The default.
+    #[default]
+    Auto,
+    /// Spin up to `progress::SPIN_DEDICATED` of idleness, even when preempted (a dedicated core).
+    Spin,
+    /// Block at once when idle (oversubscribed CPUs; every wake-up then costs a context switch).
+    Block,
+}
+
+impl ProgressPolicy {
+    /// Parse `auto`, `spin` or `block`.
+    pub fn parse(s: &str) -> Option<ProgressPolicy> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" | "adaptive" => Some(ProgressPolicy::Auto),
+            "spin" | "poll" => Some(ProgressPolicy::Spin),
+            "block" | "sleep" => Some(ProgressPolicy::Block),
+            _ => None,
+        }
     }
 }
 

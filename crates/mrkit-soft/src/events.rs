@@ -1,5 +1,6 @@
-//! Where asynchronous events go: the device's queue ([`Context::get_async_event`]) or, once
-//! installed, a hook ([`Context::set_async_event_hook`]).
+//! Asynchronous events ([`AsyncEvent`]) and where they go: the device's queue
+//! (`Context::get_async_event`) or, once installed, a hook (`Context::set_async_event_hook`,
+//! in the driver).
 //!
 //! mrkit-ibverbs installs a hook so each event reaches the `ibv_context` that owns the QP, CQ
 //! or SRQ it names (its `async_fd` becomes readable at once), with no thread polling the
@@ -9,63 +10,60 @@
 #![forbid(unsafe_code)]
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use parking_lot::RwLock;
 
-use crate::progress::AsyncEvent;
-use crate::Context;
+/// Affiliated and unaffiliated asynchronous events (`enum ibv_event_type` subset).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AsyncEvent {
+    /// IBV_EVENT_CQ_ERR (0): a CQ overflowed.
+    CqErr {
+        /// CQ number.
+        cqn: u32,
+    },
+    /// IBV_EVENT_QP_FATAL (1).
+    QpFatal {
+        /// QP number.
+        qpn: u32,
+    },
+    /// IBV_EVENT_QP_REQ_ERR (2): invalid request detected as responder (hardware model).
+    QpReqErr {
+        /// QP number.
+        qpn: u32,
+    },
+    /// IBV_EVENT_QP_ACCESS_ERR (3): rkey violation detected as responder (hardware model).
+    QpAccessErr {
+        /// QP number.
+        qpn: u32,
+    },
+    /// IBV_EVENT_SQ_DRAINED (5).
+    SqDrained {
+        /// QP number.
+        qpn: u32,
+    },
+    /// IBV_EVENT_QP_LAST_WQE_REACHED (16): a QP attached to an SRQ entered ERR.
+    QpLastWqeReached {
+        /// QP number.
+        qpn: u32,
+    },
+    /// IBV_EVENT_SRQ_LIMIT_REACHED (15): an armed SRQ dropped below its limit.
+    SrqLimitReached {
+        /// SRQ number.
+        srqn: u32,
+    },
+}
 
 /// Receives every asynchronous event of a device instance once installed.
 pub type AsyncEventHook = Arc<dyn Fn(AsyncEvent) + Send + Sync>;
 
 /// The installed hook, if any.
 #[derive(Default)]
-pub(crate) struct HookSlot(RwLock<Option<AsyncEventHook>>);
+pub(crate) struct HookSlot(pub(crate) RwLock<Option<AsyncEventHook>>);
 
 impl std::fmt::Debug for HookSlot {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_tuple("HookSlot")
             .field(&self.0.read().is_some())
             .finish()
-    }
-}
-
-impl Context {
-    /// Deliver asynchronous events to `hook` instead of queueing them for
-    /// [`Context::get_async_event`] (`None`: back to the queue). Events already queued are
-    /// handed to the new hook first. The hook must not keep a clone of this `Context` (the
-    /// device would then never be dropped).
-    ///
-    /// ```
-    /// use std::sync::{Arc, Mutex};
-    /// use mrkit_soft::{Context, DeviceConfig};
-    /// use mrkit_soft::events::AsyncEventHook;
-    ///
-    /// let ctx = Context::open(DeviceConfig::rxe());
-    /// let seen = Arc::new(Mutex::new(Vec::new()));
-    /// let sink = seen.clone();
-    /// let hook: AsyncEventHook = Arc::new(move |e| sink.lock().unwrap().push(e));
-    /// ctx.set_async_event_hook(Some(hook));
-    /// // ... QP/CQ/SRQ events (QP_FATAL, CQ_ERR, SRQ_LIMIT_REACHED, ...) now arrive in `seen`.
-    /// assert!(seen.lock().unwrap().is_empty());
-    /// ctx.set_async_event_hook(None); // back to Context::get_async_event
-    /// ```
-    pub fn set_async_event_hook(&self, hook: Option<AsyncEventHook>) {
-        *self.dev.event_hook.0.write() = hook.clone();
-        if let Some(h) = hook {
-            while let Some(e) = self.get_async_event(Duration::ZERO) {
-                h(e);
-            }
-        }
-    }
-
-    /// Raise `e`: to the hook if one is installed, else onto the device's queue.
-    pub(crate) fn raise_async_event(&self, e: AsyncEvent) {
-        let hook = self.dev.event_hook.0.read().clone();
-        match hook {
-            Some(h) => h(e),
-            None => self.dev.dp.raise(e),
-        }
     }
 }

@@ -1,5 +1,5 @@
 //! Memory registration: `reg_mr`, `reg_mr_iova`, `dereg_mr`, `rereg_mr`, `query_mr`,
-//! `advise_mr`, and **the** access predicate ([`Context::check_access`]) that every path that
+//! `advise_mr`, and **the** access predicate ([`MemCore::check_access`](crate::memcore::MemCore::check_access)) that every path that
 //! touches registered memory goes through.
 //!
 //! Validation order (first failure wins), as the kernel's uverbs REG_MR command, then the
@@ -40,7 +40,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::stats::timing::{Phase, RegTimer};
+use crate::reg_timing::{Phase, RegTimer};
 
 use parking_lot::Mutex;
 
@@ -50,11 +50,11 @@ use crate::error::{err, Errno, Error, Result};
 use crate::mem::{
     self, account::Charge, fork::DontFork, pin::Pin, pin::PinPath, translate::PageList,
 };
+use crate::memcore::MemCore;
 use crate::odp::OdpState;
 use crate::pd::PdObject;
 use crate::table::Guard;
 use crate::user_mem::{Owner, UserMemory};
-use crate::Context;
 
 /// How an MR holds its memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -102,7 +102,7 @@ pub struct MrInfo {
     pub bound_mws: u32,
     /// How long the registration took and where the time went (measured by the device; an
     /// MR made by a translation-changing rereg has the timing of that registration).
-    pub reg_timing: Option<crate::stats::timing::RegTiming>,
+    pub reg_timing: Option<crate::reg_timing::RegTiming>,
 }
 
 /// Memory held by an MR; released (unpinned) explicitly at dereg after the drain.
@@ -131,7 +131,7 @@ pub(crate) struct MrShared {
     /// When the MR was registered (`mrkit stat --mrs` shows its age).
     pub(crate) created: Instant,
     /// Set once the registration finished (after the key was published).
-    timing: std::sync::OnceLock<crate::stats::timing::RegTiming>,
+    timing: std::sync::OnceLock<crate::reg_timing::RegTiming>,
 }
 
 /// A registered MR as the device keeps it.
@@ -230,7 +230,7 @@ pub enum KeyUse {
     Remote,
 }
 
-/// Why [`Context::check_access`] refused an access. The data path maps each to a completion
+/// Why [`MemCore::check_access`](crate::memcore::MemCore::check_access) refused an access. The data path maps each to a completion
 /// status according to the device's [`StatusModel`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AccessDenied {
@@ -289,7 +289,7 @@ pub fn range_ok(base: u64, size: u64, a: u64, len: u64) -> bool {
     a >= base && len <= size && a - base <= size - len
 }
 
-fn check_mr_access(ctx: &Context, access: AccessFlags) -> Result<()> {
+fn check_mr_access(ctx: &MemCore, access: AccessFlags) -> Result<()> {
     let bits = access.bits();
     if access.intersects(AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_ATOMIC)
         && !access.contains(AccessFlags::LOCAL_WRITE)
@@ -311,7 +311,7 @@ fn check_mr_access(ctx: &Context, access: AccessFlags) -> Result<()> {
             bits & !AccessFlags::SUPPORTED
         ));
     }
-    let attr = ctx.dev.config.attr();
+    let attr = ctx.config.attr();
     if access.contains(AccessFlags::ON_DEMAND) && attr.odp_general_caps & 1 == 0 {
         return Err(err!(
             EOPNOTSUPP,
@@ -329,8 +329,8 @@ fn check_mr_access(ctx: &Context, access: AccessFlags) -> Result<()> {
     Ok(())
 }
 
-fn check_driver_access(ctx: &Context, access: AccessFlags) -> Result<()> {
-    if ctx.dev.config.model() == StatusModel::Rxe
+fn check_driver_access(ctx: &MemCore, access: AccessFlags) -> Result<()> {
+    if ctx.config.model() == StatusModel::Rxe
         && access.intersects(AccessFlags::ZERO_BASED | AccessFlags::HUGETLB)
     {
         return Err(err!(
@@ -360,7 +360,7 @@ fn human(bytes: u64) -> String {
 /// io_uring caps one fixed buffer at 1 GiB: larger pins are made of several pieces.
 const PIN_PIECE: u64 = 1 << 30;
 
-impl Context {
+impl MemCore {
     /// `ibv_reg_mr`: register `mem` with iova = its address.
     pub fn reg_mr_va(&self, pd: u32, mem: UserMemory, access: AccessFlags) -> Result<MrInfo> {
         let iova = mem.addr();
@@ -392,7 +392,7 @@ impl Context {
             .as_ref()
             .map_or_else(|e| (e.errno().raw(), 0), |i| (0, i.lkey));
         crate::probes::reg_done(addr, length, access.bits(), errno, lkey, done);
-        let s = &self.dev.stats;
+        let s = &self.stats;
         let p = crate::stats::process();
         match &r {
             Ok(_) => {
@@ -440,7 +440,7 @@ impl Context {
         let pdo = self.pd(pd)?;
         // 7. driver-supported bits.
         check_driver_access(self, access)?;
-        let attr = self.dev.config.attr();
+        let attr = self.config.attr();
         if implicit {
             tm.mark(Phase::Accounting, 0);
             return self.reg_implicit(pdo, iova, access, owner, tm);
@@ -498,7 +498,7 @@ impl Context {
             let path = pins.first().map(|p| p.path());
             let pages = mem::translate::walk(start, span)?;
             tm.mark(Phase::Walk, span);
-            let dontfork = if self.dev.config.uses_dontfork() {
+            let dontfork = if self.config.uses_dontfork() {
                 Some(mem::fork::dontfork(start, span)?)
             } else {
                 None
@@ -525,7 +525,7 @@ impl Context {
         self.reserve_mtt(entries, page_size)?;
         tm.mark(Phase::Translation, entries);
         // 15. key.
-        let res = match self.dev.mrs.reserve() {
+        let res = match self.mrs.reserve() {
             Ok(r) => r,
             Err(_) => {
                 self.release_mtt(entries);
@@ -533,13 +533,13 @@ impl Context {
                     ENOMEM,
                     "max_mr ({}) MRs are registered; deregister some, use an MR pool or cache, \
                      or raise MRKIT_MAX_MR",
-                    self.dev.mrs.limit()
+                    self.mrs.limit()
                 ));
             }
         };
         let key = res.key();
         if let Some(path) = pin_path {
-            self.dev.stats.pinned(pinned_bytes, path);
+            self.stats.pinned(pinned_bytes, path);
             crate::stats::process().pinned(pinned_bytes, path);
         }
         pdo.get();
@@ -582,7 +582,7 @@ impl Context {
         owner: Option<Owner>,
         tm: &mut RegTimer,
     ) -> Result<MrInfo> {
-        let attr = self.dev.config.attr();
+        let attr = self.config.attr();
         if attr.odp_general_caps & crate::device::odp_caps::IMPLICIT == 0 {
             return Err(err!(
                 EINVAL,
@@ -596,11 +596,11 @@ impl Context {
                 "implicit ODP MRs must have iova 0 (got {iova:#x})"
             ));
         }
-        let res = self.dev.mrs.reserve().map_err(|_| {
+        let res = self.mrs.reserve().map_err(|_| {
             err!(
                 ENOMEM,
                 "max_mr ({}) MRs are registered; deregister some or raise MRKIT_MAX_MR",
-                self.dev.mrs.limit()
+                self.mrs.limit()
             )
         })?;
         let key = res.key();
@@ -636,9 +636,8 @@ impl Context {
     }
 
     fn reserve_mtt(&self, entries: u64, page_size: u64) -> Result<()> {
-        let max = self.dev.config.attr().max_mtt;
-        self.dev
-            .mtt_used
+        let max = self.config.attr().max_mtt;
+        self.mtt_used
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |u| {
                 u.checked_add(entries).filter(|n| *n <= max)
             })
@@ -650,13 +649,10 @@ impl Context {
                      needs 512x fewer entries), deregister MRs, or raise MRKIT_LOG_NUM_MTT",
                     human(page_size),
                     max.saturating_sub(used),
-                    self.dev.config.attr().log_num_mtt
+                    self.config.attr().log_num_mtt
                 )
             })?;
-        self.dev
-            .stats
-            .mtt_used
-            .fetch_add(entries, Ordering::Relaxed);
+        self.stats.mtt_used.fetch_add(entries, Ordering::Relaxed);
         crate::stats::process()
             .mtt_used
             .fetch_add(entries, Ordering::Relaxed);
@@ -664,11 +660,8 @@ impl Context {
     }
 
     fn release_mtt(&self, entries: u64) {
-        self.dev.mtt_used.fetch_sub(entries, Ordering::AcqRel);
-        self.dev
-            .stats
-            .mtt_used
-            .fetch_sub(entries, Ordering::Relaxed);
+        self.mtt_used.fetch_sub(entries, Ordering::AcqRel);
+        self.stats.mtt_used.fetch_sub(entries, Ordering::Relaxed);
         crate::stats::process()
             .mtt_used
             .fetch_sub(entries, Ordering::Relaxed);
@@ -691,7 +684,6 @@ impl Context {
     /// [`Context::dereg_mr`]; returns the MR's length.
     fn dereg_mr_inner(&self, lkey: u32) -> Result<u64> {
         let g = self
-            .dev
             .mrs
             .get(lkey)
             .ok_or_else(|| err!(EINVAL, "no MR with key {lkey:#x} (already deregistered?)"))?;
@@ -705,7 +697,6 @@ impl Context {
         }
         drop(g);
         let u = self
-            .dev
             .mrs
             .unpublish(lkey)
             .ok_or_else(|| err!(EINVAL, "no MR with key {lkey:#x}"))?;
@@ -719,7 +710,7 @@ impl Context {
         drop(mem); // unpin, DOFORK, uncharge
         self.release_mtt(obj.shared.entries);
         obj.pd.put();
-        for st in [&self.dev.stats, crate::stats::process()] {
+        for st in [&self.stats, crate::stats::process()] {
             st.deregistrations.fetch_add(1, Ordering::Relaxed);
             st.mrs_live.fetch_sub(1, Ordering::Relaxed);
             if obj.shared.pinned_bytes > 0 {
@@ -731,7 +722,6 @@ impl Context {
     /// `ibv_query_mr`-like: everything the device knows about an MR.
     pub fn query_mr(&self, lkey: u32) -> Result<MrInfo> {
         let g = self
-            .dev
             .mrs
             .get(lkey)
             .ok_or_else(|| err!(EINVAL, "no MR with key {lkey:#x}"))?;
@@ -740,7 +730,7 @@ impl Context {
 
     /// The MR object behind a key (for inspection: segments, frame numbers).
     pub fn mr_object(&self, lkey: u32) -> Option<MrObject> {
-        self.dev.mrs.get(lkey).map(|g| (*g).clone())
+        self.mrs.get(lkey).map(|g| (*g).clone())
     }
 
     /// `ibv_rereg_mr`. `flags` is a combination of [`ReregFlags`] constants. Errors follow the
@@ -798,7 +788,6 @@ impl Context {
             ));
         }
         let cur = self
-            .dev
             .mrs
             .get(lkey)
             .ok_or_else(|| err!(EINVAL, "no MR with key {lkey:#x}"))?;
@@ -845,8 +834,7 @@ impl Context {
             obj.writable = true;
         }
         let info = info_of(lkey, &obj);
-        self.dev
-            .mrs
+        self.mrs
             .replace(lkey, obj)
             .map_err(|_| err!(EINVAL, "MR {lkey:#x} was deregistered concurrently"))?;
         Ok(info)
@@ -895,7 +883,7 @@ impl Context {
             }
             return self.check_window(key, pd, need, iova, len, qp_num);
         }
-        let g = self.dev.mrs.get(key).ok_or(AccessDenied::NoSuchKey)?;
+        let g = self.mrs.get(key).ok_or(AccessDenied::NoSuchKey)?;
         check_mr(g, pd, need, iova, len)
     }
 
@@ -922,7 +910,6 @@ impl Context {
         let mut faults = 0;
         for &(lkey, addr, length) in sges {
             let g = self
-                .dev
                 .mrs
                 .get(lkey)
                 .filter(|g| g.pd.handle == pd)
@@ -944,18 +931,15 @@ impl Context {
                 }
             }
         }
-        self.dev
-            .stats
-            .odp_faults
-            .fetch_add(faults, Ordering::Relaxed);
+        self.stats.odp_faults.fetch_add(faults, Ordering::Relaxed);
         Ok(())
     }
 
     /// Invalidate ODP translations covering `[va, va+len)` in every ODP MR of this device
     /// (what the kernel's MMU notifier does on munmap/madvise(DONTNEED)).
     pub fn odp_invalidate(&self, va: u64, len: u64) {
-        for k in self.dev.mrs.keys() {
-            if let Some(g) = self.dev.mrs.get(k) {
+        for k in self.mrs.keys() {
+            if let Some(g) = self.mrs.get(k) {
                 if let Some(odp) = g.shared.odp.as_ref() {
                     odp.invalidate(va, len);
                 }

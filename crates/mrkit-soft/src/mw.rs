@@ -2,7 +2,7 @@
 //!
 //! * `alloc_mw` / `dealloc_mw`: a type-1 window starts VALID with length 0 (unusable until
 //!   bound); a type-2 window starts FREE. Dealloc always succeeds and unbinds.
-//! * [`Context::bind_mw`] executes a bind (`ibv_bind_mw` for type 1, an `IBV_WR_BIND_MW` WQE
+//! * [`Context::bind_mw`](crate::Context::bind_mw) executes a bind (`ibv_bind_mw` for type 1, an `IBV_WR_BIND_MW` WQE
 //!   for type 2); the data path reports any failure as `IBV_WC_MW_BIND_ERR`.
 //! * Checks beyond rxe (IBA semantics, documented deviations): window PD == MR PD, the MR
 //!   must be valid, type-1 QP PD == MW PD, overflow-safe bind range, and on the data path the
@@ -16,9 +16,9 @@ use parking_lot::Mutex;
 
 use crate::access::AccessFlags;
 use crate::error::{err, Result};
+use crate::memcore::MemCore;
 use crate::mr::{check_mr, range_ok, AccessDenied, MrGuard, MrShared};
 use crate::pd::PdObject;
-use crate::Context;
 
 /// `IBV_MW_TYPE_1` (1) and `IBV_MW_TYPE_2` (2).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -82,15 +82,15 @@ pub struct MwInfo {
     pub bound: Option<(u32, u64, u64, AccessFlags)>,
 }
 
-impl Context {
+impl MemCore {
     /// `ibv_alloc_mw`: ENOMEM when max_mw windows exist, EINVAL for an unknown PD.
     pub fn alloc_mw(&self, pd: u32, mw_type: MwType) -> Result<u32> {
         let pdo = self.pd(pd)?;
-        let r = self.dev.mws.reserve().map_err(|_| {
+        let r = self.mws.reserve().map_err(|_| {
             err!(
                 ENOMEM,
                 "max_mw ({}) memory windows exist; deallocate one or raise MRKIT_MAX_MW",
-                self.dev.mws.limit()
+                self.mws.limit()
             )
         })?;
         let rkey = r.key();
@@ -110,14 +110,12 @@ impl Context {
     pub fn dealloc_mw(&self, rkey: u32) -> Result<()> {
         let idx = rkey >> 8;
         let alloc_key = self
-            .dev
             .mws
             .get_by_index(idx)
             .filter(|g| g.state.lock().rkey >> 8 == idx)
             .map(|g| g.key())
             .ok_or_else(|| err!(EINVAL, "no memory window with rkey {rkey:#x}"))?;
         let u = self
-            .dev
             .mws
             .unpublish(alloc_key)
             .ok_or_else(|| err!(EINVAL, "no memory window with rkey {rkey:#x}"))?;
@@ -133,7 +131,6 @@ impl Context {
     /// Describe a window by its current rkey.
     pub fn query_mw(&self, rkey: u32) -> Result<MwInfo> {
         let g = self
-            .dev
             .mws
             .get_by_index(rkey >> 8)
             .ok_or_else(|| err!(EINVAL, "no memory window with rkey {rkey:#x}"))?;
@@ -162,7 +159,6 @@ impl Context {
         info: BindInfo,
     ) -> Result<u32> {
         let g = self
-            .dev
             .mws
             .get_by_index(mw_rkey >> 8)
             .ok_or_else(|| err!(EINVAL, "bind: no window with rkey {mw_rkey:#x}"))?;
@@ -206,7 +202,6 @@ impl Context {
             return Ok(new_rkey);
         }
         let mr = self
-            .dev
             .mrs
             .get(info.mr_lkey)
             .ok_or_else(|| err!(EINVAL, "bind: no MR with lkey {:#x}", info.mr_lkey))?;
@@ -278,7 +273,6 @@ impl Context {
             ));
         }
         let g = self
-            .dev
             .mws
             .get_by_index(rkey >> 8)
             .ok_or_else(|| err!(EINVAL, "invalidate: no window with rkey {rkey:#x}"))?;
@@ -306,7 +300,7 @@ impl Context {
         Ok(())
     }
 
-    /// Window half of the access predicate (called by [`Context::check_access`]).
+    /// Window half of the access predicate (called by [`MemCore::check_access`](crate::memcore::MemCore::check_access)).
     pub(crate) fn check_window(
         &self,
         rkey: u32,
@@ -317,7 +311,6 @@ impl Context {
         qp_num: u32,
     ) -> std::result::Result<MrGuard, AccessDenied> {
         let g = self
-            .dev
             .mws
             .get_by_index(rkey >> 8)
             .ok_or(AccessDenied::NoSuchKey)?;
@@ -352,7 +345,7 @@ impl Context {
             }
             (b.mr_key, b.addr + (iova - base))
         };
-        let mr = self.dev.mrs.get(mr_key).ok_or(AccessDenied::NotValid)?;
+        let mr = self.mrs.get(mr_key).ok_or(AccessDenied::NotValid)?;
         let mr_pd = mr.pd.handle;
         // Window rights need not be on the MR: check the MR with no required bits.
         check_mr(mr, mr_pd, AccessFlags::empty(), mr_iova, len)

@@ -519,7 +519,7 @@ static STARTED_FOR: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32:
 /// (again in a forked child, which is a new process). Errors are logged at debug level; a
 /// process whose runtime directory is refused simply does not export.
 pub(crate) fn on_device_open(dev: &std::sync::Arc<crate::DeviceInner>) {
-    stats::mrs::track(dev);
+    crate::driver::live_mrs::track(dev);
     if cfg!(test) {
         return; // unit tests start exporters with their own options
     }
@@ -529,7 +529,7 @@ pub(crate) fn on_device_open(dev: &std::sync::Arc<crate::DeviceInner>) {
     }
     STARTED_FOR.store(pid, Ordering::Relaxed);
     // A normal exit removes the files (C programs on the drop-in call no shutdown).
-    crate::at_exit::register();
+    crate::driver::at_exit::register();
     if let Err(e) = install() {
         tracing::debug!(error = %e, "statistics export not started");
     }
@@ -743,24 +743,24 @@ pub fn snapshot() -> Value {
 /// `mrs.total` says how many there are.
 pub const MAX_LISTED_MRS: usize = 1000;
 
-/// The port counters ([`stats::hw`]): `{"device": "mrkit0", "port": 1, "values": {...}}`.
+/// The port counters ([`crate::counters`]): `{"device": "mrkit0", "port": 1, "values": {...}}`.
 pub fn counters_json() -> Value {
-    let values: Map<String, Value> = stats::hw::snapshot()
+    let values: Map<String, Value> = crate::counters::snapshot()
         .into_iter()
         .map(|(n, c)| (n.to_string(), json!(c)))
         .collect();
     json!({"device": crate::DEVICE_NAME, "port": 1, "values": values})
 }
 
-/// The live MRs ([`stats::mrs::live`]): `{"total": N, "list": [...]}`.
+/// The live MRs ([`crate::driver::live_mrs::live`]): `{"total": N, "list": [...]}`.
 pub fn mrs_json() -> Value {
-    let (list, total) = stats::mrs::live(MAX_LISTED_MRS);
+    let (list, total) = crate::driver::live_mrs::live(MAX_LISTED_MRS);
     let list: Vec<Value> = list.iter().map(mr_json).collect();
     json!({"total": total, "list": list})
 }
 
 /// One live MR as `mrkit stat --mrs` shows it.
-pub fn mr_json(m: &stats::mrs::LiveMr) -> Value {
+pub fn mr_json(m: &crate::driver::live_mrs::LiveMr) -> Value {
     let i = &m.info;
     json!({
         "instance": m.instance,
@@ -783,7 +783,7 @@ pub fn mr_json(m: &stats::mrs::LiveMr) -> Value {
 }
 
 /// A registration's timing record as JSON (nanoseconds).
-pub fn timing_json(t: stats::timing::RegTiming) -> Value {
+pub fn timing_json(t: crate::reg_timing::RegTiming) -> Value {
     json!({
         "total": t.total_ns,
         "accounting": t.accounting_ns,

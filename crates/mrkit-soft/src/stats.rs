@@ -4,9 +4,6 @@
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
-pub mod hw;
-pub mod mrs;
-pub mod timing;
 
 use crate::error::Errno;
 use crate::mem::pin::PinPath;
@@ -252,12 +249,6 @@ pub struct RxDrops {
 impl RxDrops {
     pub(crate) fn add(&self, k: RxDrop, n: u64) {
         self.counts[k as usize].fetch_add(n, Relaxed);
-        if matches!(
-            k,
-            RxDrop::BadIcrc | RxDrop::IcrcForeignId | RxDrop::IcrcCutRun
-        ) {
-            hw::add(hw::Hw::RxIcrcEncapsulated, n);
-        }
     }
 
     /// `(counter name, count)` for every kind, in [`RxDrop::ALL`] order.

@@ -5,8 +5,8 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use mrkit_soft::driver::loopback::drive_until_idle;
 use mrkit_soft::events::AsyncEventHook;
-use mrkit_soft::net::loopback::drive_until_idle;
 use mrkit_soft::progress::AsyncEvent;
 use mrkit_soft::qp::{attr_mask as m, rc_connect, QpAttr, QpCap, QpInitAttr, QpState};
 use mrkit_soft::{AccessFlags as A, Context, DeviceConfig};

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use common::{all, pair_with, reg, Host};
 use mrkit_soft::cq::{Wc, WcOpcode, WcStatus};
-use mrkit_soft::net::loopback::drive_until_idle;
+use mrkit_soft::driver::loopback::drive_until_idle;
 use mrkit_soft::qp::{send_flags, QpState, RecvWr, SendWr, Sge, WrOpcode};
 
 fn poll_one(h: &Host, other: &Host, manual: bool) -> Wc {

@@ -145,7 +145,7 @@ fn comp_channel_blocking_wait_and_rearm() {
             &[SendWr::new(1, WrOpcode::Send).sge(smc.iova, 16, smc.lkey)],
         )
         .unwrap();
-        mrkit_soft::net::loopback::drive_until_idle(&[&actx, &bctx]);
+        mrkit_soft::driver::loopback::drive_until_idle(&[&actx, &bctx]);
     });
     let got = cq_event(&b, ch, Duration::from_secs(10));
     t.join().unwrap();
@@ -526,7 +526,7 @@ fn overlapping_self_write_matches_packetwise_placement() {
         .sge(m.iova, len as u32, m.lkey)
         .remote(m.iova + 100, m.rkey);
     c.post_send(q1, &[wr]).unwrap();
-    mrkit_soft::net::loopback::drive_until_idle(&[&c]);
+    mrkit_soft::driver::loopback::drive_until_idle(&[&c]);
     let mut v = Vec::new();
     c.poll_cq(cq, &mut v, 4).unwrap();
     assert_eq!(v[0].status, WcStatus::Success);

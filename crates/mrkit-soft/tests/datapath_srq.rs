@@ -202,7 +202,7 @@ fn srq_feeds_several_qps_and_limit_event_fires_once() {
                 )],
             )
             .unwrap();
-        mrkit_soft::net::loopback::drive_until_idle(&ctxs);
+        mrkit_soft::driver::loopback::drive_until_idle(&ctxs);
         let ev = events(&r.h.ctx);
         // 6 queued, limit 3: fires when fewer than 3 remain (after the 4th take) — not yet.
         assert!(ev.is_empty(), "{ev:?}");
@@ -233,7 +233,7 @@ fn srq_feeds_several_qps_and_limit_event_fires_once() {
             &[SendWr::new(9, WrOpcode::Send).sge(smrs[1].iova, 5, smrs[1].lkey)],
         )
         .unwrap();
-    mrkit_soft::net::loopback::drive_until_idle(&ctxs);
+    mrkit_soft::driver::loopback::drive_until_idle(&ctxs);
     assert_eq!(
         events(&r.h.ctx),
         vec![AsyncEvent::SrqLimitReached { srqn: r.srq }]
@@ -246,7 +246,7 @@ fn srq_feeds_several_qps_and_limit_event_fires_once() {
             &[SendWr::new(10, WrOpcode::Send).sge(smrs[1].iova, 5, smrs[1].lkey)],
         )
         .unwrap();
-    mrkit_soft::net::loopback::drive_until_idle(&ctxs);
+    mrkit_soft::driver::loopback::drive_until_idle(&ctxs);
     assert!(events(&r.h.ctx).is_empty());
     assert_eq!(r.h.ctx.srq_len(r.srq).unwrap(), 1);
     assert_eq!(drain(&r.h).len(), 2);
@@ -303,7 +303,7 @@ fn srq_qp_to_err_raises_last_wqe_reached_and_keeps_srq_wqes() {
         .modify_qp(qps[0], &at, mrkit_soft::qp::attr_mask::STATE)
         .unwrap();
     let ctxs: Vec<&Context> = senders.iter().map(|s| &s.ctx).chain([&r.h.ctx]).collect();
-    mrkit_soft::net::loopback::drive_until_idle(&ctxs);
+    mrkit_soft::driver::loopback::drive_until_idle(&ctxs);
     assert_eq!(
         events(&r.h.ctx),
         vec![AsyncEvent::QpLastWqeReached { qpn: qps[0] }]
@@ -314,7 +314,7 @@ fn srq_qp_to_err_raises_last_wqe_reached_and_keeps_srq_wqes() {
     r.h.ctx
         .modify_qp(qps[0], &at, mrkit_soft::qp::attr_mask::STATE)
         .unwrap();
-    mrkit_soft::net::loopback::drive_until_idle(&ctxs);
+    mrkit_soft::driver::loopback::drive_until_idle(&ctxs);
     assert!(events(&r.h.ctx).is_empty());
     // A responder error on QP 1 (receive too short): that WQE completes in error, QP 1 → ERR
     // with LAST_WQE_REACHED, the other WQEs stay for the next QP.
@@ -328,7 +328,7 @@ fn srq_qp_to_err_raises_last_wqe_reached_and_keeps_srq_wqes() {
             &[SendWr::new(1, WrOpcode::Send).sge(smr.iova, 100, smr.lkey)],
         )
         .unwrap();
-    mrkit_soft::net::loopback::drive_until_idle(&ctxs);
+    mrkit_soft::driver::loopback::drive_until_idle(&ctxs);
     let w = drain(&r.h);
     assert_eq!(w.len(), 1, "{w:?}");
     assert_eq!((w[0].wr_id, w[0].status), (0, WcStatus::LocLenErr));
@@ -363,7 +363,7 @@ fn srq_qp_to_err_raises_last_wqe_reached_and_keeps_srq_wqes() {
     r.h.ctx
         .modify_qp(qps[0], &at, mrkit_soft::qp::attr_mask::STATE)
         .unwrap();
-    mrkit_soft::net::loopback::drive_until_idle(&ctxs);
+    mrkit_soft::driver::loopback::drive_until_idle(&ctxs);
     assert_eq!(
         events(&r.h.ctx),
         vec![AsyncEvent::QpLastWqeReached { qpn: qps[0] }]

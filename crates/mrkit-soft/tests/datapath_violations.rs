@@ -6,8 +6,8 @@ use std::time::{Duration, Instant};
 
 use common::{connect, ctx_with, drain, host_with, init, Host};
 use mrkit_soft::cq::WcStatus as S;
+use mrkit_soft::driver::loopback::drive_until_idle;
 use mrkit_soft::mw::{BindInfo, MwType};
-use mrkit_soft::net::loopback::drive_until_idle;
 use mrkit_soft::qp::{BindWr, QpState, RecvWr, SendWr, Sge, WrOpcode as O};
 use mrkit_soft::{AccessFlags as A, DeviceConfig, Errno, StatusModel};
 

@@ -1,4 +1,4 @@
-//! Delayed ACKs on the UDP link (`fastpath::ACK_DELAY_MAX`): a plain ACK an application
+//! Delayed ACKs on the UDP link (`held_acks::ACK_DELAY_MAX`): a plain ACK an application
 //! progress pass holds back leaves within the bound even if the application never sends
 //! again, and at once when the QP is destroyed or the device closed. Deterministic: manual
 //! progress, and the application's passes get an injected `now`.
@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use common::{all, connect_udp, ctx_with, host_with_cap, BufHost};
 use mrkit_soft::cq::{Wc, WcOpcode, WcStatus};
-use mrkit_soft::fastpath::ACK_DELAY_MAX;
+use mrkit_soft::driver::held_acks::ACK_DELAY_MAX;
 use mrkit_soft::qp::connect::ConnectOpts;
 use mrkit_soft::qp::{attr_mask, QpAttr, QpCap, QpState, RecvWr, SendWr, WrOpcode};
 use mrkit_soft::DeviceConfig;

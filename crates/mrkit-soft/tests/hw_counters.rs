@@ -1,4 +1,4 @@
-//! The port counters (`mrkit_soft::stats::hw`) move by the right amounts: an RNR NAK and its
+//! The port counters (`mrkit_soft::counters`) move by the right amounts: an RNR NAK and its
 //! retry, a remote access error, and retransmission timeouts answered by duplicates. The
 //! counters are per process, so this binary holds one test that runs the cases in turn.
 mod common;
@@ -7,9 +7,9 @@ use std::time::{Duration, Instant};
 
 use common::{all, pair_with, reg, Host};
 use mrkit_soft::cq::{Wc, WcStatus};
-use mrkit_soft::net::loopback::drive_until_idle;
+use mrkit_soft::driver::loopback::drive_until_idle;
 use mrkit_soft::qp::{SendWr, WrOpcode};
-use mrkit_soft::stats::hw::{self, Hw};
+use mrkit_soft::counters::{self as hw, Hw};
 use mrkit_soft::wire::{wire_len, Opcode};
 
 fn poll_one(h: &Host, other: &Host) -> Wc {

@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 
 use common::{all, connect, ctx, host_with, Host};
 use mrkit_soft::cq::{Wc, WcStatus};
+use mrkit_soft::driver::loopback::drive_until_idle;
 use mrkit_soft::mem::pin::{set_pin_mode, PinMode, PinPath};
-use mrkit_soft::net::loopback::drive_until_idle;
 use mrkit_soft::qp::connect::{connect_qp, ConnectOpts, RemoteQp};
 use mrkit_soft::qp::{QpState, RecvWr, SendWr, Sge, WrOpcode};
 use mrkit_soft::UserMemory;

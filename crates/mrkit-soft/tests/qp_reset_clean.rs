@@ -4,7 +4,7 @@
 //! (no `tests/common`), manual progress throughout.
 
 use mrkit_soft::cq::{Wc, WcOpcode, WcStatus};
-use mrkit_soft::net::loopback::drive_until_idle;
+use mrkit_soft::driver::loopback::drive_until_idle;
 use mrkit_soft::qp::{
     attr_mask as m, rc_connect, QpAttr, QpCap, QpInitAttr, QpState, RecvWr, SendWr, Sge, WrOpcode,
 };

@@ -10,8 +10,10 @@
 //! * `uaccess`: fault-recovering copies (the data path's copies never die from a fault on
 //!   registered memory the application protected or unmapped) and their slow paths.
 //!
-//! This is the only place (with the byte-copy module of the data path) where `unsafe` lives:
-//! syscalls that take raw addresses.
+//! `unsafe` is allowed here for the system calls that take raw addresses and for the
+//! fault-recovering copy; the crate denies it everywhere else except the byte-copy module of
+//! the data path, the registration contract (`user_mem`), the link's socket calls
+//! (`net/sockio`) and the exit handler (`driver/at_exit`).
 
 pub mod account;
 pub mod fault;

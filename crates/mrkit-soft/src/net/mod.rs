@@ -1,179 +1,26 @@
-//! Packets between QPs, and the links that carry them.
+//! The link: RoCEv2 over UDP, wire in and wire out.
 //!
-//! A [`Pkt`] is a RoCEv2 packet in structured form: the [`Bth`], the extension headers and a
-//! [`Payload`]. On the in-process [`loopback`] link the payload of a request or read response
-//! is a list of **guarded memory pieces** (an [`MrGuard`] per piece, taken by the sender's
-//! access check for exactly this packet's bytes), so the receiver copies straight from the
-//! sender's registered memory into its own: one copy per byte, like a DMA engine. The guards
-//! drop when the packet has been consumed, so a packet can delay a dereg by at most its own
-//! processing. A UDP link (next issue) materialises the payload with [`Pkt::to_wire`].
-#![forbid(unsafe_code)]
+//! [`Pkt::from_wire`] parses a received datagram into a packet after checking its structure
+//! and ICRC ([`Ipv4IcrcMode`] says how an IPv4 ICRC is checked), [`Pkt::to_wire`] serialises
+//! one; [`udp`] owns the device's sockets (segmentation and receive offload, adaptive
+//! receive, the serialiser that writes packets straight into send buffers, link counters) and
+//! [`sockio`] their system calls. An optional seeded [`fault`] injector sits on the send path.
+//! The link knows no QP and no device: the driver hands it packets to send and takes the
+//! packets it receives.
+#![deny(unsafe_code)]
 
-pub mod fault;
-pub mod fuzz;
-pub mod loopback;
+pub use crate::fault;
+#[allow(unsafe_code)] // sendmmsg / recvmmsg with their control messages
+pub mod sockio;
 pub mod udp;
 
-use crate::copy;
-use crate::mr::MrGuard;
-use crate::wire::{Bth, ExtHeaders, IcrcInputs, PacketBuilder, WireError};
+mod recv;
+mod send;
+mod stats;
 
-/// Packet payload.
-#[derive(Debug, Default)]
-pub enum Payload {
-    /// No payload.
-    #[default]
-    Empty,
-    /// Owned bytes (inline sends, packets received from a wire).
-    Bytes(Vec<u8>),
-    /// Up to [`SMALL_PAYLOAD`] bytes held in the packet itself (short messages, atomics,
-    /// inline sends): no allocation and no shared receive buffer per packet.
-    Small {
-        /// Bytes used.
-        len: u8,
-        /// The bytes (`..len`).
-        bytes: [u8; SMALL_PAYLOAD],
-    },
-    /// Pieces of registered memory `(guard, offset in guard, length)`.
-    Mem(Vec<(MrGuard, u64, usize)>),
-    /// A range of a shared receive buffer (packets from the UDP link: no per-packet copy or
-    /// allocation; the buffer is recycled once every packet in it is consumed).
-    Shared(std::sync::Arc<Vec<u8>>, usize, usize),
-}
-
-/// Largest payload kept in the packet itself ([`Payload::Small`]).
-pub const SMALL_PAYLOAD: usize = 32;
-
-impl Payload {
-    /// Owned copy of `bytes`: in the packet itself when short, else on the heap.
-    pub fn copied(bytes: &[u8]) -> Payload {
-        match bytes.len() {
-            0 => Payload::Empty,
-            n if n <= SMALL_PAYLOAD => {
-                let mut b = [0u8; SMALL_PAYLOAD];
-                b[..n].copy_from_slice(bytes);
-                Payload::Small {
-                    len: n as u8,
-                    bytes: b,
-                }
-            }
-            _ => Payload::Bytes(bytes.to_vec()),
-        }
-    }
-
-    /// The bytes of a payload held in one piece (owned, in the packet, or a range of a receive
-    /// buffer); `None` for no payload and for pieces of registered memory.
-    pub(crate) fn contiguous(&self) -> Option<&[u8]> {
-        match self {
-            Payload::Bytes(b) => Some(b),
-            Payload::Small { len, bytes } => Some(&bytes[..usize::from(*len)]),
-            Payload::Shared(b, start, n) => Some(&b[*start..*start + *n]),
-            Payload::Empty | Payload::Mem(_) => None,
-        }
-    }
-
-    /// Payload length in bytes.
-    pub fn len(&self) -> usize {
-        match self {
-            Payload::Mem(p) => p.iter().map(|x| x.2).sum(),
-            _ => self.contiguous().map_or(0, <[u8]>::len),
-        }
-    }
-    /// True when empty.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-    /// Copy `n` payload bytes starting at `poff` into registered memory `dst` at `doff`.
-    /// The error names the side that could not be reached: `dst`, or (pieces of registered
-    /// memory) the sender's memory.
-    pub(crate) fn copy_to(
-        &self,
-        mut poff: usize,
-        dst: &MrGuard,
-        mut doff: u64,
-        mut n: usize,
-    ) -> Result<(), copy::Unreachable> {
-        if let Some(b) = self.contiguous() {
-            return copy::write_from(dst, doff, &b[poff..poff + n]);
-        }
-        match self {
-            Payload::Mem(pieces) => {
-                for (g, goff, glen) in pieces {
-                    if n == 0 {
-                        break;
-                    }
-                    if poff >= *glen {
-                        poff -= glen;
-                        continue;
-                    }
-                    let k = (glen - poff).min(n);
-                    copy::mem_to_mem(dst, doff, g, goff + poff as u64, k)?;
-                    doff += k as u64;
-                    n -= k;
-                    poff = 0;
-                }
-            }
-            _ => debug_assert_eq!(n, 0), // no payload
-        }
-        Ok(())
-    }
-    /// Copy `dst.len()` payload bytes starting at `poff` into a slice. Fails (and `dst` must
-    /// not be used) when a piece of registered memory could not be read.
-    pub(crate) fn read(&self, mut poff: usize, dst: &mut [u8]) -> Result<(), copy::Unreachable> {
-        if let Some(b) = self.contiguous() {
-            dst.copy_from_slice(&b[poff..poff + dst.len()]);
-            return Ok(());
-        }
-        // Otherwise pieces of registered memory (or no payload: nothing to read).
-        if let Payload::Mem(pieces) = self {
-            let mut d = 0;
-            for (g, goff, glen) in pieces {
-                if d == dst.len() {
-                    break;
-                }
-                if poff >= *glen {
-                    poff -= glen;
-                    continue;
-                }
-                let k = (glen - poff).min(dst.len() - d);
-                copy::read_into(g, goff + poff as u64, &mut dst[d..d + k])?;
-                d += k;
-                poff = 0;
-            }
-        }
-        Ok(())
-    }
-    /// The payload as owned bytes; [`WireError::PayloadUnreachable`] when a piece of registered
-    /// memory could not be read (unmapped memory of an mlock-pinned MR).
-    pub fn to_vec(&self) -> Result<Vec<u8>, WireError> {
-        let mut v = vec![0; self.len()];
-        self.read(0, &mut v)
-            .map_err(|_| WireError::PayloadUnreachable)?;
-        Ok(v)
-    }
-}
-
-/// A packet in flight between two QPs.
-#[derive(Debug)]
-pub struct Pkt {
-    /// Node (device instance) the packet is for (loopback link).
-    pub dst_node: u64,
-    /// Destination IP (UDP link); `None` on the loopback link.
-    pub dst_ip: Option<std::net::IpAddr>,
-    /// Source IP of a packet received from the UDP link (checked against the QP's remote
-    /// address before the QP acts on it); `None` for packets built in this process.
-    pub src_ip: Option<std::net::IpAddr>,
-    /// Node that sent it.
-    pub src_node: u64,
-    /// Sending QP (the wire derives it from the UDP flow; kept here for completions).
-    pub src_qpn: u32,
-    /// Base transport header.
-    pub bth: Bth,
-    /// Extension headers.
-    pub ext: ExtHeaders,
-    /// Payload.
-    pub payload: Payload,
-}
+pub use crate::pkt::{Payload, Pkt, SMALL_PAYLOAD};
+pub use crate::wire::Ipv4IcrcMode;
+use crate::wire::{IcrcInputs, PacketBuilder, WireError};
 
 impl Pkt {
     /// Serialise to a RoCEv2 UDP payload (BTH .. ICRC) with the wire module's builder.
@@ -208,7 +55,7 @@ impl Pkt {
 
 /// Why a received datagram was dropped (counted per device; none of them touches memory).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Drop {
+pub enum DatagramDrop {
     /// Not a well-formed RoCEv2 RC packet (truncated, bad version, unknown opcode, bad pad...).
     Malformed,
     /// The ICRC does not match.
@@ -227,50 +74,6 @@ pub enum Drop {
     UnknownQp,
 }
 
-/// How the receiver checks the ICRC of an IPv4 packet. A UDP socket does not show the IP
-/// header, but the ICRC covers its identification and DF bit.
-///
-/// IPv6 packets are always checked exactly (the ICRC covers nothing a socket cannot see).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub enum Ipv4IcrcMode {
-    /// One expected value per packet (default): identification `k` with DF, where `k` is the
-    /// packet's index within the receive offload batch it arrived in (0 for a datagram that
-    /// arrived alone). That is exactly what an mrkit sender puts on the wire: a lone datagram
-    /// leaves with ID 0 and DF, segment `k` of a GSO send with ID `k`, and on loopback and
-    /// veth a GSO send reaches a receive-offload socket as one batch. As a plain CRC-32
-    /// check against one value, it rejects every error of up to 3 bits and every burst of up
-    /// to 32 bits in datagrams of up to 11 KiB (mrkit's are at most 4.2 KiB), and any other
-    /// corruption except with probability 2^-32.
-    #[default]
-    Exact,
-    /// Accept the packet if **any** identification and DF value makes the ICRC match (a
-    /// linear solve over the 17 unknown bits): for peers whose IDs cannot be predicted (a
-    /// foreign RoCE stack, or a path whose receive offload re-batches datagrams, such as a
-    /// NIC's GRO). Weaker: a random corruption passes with probability about 2^-15, and no
-    /// error pattern is guaranteed to be caught (for every bit position, some single-bit
-    /// flips pass for packets of some lengths, and bursts of up to 32 bits can pass).
-    Solve,
-}
-
-impl Ipv4IcrcMode {
-    /// Parse `exact` or `solve`.
-    pub fn parse(s: &str) -> Option<Ipv4IcrcMode> {
-        match s.trim() {
-            "exact" => Some(Ipv4IcrcMode::Exact),
-            "solve" => Some(Ipv4IcrcMode::Solve),
-            _ => None,
-        }
-    }
-
-    /// The name [`parse`](Self::parse) reads.
-    pub fn name(self) -> &'static str {
-        match self {
-            Ipv4IcrcMode::Exact => "exact",
-            Ipv4IcrcMode::Solve => "solve",
-        }
-    }
-}
-
 impl Pkt {
     /// Build a packet from a received RoCEv2 datagram (UDP payload, BTH .. ICRC) after checking
     /// its structure and ICRC. `src`/`dst` are the UDP endpoints it travelled between; the
@@ -280,7 +83,7 @@ impl Pkt {
         src: std::net::SocketAddr,
         dst: std::net::SocketAddr,
         node: u64,
-    ) -> Result<Pkt, Drop> {
+    ) -> Result<Pkt, DatagramDrop> {
         Self::from_wire_in_batch(datagram, src, dst, node, 0, Ipv4IcrcMode::Exact)
     }
 
@@ -294,7 +97,7 @@ impl Pkt {
         node: u64,
         seg: usize,
         mode: Ipv4IcrcMode,
-    ) -> Result<Pkt, Drop> {
+    ) -> Result<Pkt, DatagramDrop> {
         let (mut p, at) = Self::parse_wire(datagram, src, dst, node, seg, mode)?;
         p.payload = Payload::copied(&datagram[at]);
         Ok(p)
@@ -311,8 +114,8 @@ impl Pkt {
         node: u64,
         seg: usize,
         mode: Ipv4IcrcMode,
-    ) -> Result<(Pkt, std::ops::Range<usize>), Drop> {
-        let view = crate::wire::Packet::parse(datagram).map_err(|_| Drop::Malformed)?;
+    ) -> Result<(Pkt, std::ops::Range<usize>), DatagramDrop> {
+        let view = crate::wire::Packet::parse(datagram).map_err(|_| DatagramDrop::Malformed)?;
         icrc_check(view.datagram(), src, dst, seg, mode)?;
         // The payload's position inside the datagram.
         let at = view.payload.as_ptr() as usize - datagram.as_ptr() as usize;
@@ -344,13 +147,13 @@ fn icrc_check(
     dst: std::net::SocketAddr,
     seg: usize,
     mode: Ipv4IcrcMode,
-) -> Result<(), Drop> {
+) -> Result<(), DatagramDrop> {
     let inputs = IcrcInputs::from_socket_addrs(src, dst);
     if !inputs.is_ipv4() {
-        return inputs.verify(datagram).map_err(|_| Drop::BadIcrc);
+        return inputs.verify(datagram).map_err(|_| DatagramDrop::BadIcrc);
     }
     let Some((body, found)) = datagram.split_last_chunk::<{ crate::wire::ICRC_LEN }>() else {
-        return Err(Drop::BadIcrc);
+        return Err(DatagramDrop::BadIcrc);
     };
     let found = u32::from_le_bytes(*found);
     let expected = inputs.compute(body);
@@ -369,8 +172,8 @@ fn icrc_check(
         }
         match solver.solve_values_df(expected, found) {
             Some(_) if mode == Ipv4IcrcMode::Solve => Ok(()),
-            Some((id, df)) => Err(Drop::IcrcIpv4Id { id, df }),
-            None => Err(Drop::BadIcrc),
+            Some((id, df)) => Err(DatagramDrop::IcrcIpv4Id { id, df }),
+            None => Err(DatagramDrop::BadIcrc),
         }
     })
 }
@@ -391,65 +194,6 @@ fn with_solver<R>(len: usize, f: impl FnOnce(&crate::wire::Ipv4IdSolver) -> R) -
         f(c.entry(len)
             .or_insert_with(|| crate::wire::Ipv4IdSolver::new(len)))
     })
-}
-
-thread_local! {
-    /// Emptied packet vectors kept for reuse (`pkt_vec`/`recycle`).
-    static SPARE_PKT_VECS: std::cell::RefCell<Vec<Vec<Pkt>>> = const { std::cell::RefCell::new(Vec::new()) };
-}
-
-/// Spare packet vectors a thread keeps, and the largest capacity kept.
-const SPARE_PKT_VECS_MAX: usize = 4;
-const SPARE_PKT_VEC_CAP_MAX: usize = 64;
-
-/// An empty packet vector, reused from this thread's spares when there is one. A QP run's
-/// output, the held-ACK list and each send's list would otherwise be one allocation and free
-/// apiece per message (three per request/response leg).
-pub(crate) fn pkt_vec() -> Vec<Pkt> {
-    SPARE_PKT_VECS
-        .try_with(|s| s.try_borrow_mut().ok().and_then(|mut s| s.pop()))
-        .ok()
-        .flatten()
-        .unwrap_or_default()
-}
-
-/// Give a packet vector back for [`pkt_vec`] (its packets are dropped).
-pub(crate) fn recycle(mut v: Vec<Pkt>) {
-    v.clear();
-    if v.capacity() == 0 || v.capacity() > SPARE_PKT_VEC_CAP_MAX {
-        return;
-    }
-    let _ = SPARE_PKT_VECS.try_with(|s| {
-        if let Ok(mut s) = s.try_borrow_mut() {
-            if s.len() < SPARE_PKT_VECS_MAX {
-                s.push(v);
-            }
-        }
-    });
-}
-
-/// Send packets: over the in-process loopback link, or as RoCEv2 datagrams over UDP when the
-/// packet names an IP destination.
-pub(crate) fn deliver(ctx: &crate::Context, pkts: Vec<Pkt>) {
-    if pkts.iter().all(|p| p.dst_ip.is_none()) {
-        return loopback::deliver(pkts);
-    }
-    if pkts.iter().all(|p| p.dst_ip.is_some()) {
-        return udp::send_pkts(ctx, pkts);
-    }
-    let mut local = Vec::new();
-    let mut wire = Vec::new();
-    for p in pkts {
-        if p.dst_ip.is_some() {
-            wire.push(p);
-        } else {
-            local.push(p);
-        }
-    }
-    if !local.is_empty() {
-        loopback::deliver(local);
-    }
-    udp::send_pkts(ctx, wire);
 }
 
 #[cfg(test)]
@@ -478,7 +222,7 @@ mod tests {
         d
     }
 
-    fn check(d: &[u8], seg: usize, mode: Ipv4IcrcMode) -> Result<(), Drop> {
+    fn check(d: &[u8], seg: usize, mode: Ipv4IcrcMode) -> Result<(), DatagramDrop> {
         let (src, dst) = addrs();
         icrc_check(d, src, dst, seg, mode)
     }
@@ -518,7 +262,7 @@ mod tests {
                 let other = if seg == 0 { 1 } else { 0 };
                 assert_eq!(
                     check(&d, other, Ipv4IcrcMode::Exact),
-                    Err(Drop::IcrcIpv4Id { id, df: true }),
+                    Err(DatagramDrop::IcrcIpv4Id { id, df: true }),
                     "len {len} id {id} at {other}"
                 );
             }
@@ -529,7 +273,7 @@ mod tests {
                 .unwrap();
             assert_eq!(
                 check(&d, 0, Ipv4IcrcMode::Exact),
-                Err(Drop::IcrcIpv4Id {
+                Err(DatagramDrop::IcrcIpv4Id {
                     id: 0xBEEF,
                     df: false
                 })
@@ -545,7 +289,10 @@ mod tests {
         for mode in [Ipv4IcrcMode::Exact, Ipv4IcrcMode::Solve] {
             assert_eq!(icrc_check(&d, src6, dst6, 0, mode), Ok(()));
             let other: std::net::SocketAddr = "[fd00::3]:4791".parse().unwrap();
-            assert_eq!(icrc_check(&d, src6, other, 0, mode), Err(Drop::BadIcrc));
+            assert_eq!(
+                icrc_check(&d, src6, other, 0, mode),
+                Err(DatagramDrop::BadIcrc)
+            );
         }
     }
 
@@ -606,33 +353,5 @@ mod tests {
             solve_accepted > 0,
             "the any-ID check accepted no single-bit error at these lengths"
         );
-    }
-
-    #[test]
-    fn copied_payloads_live_in_the_packet_up_to_small_payload_bytes() {
-        // (length, variant) and every byte reads back.
-        for n in [0, 1, 8, SMALL_PAYLOAD, SMALL_PAYLOAD + 1, 4096] {
-            let src: Vec<u8> = (0..n).map(|i| i as u8 ^ 0x5a).collect();
-            let p = Payload::copied(&src);
-            let kind = match &p {
-                Payload::Empty => "empty",
-                Payload::Small { .. } => "small",
-                Payload::Bytes(_) => "heap",
-                _ => "other",
-            };
-            let want = match n {
-                0 => "empty",
-                n if n <= SMALL_PAYLOAD => "small",
-                _ => "heap",
-            };
-            assert_eq!((n, kind), (n, want));
-            assert_eq!(p.len(), n);
-            assert_eq!(p.to_vec().unwrap(), src);
-            if n > 2 {
-                let mut part = vec![0u8; n - 2];
-                p.read(1, &mut part).unwrap();
-                assert_eq!(part, src[1..n - 1]);
-            }
-        }
     }
 }

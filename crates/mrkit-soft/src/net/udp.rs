@@ -1,5 +1,7 @@
-//! The UDP driver: RoCEv2 datagrams on port 4791 (configurable), with segmentation and receive
-//! offload.
+//! The device's UDP port: RoCEv2 datagrams on port 4791 (configurable), with segmentation and
+//! receive offload. This file owns the sockets (bind, per-QP source ports, sends, receives);
+//! the serialiser is `net/send.rs`, the receive buffers and receive pass `net/recv.rs`, the
+//! counters `net/stats.rs`.
 //!
 //! * Each device instance binds its own address (`MRKIT_ADDR`, default: a distinct
 //!   127.0.0.0/8 address per process and instance, so several processes on one host coexist)
@@ -15,24 +17,28 @@
 //!   run is one message of the batch. (A message's first packet carries a RETH and is 16
 //!   bytes longer than its middle packets, so it cannot share their GSO buffer; batching the
 //!   runs keeps the system calls at about one per pass anyway.)
-//! * The system calls themselves are in [`crate::sockio`], the link's only `unsafe` module.
+//! * The system calls themselves are in [`crate::net::sockio`], the link's only `unsafe` module.
 //! * An optional [`FaultInjector`] sits on the send path.
 #![forbid(unsafe_code)]
 
 use std::collections::HashMap;
 use std::io;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, UdpSocket};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, UdpSocket};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::Instant;
 
 use parking_lot::Mutex;
 
-use crate::sockio::{self, OutMsg, RecvMeta};
+pub use crate::addr::{gid_of, ip_of_gid, parse_addr, ROCE_PORT};
+use crate::net::sockio::{self, OutMsg, RecvMeta};
 
-use super::fault::{Corruptible, FaultConfig, FaultInjector, FaultStats};
+use super::recv::RECV_BATCH;
+pub(crate) use super::recv::{poll_rx, RX_SLOTS_PER_PASS};
+pub use super::recv::{Datagram, RecvBufs};
+pub(crate) use super::send::send_pkts_on;
+pub use super::stats::{NetStats, NetStatsSnapshot};
 
-/// The RoCEv2 UDP port.
-pub const ROCE_PORT: u16 = 4791;
+use crate::fault::{Corruptible, FaultConfig, FaultInjector, FaultStats};
 
 /// Buffer size for one receive (a GRO batch of up to 64 × 4 KiB datagrams).
 pub const RECV_BUF: usize = 64 * 4200;
@@ -40,23 +46,6 @@ pub const RECV_BUF: usize = 64 * 4200;
 /// Counts device instances of this process, so each gets its own default address.
 /// Only ever incremented.
 static INSTANCE: AtomicU32 = AtomicU32::new(0);
-
-/// A GID as 16 bytes: `::ffff:a.b.c.d` for IPv4.
-pub fn gid_of(ip: IpAddr) -> [u8; 16] {
-    match ip {
-        IpAddr::V4(v4) => v4.to_ipv6_mapped().octets(),
-        IpAddr::V6(v6) => v6.octets(),
-    }
-}
-
-/// The IP address a GID names (IPv4-mapped GIDs are IPv4).
-pub fn ip_of_gid(gid: [u8; 16]) -> IpAddr {
-    let v6 = Ipv6Addr::from(gid);
-    match v6.to_ipv4_mapped() {
-        Some(v4) => IpAddr::V4(v4),
-        None => IpAddr::V6(v6),
-    }
-}
 
 /// Candidate default addresses: 127.a.b.c derived from the pid and the instance number,
 /// avoiding .0 and .255 octets and 127.0.0.1.
@@ -74,56 +63,37 @@ fn default_candidates() -> impl Iterator<Item = Ipv4Addr> {
     })
 }
 
-/// How to choose the device address: `MRKIT_ADDR` (an IP, optionally `ip:port`), or the default.
-pub fn configured_addr() -> Result<Option<SocketAddr>, String> {
-    match std::env::var("MRKIT_ADDR") {
-        Ok(s) if !s.trim().is_empty() => parse_addr(&s).map(Some),
-        _ => Ok(None),
-    }
-}
-
-/// Parse `127.0.0.5`, `127.0.0.5:4791`, `::1`, `[::1]:4791`.
-pub fn parse_addr(s: &str) -> Result<SocketAddr, String> {
-    let s = s.trim();
-    if let Ok(sa) = s.parse::<SocketAddr>() {
-        return Ok(sa);
-    }
-    s.parse::<IpAddr>()
-        .map(|ip| SocketAddr::new(ip, ROCE_PORT))
-        .map_err(|_| format!("`{s}` is not an IP address (or ip:port)"))
-}
-
 /// Most send sockets (distinct UDP source ports) one device opens (`UdpPort::sport_for`).
 pub const MAX_TX_SOCKETS: usize = 256;
 
 /// One device's UDP endpoint.
 pub struct UdpPort {
-    local: SocketAddr,
-    rx: UdpSocket,
+    pub(super) local: SocketAddr,
+    pub(super) rx: UdpSocket,
     /// Segments one GSO send may carry (1: the kernel has no `UDP_SEGMENT`).
-    max_gso_segments: usize,
+    pub(super) max_gso_segments: usize,
     /// The receive socket has receive offload (`UDP_GRO`), which [`RecvBufs`] turns off
     /// while the traffic is request/response (see `RecvBufs::plain`).
-    gro: bool,
+    pub(super) gro: bool,
     /// GRO is off on the receive socket (a copy of `RecvBufs::gro_off` for senders, written
     /// by the receiver when it switches). A hint: orders no other data.
-    gro_is_off: AtomicBool,
+    pub(super) gro_is_off: AtomicBool,
     /// A sender switched GRO back on (`hold_gro`) because READ responses will arrive as GSO
     /// runs; the receiver takes note at its next pass. The sender's `set_gro` happens before
     /// its READ request leaves, so the responses find GRO on whatever the receiver knows; the
     /// flag orders no other data.
-    gro_forced_on: AtomicBool,
+    pub(super) gro_forced_on: AtomicBool,
     /// Send sockets by UDP source port (FxHash: the key is a port number we chose).
-    tx: Mutex<HashMap<u16, UdpSocket, rustc_hash::FxBuildHasher>>,
+    pub(super) tx: Mutex<HashMap<u16, UdpSocket, rustc_hash::FxBuildHasher>>,
     /// Once `MAX_TX_SOCKETS` send sockets exist: their ports, sorted, and no new ones
     /// ([`UdpPort::sport_for`]).
-    tx_frozen: std::sync::OnceLock<Vec<u16>>,
-    faults: Option<Mutex<FaultInjector<Outgoing>>>,
+    pub(super) tx_frozen: std::sync::OnceLock<Vec<u16>>,
+    pub(super) faults: Option<Mutex<FaultInjector<Outgoing>>>,
 }
 
 /// A datagram on its way through the fault injector.
 #[derive(Debug, Clone)]
-struct Outgoing {
+pub(super) struct Outgoing {
     sport: u16,
     dst: SocketAddr,
     body: Vec<u8>,
@@ -144,7 +114,7 @@ impl std::fmt::Debug for UdpPort {
 }
 
 /// Datagrams a message becomes on the wire.
-fn datagram_count(m: &OutMsg<'_>) -> usize {
+pub(super) fn datagram_count(m: &OutMsg<'_>) -> usize {
     match m.segment {
         Some(seg) => m.bytes.len().div_ceil(usize::from(seg).max(1)),
         None => 1,
@@ -440,7 +410,7 @@ impl UdpPort {
     /// with GRO off the kernel would cut them into datagrams whose IPv4 IDs the receiver
     /// cannot know, and a requester that loses READ responses waits for its retransmission
     /// timer. Costs a load when GRO is on; a system call the first time otherwise.
-    fn hold_gro(&self) {
+    pub(super) fn hold_gro(&self) {
         if self.gro_is_off.load(Ordering::Relaxed)
             && !self.gro_forced_on.swap(true, Ordering::Relaxed)
         {
@@ -449,798 +419,9 @@ impl UdpPort {
     }
 }
 
-/// One received datagram, lent to a receive callback ([`UdpPort::recv`]).
-pub struct Datagram<'a> {
-    bufs: &'a mut RecvBufs,
-    slot: usize,
-    /// The slot's buffer once shared with packets (its bytes moved into this handle).
-    handle: &'a mut Option<std::sync::Arc<Vec<u8>>>,
-    off: usize,
-    len: usize,
-    seg: usize,
-}
-
-impl<'a> Datagram<'a> {
-    fn new(
-        bufs: &'a mut RecvBufs,
-        slot: usize,
-        handle: &'a mut Option<std::sync::Arc<Vec<u8>>>,
-        off: usize,
-        len: usize,
-        seg: usize,
-    ) -> Datagram<'a> {
-        Datagram {
-            bufs,
-            slot,
-            handle,
-            off,
-            len,
-            seg,
-        }
-    }
-
-    /// The datagram's index within the receive offload batch it arrived in (0 for a
-    /// datagram that arrived alone). An mrkit sender's GSO segment `k` carries IPv4 ID `k`.
-    pub fn segment(&self) -> usize {
-        self.seg
-    }
-
-    /// The datagram's bytes.
-    pub fn bytes(&self) -> &[u8] {
-        let buf = match &*self.handle {
-            Some(h) => &h[..],
-            None => &self.bufs.slots[self.slot][..],
-        };
-        &buf[self.off..self.off + self.len]
-    }
-
-    /// The buffer holding the datagram, for packets to keep a range of it, and the datagram's
-    /// offset in it. The first call per receive slot trades the slot's buffer for a free one
-    /// (see [`RecvBufs`]); short payloads are better copied ([`super::Payload::copied`]).
-    pub fn share(&mut self) -> (&std::sync::Arc<Vec<u8>>, usize) {
-        let (bufs, slot) = (&mut *self.bufs, self.slot);
-        (
-            self.handle.get_or_insert_with(|| bufs.share(slot)),
-            self.off,
-        )
-    }
-}
-
-/// Datagram batches per `recvmmsg`.
-const RECV_BATCH: usize = 8;
-
-/// Spare receive buffers kept for reuse (each [`RECV_BUF`] bytes).
-const SPARE_BUFS: usize = 64;
-
-/// Receive buffers, shared with the packets that point into them and recycled when free.
-///
-/// The receive slots are plain owned buffers. A slot that received datagrams trades its
-/// buffer for the buffer of a free shared handle (an `Arc` whose packets are all consumed;
-/// the most recently freed one, still in the cache, so the kernel's copy into it, the largest
-/// cost of a bandwidth receiver, runs at cache speed), and the handle, now holding the
-/// received bytes, is shared with the packets. Nothing is allocated in the steady state, and
-/// a poll that finds nothing does no atomic operation. (A fresh 262 KiB zeroed buffer per
-/// receive costs an mmap, ~64 page faults, a memset and an munmap.)
-pub struct RecvBufs {
-    /// Receive slots, always writable.
-    slots: Vec<Vec<u8>>,
-    /// Shared handles: lent to packets, or free (only this list refers to them).
-    lent: Vec<std::sync::Arc<Vec<u8>>>,
-    /// The packets of one QP being collected by `poll_rx` (reused: no allocation per poll).
-    run: Vec<super::Pkt>,
-    /// Request/response traffic: one slot per receive (a plain `recvfrom` once GRO is off).
-    /// Every further slot costs a failed dequeue when only one datagram is waiting
-    /// (~0.15-0.25 µs per receive here, two per round trip). Set when a receive got one small
-    /// datagram and fewer than [`BURST_RECEIVES`] receives in a row had found something
-    /// without the application answering (posting a send) in between; cleared when data
-    /// keeps coming (that many, a GRO batch, several or large datagrams), so bursts and
-    /// streams take [`RX_SLOTS_PER_PASS`] again.
-    single: bool,
-    /// Receives in a row that found something with no send posted in between (saturating).
-    busy: u8,
-    /// Receive offload is off on the socket ([`RecvBufs::adapt_offload`]).
-    gro_off: bool,
-    /// Single-slot receives may use a plain `recvfrom` (~0.15 µs cheaper than a one-slot
-    /// `recvmmsg`, twice per round trip): the socket has no GRO, or its GRO was turned off and
-    /// a receive found the socket empty afterwards, so nothing queued can be a GRO batch.
-    plain: bool,
-    /// Receives in a row in single mode that got one small datagram.
-    small_run: u32,
-    /// A receive found a GSO segment of an mrkit sender cut apart from its batch (the
-    /// kernel segments a GSO buffer that reaches the socket while its GRO is off, and the
-    /// receiver can then no longer tell the segment's IPv4 ID): turn GRO back on at once, so
-    /// that the retransmission arrives whole, and wait [`GRO_OFF_BACKOFF`] times longer
-    /// before turning it off again.
-    cut_run: bool,
-    /// Single-mode receives of one small datagram in a row after which GRO goes off
-    /// ([`GRO_OFF_AFTER`], times [`GRO_OFF_BACKOFF`] for every cut run seen).
-    gro_off_after: u32,
-}
-
-/// Single-mode receives of one small datagram in a row after which receive offload is
-/// turned off (request/response traffic has nothing to coalesce).
-const GRO_OFF_AFTER: u32 = 64;
-
-/// Factor by which the wait before GRO goes off grows each time a GSO run reached the socket
-/// while GRO was off (each such run costs a retransmission): a device whose traffic mixes
-/// request/response with bulk transfers soon keeps GRO on.
-const GRO_OFF_BACKOFF: u32 = 64;
-
-impl RecvBufs {
-    /// Receive slots for the next pass: one for request/response traffic, else
-    /// [`RX_SLOTS_PER_PASS`].
-    fn slots_per_pass(&self) -> usize {
-        if self.single {
-            1
-        } else {
-            RX_SLOTS_PER_PASS
-        }
-    }
-
-    /// Receive slots for a pass that may take one datagram at a time (`one_ok`) or must take
-    /// a full batch (see `poll_rx`).
-    fn slots_for(&self, one_ok: bool) -> usize {
-        if one_ok {
-            self.slots_per_pass()
-        } else {
-            RX_SLOTS_PER_PASS
-        }
-    }
-
-    /// Adapt the receive mode and the socket's offload after a pass received `n` datagrams
-    /// into `slots` slots (`small`: all below [`SMALL_DATAGRAM`]); `answered`: the
-    /// application posted a send since the previous receive that found data.
-    fn after_receive(
-        &mut self,
-        port: &UdpPort,
-        n: usize,
-        slots: usize,
-        small: bool,
-        answered: bool,
-    ) {
-        self.adapt_offload(port, n, slots, small);
-        // A send posted since the last receive that found data: request/response, not a burst.
-        let busy = if answered { 0 } else { self.busy };
-        self.single = next_single(self.single, busy, n, small);
-        self.busy = if n > 0 { busy.saturating_add(1) } else { 0 };
-    }
-
-    /// Follow the traffic with the socket's receive offload after a receive of `n` datagrams
-    /// into `slots` slots (`small`: all below [`SMALL_DATAGRAM`]). GRO pays for streams (a
-    /// 60 KiB GSO buffer arrives as one) and costs request/response traffic a one-slot
-    /// `recvmmsg` (its control message) where a plain `recvfrom` would do. So: off after
-    /// [`GRO_OFF_AFTER`] single-mode receives of one small datagram; on again at the first
-    /// large datagram or full batch (a backlog, which a GSO sender's runs would fill). Plain
-    /// receives start only once a receive found the socket empty with GRO off: a datagram
-    /// queued before the switch may still be a GRO batch, which only `recvmmsg` can split.
-    /// (A batch the kernel started queueing in the instant of the switch could still be taken
-    /// whole by `recvfrom`: it fails its ICRC, is counted and dropped, and RC retransmits.)
-    fn adapt_offload(&mut self, port: &UdpPort, n: usize, slots: usize, small: bool) {
-        if !port.gro {
-            self.plain = true;
-            return;
-        }
-        self.note_forced_gro(port);
-        if n == 0 {
-            self.plain = self.gro_off;
-            return;
-        }
-        let cut = std::mem::take(&mut self.cut_run);
-        if cut && self.gro_off {
-            // Once per run cut apart (its other segments, queued before GRO went back on,
-            // are cut too but do not count again).
-            self.gro_off_after = self.gro_off_after.saturating_mul(GRO_OFF_BACKOFF);
-        }
-        if !small || (slots > 1 && n >= slots) || cut {
-            self.small_run = 0;
-            if self.gro_off && sockio::set_gro(&port.rx, true).is_ok() {
-                self.gro_off = false;
-                self.plain = false;
-                port.gro_is_off.store(false, Ordering::Relaxed);
-            }
-            return;
-        }
-        if slots == 1 && n == 1 {
-            self.small_run = self.small_run.saturating_add(1);
-        }
-        if !self.gro_off
-            && self.small_run >= self.gro_off_after
-            && sockio::set_gro(&port.rx, false).is_ok()
-        {
-            self.gro_off = true;
-            port.gro_is_off.store(true, Ordering::Relaxed);
-        }
-    }
-
-    /// Take note of a sender's [`UdpPort::hold_gro`]: GRO is on, no plain receives, and the
-    /// wait before it goes off again grows as after a cut run. (A receive whose decision to
-    /// turn GRO off crossed the sender's switch may have turned it off again: switch it on
-    /// once more.)
-    fn note_forced_gro(&mut self, port: &UdpPort) {
-        if port.gro_forced_on.load(Ordering::Relaxed)
-            && port.gro_forced_on.swap(false, Ordering::Relaxed)
-        {
-            if self.gro_off {
-                self.gro_off_after = self.gro_off_after.saturating_mul(GRO_OFF_BACKOFF);
-            }
-            let _ = sockio::set_gro(&port.rx, true);
-            self.gro_off = false;
-            self.plain = false;
-            self.small_run = 0;
-            port.gro_is_off.store(false, Ordering::Relaxed);
-        }
-    }
-
-    /// Share what slot `i` received: returns a handle holding those bytes, and gives the slot
-    /// the buffer of the most recently freed handle (or a new one).
-    fn share(&mut self, i: usize) -> std::sync::Arc<Vec<u8>> {
-        // Only this struct holds handles besides packets, and packets never make weak ones:
-        // a strong count of 1 means free.
-        let free = self
-            .lent
-            .iter()
-            .rposition(|b| std::sync::Arc::strong_count(b) == 1);
-        let mut handle = match free {
-            Some(j) => self.lent.swap_remove(j),
-            None => std::sync::Arc::new(vec![0u8; RECV_BUF]),
-        };
-        match std::sync::Arc::get_mut(&mut handle) {
-            Some(spare) => std::mem::swap(spare, &mut self.slots[i]),
-            None => {
-                // Unreachable (the handle was free); stay correct anyway.
-                let bytes = std::mem::replace(&mut self.slots[i], vec![0u8; RECV_BUF]);
-                handle = std::sync::Arc::new(bytes);
-            }
-        }
-        if self.lent.len() >= SPARE_BUFS {
-            // Forget the handles of buffers still in use beyond the bound (they are freed
-            // with their last packet).
-            self.lent.retain(|b| std::sync::Arc::strong_count(b) == 1);
-            self.lent.truncate(SPARE_BUFS - 1);
-        }
-        self.lent.push(handle.clone());
-        handle
-    }
-}
-
-impl std::fmt::Debug for RecvBufs {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RecvBufs")
-            .field("buffers", &self.slots.len())
-            .finish()
-    }
-}
-
-impl Default for RecvBufs {
-    fn default() -> Self {
-        RecvBufs {
-            slots: (0..RECV_BATCH).map(|_| vec![0u8; RECV_BUF]).collect(),
-            lent: Vec::new(),
-            run: Vec::new(),
-            single: false,
-            busy: 0,
-            gro_off: false,
-            plain: false,
-            small_run: 0,
-            cut_run: false,
-            gro_off_after: GRO_OFF_AFTER,
-        }
-    }
-}
-
-/// The smallest path MTU (256): a READ of more bytes may be answered by several packets.
-const MIN_PATH_MTU: u32 = 256;
-
-/// A GSO send is one UDP datagram to the kernel: at most 65,507 bytes of payload in all.
-const MAX_GSO_BYTES: usize = 65_507;
-
-/// IPv4 flags word with DF set (what an unconnected `IP_PMTUDISC_PROBE` socket sends).
-const IPV4_DF: u16 = 0x4000;
-
-/// Serialise packets and send them over the device's UDP port. Consecutive packets of one QP
-/// to one destination with equal length go out as one GSO send; segment `k` of such a send
-/// leaves with IPv4 identification `k` (the kernel numbers GSO segments), so its ICRC is
-/// computed for that ID. Packets for a device whose port cannot be bound are dropped and
-/// counted (the RC retry machinery then reports RETRY_EXC_ERR, as a dead link would).
-pub(crate) fn send_pkts(ctx: &crate::Context, pkts: Vec<super::Pkt>) {
-    // Bound already (the common case): no reference count taken per send.
-    if let Some(port) = ctx.dev.udp.get() {
-        send_pkts_on(&ctx.dev, port, &pkts);
-        return super::recycle(pkts);
-    }
-    let port = match ctx.udp_port() {
-        Ok(p) => p,
-        Err(e) => {
-            tracing::warn!(error = %e, "UDP port unavailable; dropping packets");
-            return;
-        }
-    };
-    send_pkts_on(&ctx.dev, &port, &pkts);
-}
-
-/// [`send_pkts`] on a bound port, with the device only (also used while it is dropped).
-pub(crate) fn send_pkts_on(dev: &crate::DeviceInner, port: &UdpPort, pkts: &[super::Pkt]) {
-    let local = port.local_addr();
-    // READ responses of more than one packet come back as GSO runs: GRO must be on first.
-    if pkts.iter().any(|p| {
-        p.bth.opcode == crate::wire::Opcode::RdmaReadRequest
-            && p.ext.reth.is_some_and(|r| r.dma_len > MIN_PATH_MTU)
-    }) {
-        port.hold_gro();
-    }
-    // With a fault injector every datagram leaves alone (ID 0), so none may be built as a
-    // GSO segment: its ICRC would cover ID `k` and the receiver would drop it.
-    let max_seg = if dev.config.uses_gso() && port.faults.is_none() {
-        port.max_gso_segments() // 1..=sockio::MAX_GSO_SEGMENTS
-    } else {
-        1
-    };
-    thread_local! {
-        static SEND_BUF: std::cell::RefCell<(Vec<u8>, Vec<Run>)> = std::cell::RefCell::new(
-            (Vec::with_capacity(MAX_GSO_BYTES), Vec::with_capacity(sockio::MAX_BATCH)),
-        );
-    }
-    // At process exit (`crate::at_exit`) this thread's buffer may already be destroyed.
-    if SEND_BUF
-        .try_with(|b| {
-            let (buf, runs) = &mut *b.borrow_mut();
-            send_runs(dev, port, local, max_seg, pkts, buf, runs)
-        })
-        .is_err()
-    {
-        send_runs(
-            dev,
-            port,
-            local,
-            max_seg,
-            pkts,
-            &mut Vec::new(),
-            &mut Vec::new(),
-        );
-    }
-}
-
-/// One GSO run (or single datagram) serialised into the send buffer.
-#[derive(Clone, Copy)]
-struct Run {
-    sport: u16,
-    dst: SocketAddr,
-    /// Byte range in the send buffer.
-    start: usize,
-    len: usize,
-    /// Segment size when the run holds more than one datagram.
-    seg: Option<u16>,
-}
-
-/// Serialised bytes after which the runs built so far are sent (bounds the buffer).
-const FLUSH_BYTES: usize = 512 << 10;
-
-fn send_runs(
-    dev: &crate::DeviceInner,
-    port: &UdpPort,
-    local: SocketAddr,
-    max_seg: usize,
-    pkts: &[super::Pkt],
-    buf: &mut Vec<u8>,
-    runs: &mut Vec<Run>,
-) {
-    // The runs built so far (this thread's table: no allocation or initialisation per send).
-    runs.clear();
-    // `buf[..used]` holds the runs built so far. The buffer only ever grows (zeroed once):
-    // zeroing 64 KiB per message before overwriting it cost ~3 % of a bandwidth sender.
-    let mut used = 0;
-    let mut i = 0;
-    // A QP one of whose packets could not be gathered (its registered memory is unreachable):
-    // its later packets in this send are dropped, as a NIC stops at the error.
-    let mut failed_qpn: Option<u32> = None;
-    while i < pkts.len() {
-        let first = &pkts[i];
-        let Some(dst_ip) = first.dst_ip else {
-            i += 1;
-            continue;
-        };
-        if failed_qpn == Some(first.src_qpn) {
-            i += 1;
-            continue;
-        }
-        let dst = SocketAddr::new(dst_ip, ROCE_PORT);
-        let sport = port.sport_for(first.src_qpn);
-        let src = SocketAddr::new(local.ip(), sport);
-        let base = crate::wire::IcrcInputs::from_socket_addrs(src, dst);
-        if runs.len() == sockio::MAX_BATCH
-            || used >= FLUSH_BYTES
-            || runs.last().is_some_and(|r| r.sport != sport)
-        {
-            flush_runs(dev, port, runs, buf);
-            runs.clear();
-            used = 0;
-        }
-        let run_start = used;
-        let mut seg_len = 0;
-        let mut n = 0;
-        let same_flow = |p: &super::Pkt| p.dst_ip == Some(dst_ip) && p.src_qpn == first.src_qpn;
-        while i < pkts.len() && n < max_seg {
-            let p = &pkts[i];
-            if !same_flow(p) {
-                break;
-            }
-            if n > 0 && !pkts.get(i + 1).is_some_and(same_flow) {
-                // The flow's last packet of this send leaves alone, with ID 0, which every
-                // receiver can check. A receiver whose GRO is off gets a GSO run cut into
-                // datagrams whose IDs it cannot know and drops all but the first; this
-                // packet, arriving right behind them, then shows the PSN gap and the
-                // responder NAKs at once instead of the requester waiting for its timer.
-                break;
-            }
-            let inputs = if base.is_ipv4() {
-                base.with_ipv4_id(n as u16, IPV4_DF)
-            } else {
-                base
-            };
-            // Serialise straight into the send buffer: headers, payload copied once from
-            // registered memory (or the inline bytes), pad, ICRC.
-            let at = used;
-            let plen = p.payload.len();
-            let room = at + crate::wire::wire_len(p.bth.opcode, plen);
-            if buf.len() < room {
-                buf.resize(room, 0);
-            }
-            let frame = &mut buf[at..room];
-            let built = crate::wire::emit_headers(frame, &p.bth, &p.ext, plen).and_then(|layout| {
-                p.payload
-                    .read(0, &mut frame[layout.payload_range()])
-                    .map_err(|_| crate::wire::WireError::PayloadUnreachable)?;
-                crate::wire::finish(frame, &layout, &inputs)
-            });
-            let dlen = match built {
-                Ok(l) => l,
-                Err(crate::wire::WireError::PayloadUnreachable) => {
-                    // Not sent; the QP turns it into the error a NIC's failed gather gives.
-                    gather_failed(dev, p);
-                    failed_qpn = Some(p.src_qpn);
-                    i += 1;
-                    break;
-                }
-                Err(e) => {
-                    tracing::error!(error = %e, "cannot serialise packet");
-                    i += 1;
-                    continue;
-                }
-            };
-            if n > 0 && (dlen > seg_len || at + dlen - run_start > MAX_GSO_BYTES) {
-                // Only the last segment may be shorter, and one send stays below 64 KiB:
-                // leave this packet for the next run.
-                break;
-            }
-            used = at + dlen;
-            let shorter = n > 0 && dlen < seg_len;
-            if n == 0 {
-                seg_len = dlen;
-            }
-            n += 1;
-            i += 1;
-            if shorter {
-                break;
-            }
-        }
-        if n == 0 {
-            continue;
-        }
-        runs.push(Run {
-            sport,
-            dst,
-            start: run_start,
-            len: used - run_start,
-            // seg_len ≤ one datagram < 64 KiB
-            seg: (n > 1).then_some(seg_len as u16),
-        });
-    }
-    flush_runs(dev, port, runs, buf);
-}
-
-/// The payload of `p`, one of this device's packets, could not be read from registered memory:
-/// tell its QP (a READ response: the responder NAKs it; a request: the requester fails it).
-fn gather_failed(dev: &crate::DeviceInner, p: &super::Pkt) {
-    use crate::wire::Opcode::*;
-    let psn = p.bth.psn;
-    let n = match p.bth.opcode {
-        RdmaReadResponseFirst
-        | RdmaReadResponseMiddle
-        | RdmaReadResponseLast
-        | RdmaReadResponseOnly => crate::qp::Notice::ReadSourceFault { psn },
-        _ => crate::qp::Notice::GatherFault { psn },
-    };
-    dev.dp.notify(p.src_qpn, n);
-}
-
-/// Send the runs (all from one source port) built in `buf`, and count them.
-fn flush_runs(dev: &crate::DeviceInner, port: &UdpPort, runs: &[Run], buf: &[u8]) {
-    let Some(first) = runs.first() else {
-        return;
-    };
-    let msg = |r: &Run| OutMsg {
-        dst: r.dst,
-        bytes: &buf[r.start..r.start + r.len],
-        segment: r.seg,
-    };
-    let (sent, err) = if let [only] = runs {
-        // One run (a request, a reply, an ACK): no table of messages to fill.
-        port.send_msgs(first.sport, &[msg(only)])
-    } else {
-        let msgs: [OutMsg<'_>; sockio::MAX_BATCH] =
-            std::array::from_fn(|i| msg(runs.get(i).unwrap_or(first)));
-        port.send_msgs(first.sport, &msgs[..runs.len()])
-    };
-    crate::stats::hw::tx_datagrams(
-        sent,
-        runs.iter().map(|r| datagram_count(&msg(r))).sum(),
-        runs.iter().map(|r| r.len as u64).sum(),
-        err.is_some(),
-    );
-    if let Some(e) = err {
-        dev.net_stats
-            .send_errors
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        tracing::debug!(error = %e, dst = %first.dst, "UDP send failed");
-    }
-    dev.net_stats
-        .tx_datagrams
-        .fetch_add(sent as u64, std::sync::atomic::Ordering::Relaxed);
-}
-
-/// `recvmmsg` slots one progress pass receives (each a datagram or a GRO batch of up to
-/// 64 KiB).
-pub(crate) const RX_SLOTS_PER_PASS: usize = 4;
-
-/// Receive ready datagrams (one bounded batch) on the device's port and hand the packets to
-/// their QPs: `deliver(qp, packets)` for each run of consecutive packets for one QP (it
-/// takes the packets). Returns how many datagrams arrived. `one_ok`: the pass may take one
-/// datagram at a time in request/response mode ([`RecvBufs::slots_per_pass`]); otherwise it
-/// takes a full batch (`Context::progress_pass` decides).
-pub(crate) fn poll_rx(
-    ctx: &crate::Context,
-    port: &UdpPort,
-    bufs: &mut RecvBufs,
-    one_ok: bool,
-    mut deliver: impl FnMut(std::sync::Arc<crate::qp::QpObject>, &mut Vec<super::Pkt>),
-) -> usize {
-    use std::sync::atomic::Ordering::Relaxed;
-    let local = port.local_addr();
-    let node = ctx.dev.dp.node_id;
-    let st = &ctx.dev.net_stats;
-    let dp = &ctx.dev.dp;
-    // Consecutive packets for one QP (a GRO batch is one flow) are handed over together:
-    // one QP lookup and one hand-over per run instead of per packet.
-    let mut cur: Option<(u32, std::sync::Arc<crate::qp::QpObject>)> = None;
-    let mut run = std::mem::take(&mut bufs.run);
-    let mut dropped = 0u64;
-    let mut received = 0u64;
-    // One bounded receive per progress pass: the QPs then run and send their ACKs before
-    // the next batch is taken. Draining the socket first would let a receiver that fell
-    // behind take a sender's whole window at once and acknowledge it only at the end, and
-    // the two sides would then take turns instead of overlapping.
-    // Before receiving: a sender may have switched GRO back on (a READ request left), and
-    // then no receive may be a plain one.
-    bufs.note_forced_gro(port);
-    let slots = bufs.slots_for(one_ok);
-    let mut small = true;
-    let mut cut_run = false;
-    let mode = ctx.dev.config.icrc_ipv4();
-    let r = port.recv_some(bufs, slots, 1, |src, d| {
-        small &= d.len < SMALL_DATAGRAM;
-        received += 1;
-        let parsed = super::Pkt::parse_wire(d.bytes(), src, local, node, d.seg, mode);
-        let parsed = parsed.map(|(mut p, at)| {
-            p.payload = if at.len() <= super::SMALL_PAYLOAD {
-                super::Payload::copied(&d.bytes()[at])
-            } else {
-                // Long payloads stay in the receive buffer (no copy, no allocation).
-                let (buf, base) = d.share();
-                super::Payload::Shared(buf.clone(), base + at.start, at.len())
-            };
-            p
-        });
-        match parsed {
-            Ok(p) => {
-                let qpn = p.bth.dest_qpn;
-                if cur.as_ref().map_or(true, |(n, _)| *n != qpn) {
-                    if let Some((_, q)) = cur.take() {
-                        deliver(q, &mut run);
-                    }
-                    cur = ctx.qp_cached(qpn).map(|q| (qpn, q));
-                }
-                if cur.is_some() {
-                    run.push(p);
-                } else {
-                    dropped += 1;
-                }
-            }
-            Err(why) => cut_run |= st.dropped(why, 1),
-        }
-    });
-    bufs.cut_run |= cut_run;
-    if let Some((_, q)) = cur {
-        deliver(q, &mut run);
-    }
-    run.clear();
-    bufs.run = run;
-    if dropped > 0 {
-        st.dropped(super::Drop::UnknownQp, dropped);
-    }
-    if received > 0 {
-        // One writer at a time: this runs under the device's receive lock (`bufs` lives in
-        // it), so a load and a store count without a locked read-modify-write.
-        let n = st.rx_datagrams.load(Relaxed);
-        st.rx_datagrams.store(n + received, Relaxed);
-    }
-    match r {
-        Ok(n) => {
-            // Load first: the flag is usually already clear, and a swap is a locked RMW.
-            let answered = n > 0 && dp.answered.load(Relaxed) && dp.answered.swap(false, Relaxed);
-            bufs.after_receive(port, n, slots, small, answered);
-            n
-        }
-        Err(e) => {
-            tracing::debug!(error = %e, "UDP receive failed");
-            0
-        }
-    }
-}
-
-/// Receives in a row that found something, with no send posted in between, from which on a
-/// single-slot receiver takes batches again. Two, not one: request/response traffic brings
-/// the peer's message and, right behind it, the delayed ACK of this side's last message
-/// (`fastpath::ACK_DELAY_MAX`: a held ACK leaves after the application's next packets), and
-/// each is taken by its own pass. Counting only receives with no reply in between keeps a
-/// fast peer's reply, already queued behind that ACK, from looking like a burst (taking the
-/// echo's receives in batches of four cost ~0.4 µs per 8-byte SEND round trip).
-const BURST_RECEIVES: u8 = 2;
-
-/// The receive mode after a receive of `n` datagrams (`small`: all below [`SMALL_DATAGRAM`])
-/// that followed `busy` receives in a row which found something.
-fn next_single(single: bool, busy: u8, n: usize, small: bool) -> bool {
-    if n == 0 {
-        single // nothing arrived: keep the mode
-    } else {
-        n == 1 && small && busy < BURST_RECEIVES
-    }
-}
-
-/// A datagram below this size is request/response traffic (an ACK, a short message), not
-/// part of a bulk transfer (see `RecvBufs::single`).
-const SMALL_DATAGRAM: usize = 1024;
-
-/// Link counters of a device. Independent relaxed counters.
-///
-/// Every dropped datagram is counted here and, for `mrkit stat`, in the process-wide
-/// [`crate::stats::rx_drops`].
-#[derive(Debug, Default)]
-pub struct NetStats {
-    /// Datagrams sent.
-    pub tx_datagrams: AtomicU64,
-    /// Send errors.
-    pub send_errors: AtomicU64,
-    /// Datagrams received. Written only under the device's receive lock (one writer: a
-    /// load and a store, no locked read-modify-write).
-    pub rx_datagrams: AtomicU64,
-    /// Dropped: malformed (truncated, bad version, unknown opcode, bad pad ...).
-    pub rx_malformed: AtomicU64,
-    /// Dropped: the ICRC matches no IPv4 identification at all (a corrupted packet).
-    pub rx_bad_icrc: AtomicU64,
-    /// Dropped: the ICRC does not match the IPv4 identification expected, but another one,
-    /// and not one an mrkit sender's GSO segment carries: a foreign peer's packet, which
-    /// `MRKIT_ICRC_IPV4=solve` accepts (or, with probability 2^-15, a corrupted one).
-    pub rx_icrc_foreign_id: AtomicU64,
-    /// Dropped: the ICRC matches ID 1..63 with DF, an mrkit sender's GSO segment that
-    /// reached the socket cut apart from its batch (queued while the socket's receive offload
-    /// was off), whose ID the receiver cannot know; RC retransmits it.
-    pub rx_icrc_cut_run: AtomicU64,
-    /// Dropped: no such QP.
-    pub rx_unknown_qp: AtomicU64,
-    /// Dropped: the source address is not the QP's remote address.
-    pub rx_drop_src_addr: AtomicU64,
-    /// Dropped: the P_Key does not match the QP's (what hardware counts in the port's
-    /// `bad_pkey_cntr`).
-    pub rx_drop_pkey: AtomicU64,
-    /// Dropped: the QP's state does not take the packet (RESET, INIT, ERR; a request before
-    /// RTR, a response before RTS).
-    pub rx_drop_qp_state: AtomicU64,
-}
-
-/// A copy of [`NetStats`].
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct NetStatsSnapshot {
-    /// Datagrams sent.
-    pub tx_datagrams: u64,
-    /// Send errors.
-    pub send_errors: u64,
-    /// Datagrams received.
-    pub rx_datagrams: u64,
-    /// Dropped as malformed.
-    pub rx_malformed: u64,
-    /// Dropped for a bad ICRC (no IPv4 ID matches).
-    pub rx_bad_icrc: u64,
-    /// Dropped: the ICRC matches a foreign IPv4 identification.
-    pub rx_icrc_foreign_id: u64,
-    /// Dropped: a GSO segment cut apart from its batch.
-    pub rx_icrc_cut_run: u64,
-    /// Dropped for an unknown QP.
-    pub rx_unknown_qp: u64,
-    /// Dropped: wrong source address.
-    pub rx_drop_src_addr: u64,
-    /// Dropped: wrong P_Key.
-    pub rx_drop_pkey: u64,
-    /// Dropped: the QP's state.
-    pub rx_drop_qp_state: u64,
-}
-
-/// GSO segments one send may carry on Linux: a mismatching ID below this with DF is taken
-/// for an mrkit sender's cut-apart GSO segment.
-const GSO_SEGMENTS_MAX: u16 = sockio::MAX_GSO_SEGMENTS as u16;
-
-impl NetStats {
-    /// Copy the counters.
-    pub fn snapshot(&self) -> NetStatsSnapshot {
-        use std::sync::atomic::Ordering::Relaxed;
-        NetStatsSnapshot {
-            tx_datagrams: self.tx_datagrams.load(Relaxed),
-            send_errors: self.send_errors.load(Relaxed),
-            rx_datagrams: self.rx_datagrams.load(Relaxed),
-            rx_malformed: self.rx_malformed.load(Relaxed),
-            rx_bad_icrc: self.rx_bad_icrc.load(Relaxed),
-            rx_icrc_foreign_id: self.rx_icrc_foreign_id.load(Relaxed),
-            rx_icrc_cut_run: self.rx_icrc_cut_run.load(Relaxed),
-            rx_unknown_qp: self.rx_unknown_qp.load(Relaxed),
-            rx_drop_src_addr: self.rx_drop_src_addr.load(Relaxed),
-            rx_drop_pkey: self.rx_drop_pkey.load(Relaxed),
-            rx_drop_qp_state: self.rx_drop_qp_state.load(Relaxed),
-        }
-    }
-
-    /// The counter of one kind of drop.
-    fn counter(&self, k: crate::stats::RxDrop) -> &AtomicU64 {
-        use crate::stats::RxDrop;
-        match k {
-            RxDrop::Malformed => &self.rx_malformed,
-            RxDrop::BadIcrc => &self.rx_bad_icrc,
-            RxDrop::IcrcForeignId => &self.rx_icrc_foreign_id,
-            RxDrop::IcrcCutRun => &self.rx_icrc_cut_run,
-            RxDrop::UnknownQp => &self.rx_unknown_qp,
-            RxDrop::SrcAddr => &self.rx_drop_src_addr,
-            RxDrop::Pkey => &self.rx_drop_pkey,
-            RxDrop::QpState => &self.rx_drop_qp_state,
-        }
-    }
-
-    /// Count `n` packets dropped for `k`, here and process-wide.
-    pub(crate) fn count(&self, k: crate::stats::RxDrop, n: u64) {
-        self.counter(k).fetch_add(n, Ordering::Relaxed);
-        crate::stats::rx_drops().add(k, n);
-    }
-
-    /// Count `n` datagrams the receive path dropped for `why`. Returns whether they were GSO
-    /// segments cut apart from their batch (the receiver then turns GRO back on).
-    pub(crate) fn dropped(&self, why: super::Drop, n: u64) -> bool {
-        use super::Drop;
-        use crate::stats::RxDrop;
-        match why {
-            Drop::Malformed => self.count(RxDrop::Malformed, n),
-            Drop::BadIcrc => self.count(RxDrop::BadIcrc, n),
-            Drop::IcrcIpv4Id { id, df } => {
-                if df && (1..GSO_SEGMENTS_MAX).contains(&id) {
-                    self.count(RxDrop::IcrcCutRun, n);
-                    return true;
-                }
-                self.count(RxDrop::IcrcForeignId, n);
-            }
-            Drop::UnknownQp => self.count(RxDrop::UnknownQp, n),
-        }
-        false
-    }
-}
-
 #[cfg(test)]
 mod tests {
+    use super::super::recv::{next_single, GRO_OFF_AFTER, GRO_OFF_BACKOFF, SMALL_DATAGRAM};
     use super::*;
     use std::time::Duration;
 
@@ -1509,7 +690,7 @@ mod tests {
         let mut bufs = RecvBufs::default();
         // One receive pass as poll_rx makes it: parse every datagram at its batch index and
         // count what is dropped. Returns (ok, dropped) verdicts in order.
-        let pass = |bufs: &mut RecvBufs| -> Vec<Result<(), super::super::Drop>> {
+        let pass = |bufs: &mut RecvBufs| -> Vec<Result<(), super::super::DatagramDrop>> {
             let slots = bufs.slots_per_pass();
             let mut got = Vec::new();
             let mut cut = false;
@@ -1569,7 +750,7 @@ mod tests {
         let run: Vec<u8> = (0..3u16).flat_map(|k| ack(100 + u32::from(k), k)).collect();
         a.send(sport, b.local_addr(), &run, Some(20)).unwrap();
         let got = until_some(&mut bufs);
-        use super::super::Drop::IcrcIpv4Id;
+        use super::super::DatagramDrop::IcrcIpv4Id;
         assert_eq!(
             got,
             vec![

@@ -7,14 +7,14 @@
 
 use std::time::{Duration, Instant};
 
-use super::req::{for_pieces, ReadWindow, Requester, SendQueue, WqeSt};
+use super::req::{for_pieces, ReadWindow, Requester, SendQueue, WqeState};
 use super::{CopyOwner, Notice, Out, QpCtx, WrOpcode};
 use crate::access::AccessFlags;
 use crate::copy::Unreachable;
 use crate::cq::{Wc, WcStatus};
 use crate::device::StatusModel;
 use crate::mr::AccessDenied;
-use crate::net::{Payload, Pkt};
+use crate::pkt::{Payload, Pkt};
 use crate::wire::{
     local_ack_timeout, psn_add, psn_cmp, psn_diff, rnr_timer_to_duration, NakCode, Opcode, Syndrome,
 };
@@ -118,7 +118,7 @@ impl Completer {
     /// earlier copy. READ/atomic WQEs stop the walk: their responses are still needed.
     fn ack_before(&mut self, sq: &mut SendQueue, psn: u32, inclusive: bool) {
         for w in sq.q.iter_mut() {
-            if matches!(w.st, WqeSt::Done(_)) {
+            if matches!(w.st, WqeState::Done(_)) {
                 continue;
             }
             if !w.psn_valid {
@@ -132,7 +132,7 @@ impl Completer {
             if w.wr.opcode.is_rd_atomic() {
                 break; // its responses are missing: left to the retry timer
             }
-            w.st = WqeSt::Done(WcStatus::Success);
+            w.st = WqeState::Done(WcStatus::Success);
             // Every PSN of a completed WQE is acknowledged: the retry point can never
             // be left behind it (nothing there would be resent, and the QP would stall).
             let next = psn_add(w.last_psn, 1);
@@ -151,14 +151,14 @@ impl Completer {
     /// rxe status model keeps that quirk.
     fn take_retry(&mut self, model: StatusModel) -> bool {
         if model == StatusModel::Rxe && self.retry_cnt == 7 {
-            crate::stats::hw::inc(crate::stats::hw::Hw::CompleterRetryErr);
+            crate::counters::inc(crate::counters::Hw::CompleterRetryErr);
             return true;
         }
         if self.retry_left == 0 {
             return false;
         }
         self.retry_left -= 1;
-        crate::stats::hw::inc(crate::stats::hw::Hw::CompleterRetryErr);
+        crate::counters::inc(crate::counters::Hw::CompleterRetryErr);
         true
     }
 
@@ -180,14 +180,14 @@ impl Completer {
     /// acknowledges SENDs and WRITEs only (IBA 9.7.5.1.3): READ data and atomic results that
     /// were lost must still be requested again, so retries never start beyond this PSN.
     fn oldest_missing(sq: &SendQueue) -> Option<u32> {
-        let w = sq.q.iter().find(|w| !matches!(w.st, WqeSt::Done(_)))?;
+        let w = sq.q.iter().find(|w| !matches!(w.st, WqeState::Done(_)))?;
         if !w.psn_valid {
             return None;
         }
         match w.st {
             _ if w.wr.opcode == WrOpcode::RdmaRead => Some(psn_add(w.first_psn, w.sent)),
             _ if w.wr.opcode.is_atomic() => Some(w.first_psn),
-            WqeSt::Wait => Some(w.first_psn),
+            WqeState::Wait => Some(w.first_psn),
             _ => None,
         }
     }
@@ -195,7 +195,7 @@ impl Completer {
     /// Whether the oldest unfinished WQE is a READ or an atomic.
     fn head_is_rd_atomic(sq: &SendQueue) -> bool {
         sq.q.iter()
-            .find(|w| !matches!(w.st, WqeSt::Done(_)))
+            .find(|w| !matches!(w.st, WqeState::Done(_)))
             .is_some_and(|w| w.wr.opcode.is_rd_atomic())
     }
 
@@ -232,14 +232,14 @@ impl Completer {
         if self.rewind.is_some() || self.rnr_until.is_some() || self.started_retry || covered {
             return true; // a retry is already under way, or this gap was re-requested already
         }
-        crate::stats::hw::implied_nak(q.qpn, m);
+        crate::counters::implied_nak(q.qpn, m);
         if !self.take_retry(q.model) {
             Self::fail(sq, Some(m), WcStatus::RetryExcErr, out);
             return true;
         }
         let last =
             sq.q.iter()
-                .find(|w| !matches!(w.st, WqeSt::Done(_)))
+                .find(|w| !matches!(w.st, WqeState::Done(_)))
                 .map_or(m, |w| w.last_psn);
         self.gap_retry = Some((m, last));
         self.started_retry = true;
@@ -265,9 +265,9 @@ impl Completer {
     fn fail(sq: &mut SendQueue, psn: Option<u32>, status: WcStatus, out: &mut Out) {
         let idx = psn
             .and_then(|p| sq.q.iter().position(|w| w.contains(p)))
-            .or_else(|| sq.q.iter().position(|w| !matches!(w.st, WqeSt::Done(_))));
+            .or_else(|| sq.q.iter().position(|w| !matches!(w.st, WqeState::Done(_))));
         if let Some(i) = idx {
-            sq.q[i].st = WqeSt::Done(status);
+            sq.q[i].st = WqeState::Done(status);
         }
         out.error = true;
     }
@@ -306,7 +306,7 @@ impl Completer {
                             return; // stale (duplicated or reordered): see the NAK case below
                         }
                         self.ack_before(sq, psn, false);
-                        crate::stats::hw::rnr_nak_rcvd(q.qpn, psn, self.rnr_left == 0);
+                        crate::counters::rnr_nak_rcvd(q.qpn, psn, self.rnr_left == 0);
                         if self.rnr_left == 0 {
                             Self::fail(sq, Some(psn), WcStatus::RnrRetryExcErr, out);
                             return;
@@ -325,7 +325,7 @@ impl Completer {
                             return;
                         }
                         self.ack_before(sq, psn, false);
-                        crate::stats::hw::seq_nak_rcvd(q.qpn, psn);
+                        crate::counters::seq_nak_rcvd(q.qpn, psn);
                         if self.rewind.is_some() || self.rnr_until.is_some() || self.started_retry {
                             return; // a retry is already under way
                         }
@@ -340,7 +340,7 @@ impl Completer {
                     }
                     Syndrome::Nak(code) => {
                         self.ack_before(sq, psn, false);
-                        crate::stats::hw::nak_rcvd(code);
+                        crate::counters::nak_rcvd(code);
                         Self::fail(sq, Some(psn), nak_status(code), out);
                     }
                     Syndrome::Reserved(_) => {}
@@ -351,11 +351,11 @@ impl Completer {
             | Opcode::RdmaReadResponseLast
             | Opcode::RdmaReadResponseOnly => {
                 self.ack_before(sq, psn, false);
-                let Some(i) = sq.q.iter().position(|w| !matches!(w.st, WqeSt::Done(_))) else {
+                let Some(i) = sq.q.iter().position(|w| !matches!(w.st, WqeState::Done(_))) else {
                     return;
                 };
                 let w = &mut sq.q[i];
-                if w.wr.opcode != WrOpcode::RdmaRead || w.st != WqeSt::Wait || !w.contains(psn) {
+                if w.wr.opcode != WrOpcode::RdmaRead || w.st != WqeState::Wait || !w.contains(psn) {
                     // A response for a later request (or a stray one): if it lies beyond the
                     // oldest missing READ response or atomic ACK, that one was lost.
                     self.implied_nak(q, sq, psn, false, out);
@@ -377,11 +377,11 @@ impl Completer {
                 let n = p.payload.len() as u64;
                 let r = scatter_deferred(q, &w.wr.sg_list, off, n, p.payload, psn, out);
                 if let Err(e) = r {
-                    w.st = WqeSt::Done(match e {
+                    w.st = WqeState::Done(match e {
                         PlaceError::Copy(Unreachable::Src) => {
                             // The responder's memory (loopback): see `copy_failed`.
                             let n = Notice::ReadSourceFault { psn };
-                            crate::net::loopback::notify(q.dest_node, q.dest_qpn, n);
+                            out.peer_notices.push((q.dest_node, q.dest_qpn, n));
                             WcStatus::RemAccessErr
                         }
                         _ => WcStatus::LocProtErr,
@@ -412,17 +412,17 @@ impl Completer {
                 let complete = w.sent == w.npkts;
                 if complete {
                     w.ahead = None;
-                    w.st = WqeSt::Done(WcStatus::Success);
+                    w.st = WqeState::Done(WcStatus::Success);
                 }
                 self.advance(done_to);
             }
             Opcode::AtomicAcknowledge => {
                 self.ack_before(sq, psn, false);
-                let Some(i) = sq.q.iter().position(|w| !matches!(w.st, WqeSt::Done(_))) else {
+                let Some(i) = sq.q.iter().position(|w| !matches!(w.st, WqeState::Done(_))) else {
                     return;
                 };
                 let w = &mut sq.q[i];
-                if !w.wr.opcode.is_rd_atomic() || w.st != WqeSt::Wait || w.first_psn != psn {
+                if !w.wr.opcode.is_rd_atomic() || w.st != WqeState::Wait || w.first_psn != psn {
                     self.implied_nak(q, sq, psn, false, out);
                     return;
                 }
@@ -435,7 +435,7 @@ impl Completer {
                     &Payload::copied(&orig.to_ne_bytes()),
                 );
                 self.advance(psn);
-                w.st = WqeSt::Done(if r.is_ok() {
+                w.st = WqeState::Done(if r.is_ok() {
                     WcStatus::Success
                 } else {
                     out.error = true;
@@ -465,7 +465,7 @@ impl Completer {
             Unreachable::Dst => WcStatus::LocProtErr,
             Unreachable::Src => {
                 let n = Notice::ReadSourceFault { psn };
-                crate::net::loopback::notify(q.dest_node, q.dest_qpn, n);
+                out.peer_notices.push((q.dest_node, q.dest_qpn, n));
                 WcStatus::RemAccessErr
             }
         };
@@ -475,10 +475,10 @@ impl Completer {
         }) else {
             return;
         };
-        sq.q[i].st = WqeSt::Done(status);
+        sq.q[i].st = WqeState::Done(status);
         for w in sq.q.iter_mut().skip(i + 1) {
-            if w.st == WqeSt::Done(WcStatus::Success) {
-                w.st = WqeSt::Done(WcStatus::WrFlushErr);
+            if w.st == WqeState::Done(WcStatus::Success) {
+                w.st = WqeState::Done(WcStatus::WrFlushErr);
             }
         }
     }
@@ -489,7 +489,7 @@ impl Completer {
     /// outstanding (an earlier copy of the packet was acknowledged) is left alone.
     pub(crate) fn gather_fault(&mut self, sq: &mut SendQueue, psn: u32, out: &mut Out) {
         if let Some(w) = sq.q.iter_mut().find(|w| w.contains(psn)) {
-            w.st = WqeSt::Done(WcStatus::LocProtErr);
+            w.st = WqeState::Done(WcStatus::LocProtErr);
             out.error = true;
         }
     }
@@ -500,7 +500,7 @@ impl Completer {
         &mut self,
         q: &QpCtx<'_>,
         sq: &mut SendQueue,
-        _req: &mut Requester,
+        req: &mut Requester,
         now: Instant,
         out: &mut Out,
     ) {
@@ -510,12 +510,12 @@ impl Completer {
         }
         let outstanding =
             sq.q.iter()
-                .any(|w| matches!(w.st, WqeSt::Wait | WqeSt::Sending));
+                .any(|w| matches!(w.st, WqeState::Wait | WqeState::Sending));
         if !outstanding || now.duration_since(self.last_activity) < t {
             return;
         }
         self.last_activity = now;
-        crate::stats::hw::ack_timeout(q.qpn, self.comp_psn);
+        crate::counters::ack_timeout(q.qpn, self.comp_psn);
         self.gap_retry = None;
         self.started_retry = true;
         if !self.take_retry(q.model) {
@@ -526,8 +526,8 @@ impl Completer {
         self.rewind = Some(self.comp_psn);
         tracing::debug!(
             comp_psn = self.comp_psn,
-            req_psn = _req.psn,
-            max_psn = _req.max_psn,
+            req_psn = req.psn,
+            max_psn = req.max_psn,
             retry_left = self.retry_left,
             "retransmit timer: go back"
         );
@@ -541,7 +541,7 @@ impl Completer {
         }
         let t = self.timeout?;
         sq.q.iter()
-            .any(|w| matches!(w.st, WqeSt::Wait | WqeSt::Sending))
+            .any(|w| matches!(w.st, WqeState::Wait | WqeState::Sending))
             .then(|| self.last_activity + t)
     }
 
@@ -555,9 +555,9 @@ impl Completer {
         _req: &mut Requester,
         wcs: &mut Vec<Wc>,
     ) {
-        while let Some(WqeSt::Done(status)) = sq.q.front().map(|w| w.st) {
+        while let Some(WqeState::Done(status)) = sq.q.front().map(|w| w.st) {
             let w = sq.q.pop_front().expect("front exists");
-            crate::stats::hw::send_wqe_done(
+            crate::counters::send_wqe_done(
                 w.wr.opcode.wc_opcode() == crate::cq::WcOpcode::Send,
                 status,
             );

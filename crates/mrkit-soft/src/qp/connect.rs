@@ -7,7 +7,6 @@ use std::net::IpAddr;
 use super::{attr_mask as m, AddressVector, QpAttr, QpState};
 use crate::access::AccessFlags;
 use crate::error::Result;
-use crate::Context;
 
 /// What a peer tells us about its QP (the out-of-band exchange of perftest / rc_pingpong).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -59,10 +58,26 @@ impl Default for ConnectOpts {
     }
 }
 
+/// The verbs connecting a QP uses. The device's `Context` implements it; the functions here
+/// stay below the driver that way.
+pub trait ConnectVerbs {
+    /// `ibv_modify_qp`.
+    fn modify_qp(&self, qpn: u32, attr: &QpAttr, mask: u32) -> Result<()>;
+    /// Bind the device's RoCEv2 UDP port if it is not bound yet.
+    fn bind_udp_port(&self) -> Result<()>;
+    /// This device instance's node id on the loopback link.
+    fn node_id(&self) -> u64;
+}
+
 /// Move `qp` from RESET to RTS connected to `remote`.
-pub fn connect_qp(ctx: &Context, qp: u32, remote: RemoteQp, o: ConnectOpts) -> Result<()> {
+pub fn connect_qp(
+    ctx: &impl ConnectVerbs,
+    qp: u32,
+    remote: RemoteQp,
+    o: ConnectOpts,
+) -> Result<()> {
     if remote.ip.is_some() {
-        ctx.udp_port()?; // bind before traffic can arrive
+        ctx.bind_udp_port()?; // bind before traffic can arrive
     }
     let mut at = QpAttr {
         qp_state: QpState::Init as u32,
@@ -107,4 +122,33 @@ pub fn connect_qp(ctx: &Context, qp: u32, remote: RemoteQp, o: ConnectOpts) -> R
         &at,
         m::STATE | m::TIMEOUT | m::RETRY_CNT | m::RNR_RETRY | m::SQ_PSN | m::MAX_QP_RD_ATOMIC,
     )
+}
+
+/// Bring two RC QPs (possibly on different device instances) to RTS, connected to each other:
+/// RESET→INIT (port 1, `access`), INIT→RTR (path MTU `mtu` as `IBV_MTU_*`, PSN 0, 16
+/// responder resources, min_rnr_timer 1), RTR→RTS (timeout 14, retry 7, rnr_retry 7, 16
+/// outstanding READ/atomics).
+pub fn rc_connect<C: ConnectVerbs>(
+    a: &C,
+    qpa: u32,
+    b: &C,
+    qpb: u32,
+    access: AccessFlags,
+    mtu: u8,
+) -> Result<()> {
+    let opts = ConnectOpts {
+        access,
+        path_mtu: mtu,
+        ..ConnectOpts::default()
+    };
+    for (c, q, node, qpn) in [(a, qpa, b.node_id(), qpb), (b, qpb, a.node_id(), qpa)] {
+        let remote = RemoteQp {
+            qpn,
+            psn: 0,
+            ip: None,
+            node,
+        };
+        connect_qp(c, q, remote, opts)?;
+    }
+    Ok(())
 }

@@ -7,9 +7,9 @@ use crate::user_mem::UserMemory;
 
 use super::{rc_connect, QpState, SendWr, WrOpcode};
 use crate::cq::{Wc, WcStatus};
-use crate::net::loopback::drive_until_idle;
-use crate::net::{Payload, Pkt};
-use crate::progress::AsyncEvent;
+use crate::driver::loopback::drive_until_idle;
+use crate::events::AsyncEvent;
+use crate::pkt::{Payload, Pkt};
 use crate::wire::{
     Aeth, AtomicAckEth, AtomicEth, Bth, ExtHeaders, IcrcInputs, Ieth, ImmDt, Opcode, Packet, Reth,
 };
@@ -20,8 +20,8 @@ type Host = (Context, u32, u32, u32);
 
 /// Two manual hosts whose RC QPs are connected to each other with `access` (MTU 1024).
 fn connected(access: A) -> (Host, Host) {
-    let a = crate::net::fuzz::manual_rc_host(64, true);
-    let b = crate::net::fuzz::manual_rc_host(64, true);
+    let a = crate::fuzz::manual_rc_host(64, true);
+    let b = crate::fuzz::manual_rc_host(64, true);
     rc_connect(&a.0, a.3, &b.0, b.3, access, 3).unwrap();
     (a, b)
 }

@@ -13,7 +13,7 @@ use crate::access::AccessFlags;
 use crate::cq::{Wc, WcStatus};
 use crate::device::StatusModel;
 use crate::mr::{AccessDenied, KeyUse};
-use crate::net::{Payload, Pkt};
+use crate::pkt::{Payload, Pkt};
 use crate::wire::{
     psn_add, psn_cmp, psn_diff, AtomicEth, Bth, ExtHeaders, Ieth, ImmDt, Opcode, Reth,
 };
@@ -25,7 +25,7 @@ pub const MAX_PKT_PER_ACK: u32 = 64;
 
 /// Progress of one WQE.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum WqeSt {
+pub(crate) enum WqeState {
     Pending,
     Sending,
     Wait,
@@ -39,7 +39,7 @@ pub(crate) struct Wqe {
     /// WQE's `inline_data` are empty here (see `inline_bytes`).
     pub wr: SendWr,
     /// An inline WQE's bytes (copied at post time; in the WQE itself up to
-    /// `net::SMALL_PAYLOAD` bytes, so posting a short inline message allocates nothing).
+    /// `pkt::SMALL_PAYLOAD` bytes, so posting a short inline message allocates nothing).
     pub inline_bytes: Payload,
     pub len: u64,
     pub inline: bool,
@@ -53,7 +53,7 @@ pub(crate) struct Wqe {
     /// SEND/WRITE: packets sent. READ: response packets received in order (the next one
     /// expected is `sent`).
     pub sent: u32,
-    pub st: WqeSt,
+    pub st: WqeState,
     /// READ: responses that arrived ahead of `sent` and were placed already
     /// ([`ReadWindow`]); allocated at the first such response.
     pub ahead: Option<Box<ReadWindow>>,
@@ -97,7 +97,7 @@ impl Wqe {
     }
 
     /// The WQE of a validated work request: copies what the device needs of it, without
-    /// allocating for an inline message of up to `net::SMALL_PAYLOAD` bytes.
+    /// allocating for an inline message of up to `pkt::SMALL_PAYLOAD` bytes.
     pub(crate) fn from_wr(wr: &SendWr, len: u64, inline: bool) -> Wqe {
         let stored = SendWr {
             wr_id: wr.wr_id,
@@ -131,7 +131,7 @@ impl Wqe {
             psn_valid: false,
             npkts: 0,
             sent: 0,
-            st: WqeSt::Pending,
+            st: WqeState::Pending,
             ahead: None,
         }
     }
@@ -154,7 +154,7 @@ impl Wqe {
     /// `psn` is one of this unfinished WQE's PSNs.
     pub(crate) fn contains(&self, psn: u32) -> bool {
         self.psn_valid
-            && !matches!(self.st, WqeSt::Done(_))
+            && !matches!(self.st, WqeState::Done(_))
             && psn_cmp(psn, self.first_psn).is_ge()
             && psn_cmp(psn, self.last_psn).is_le()
     }
@@ -174,7 +174,7 @@ impl SendQueue {
     pub(crate) fn in_flight(&self) -> usize {
         self.q
             .iter()
-            .filter(|w| matches!(w.st, WqeSt::Sending | WqeSt::Wait))
+            .filter(|w| matches!(w.st, WqeState::Sending | WqeState::Wait))
             .count()
     }
 }
@@ -201,7 +201,7 @@ pub(crate) fn gather_status(model: StatusModel, d: AccessDenied) -> WcStatus {
 
 impl QpCtx<'_> {
     /// The lkey check for `len` bytes at offset `soff` of the local SGE `s`, through the one
-    /// access predicate (`Context::check_access`): gathers need no rights, scatters (READ
+    /// access predicate (`MemCore::check_access`): gathers need no rights, scatters (READ
     /// data, atomic results, received SENDs) need LOCAL_WRITE.
     pub(crate) fn local_sge(
         &self,
@@ -210,7 +210,7 @@ impl QpCtx<'_> {
         len: u64,
         need: AccessFlags,
     ) -> Result<crate::mr::MrGuard, AccessDenied> {
-        self.ctx.check_access(
+        self.mem.check_access(
             s.lkey,
             self.pd,
             need,
@@ -273,7 +273,7 @@ impl Requester {
                 self.psn = psn;
                 sq.cursor =
                     sq.q.iter()
-                        .position(|w| !matches!(w.st, WqeSt::Done(_)))
+                        .position(|w| !matches!(w.st, WqeState::Done(_)))
                         .unwrap_or(sq.q.len());
             }
             return;
@@ -286,11 +286,11 @@ impl Requester {
                 w.ahead = None; // its bits are relative to the old `sent`
             }
             w.sent = sent;
-            w.st = WqeSt::Sending;
+            w.st = WqeState::Sending;
         }
         for w in sq.q.iter_mut().skip(idx + 1) {
-            if !matches!(w.st, WqeSt::Done(_)) {
-                w.st = WqeSt::Pending;
+            if !matches!(w.st, WqeState::Done(_)) {
+                w.st = WqeState::Pending;
                 w.sent = 0;
                 w.ahead = None;
             }
@@ -323,17 +323,17 @@ impl Requester {
         let mut rd_out =
             sq.q.iter()
                 .take(sq.cursor)
-                .filter(|w| w.wr.opcode.is_rd_atomic() && w.st == WqeSt::Wait)
+                .filter(|w| w.wr.opcode.is_rd_atomic() && w.st == WqeState::Wait)
                 .count() as u32;
         while sq.cursor < sq.q.len() {
             let idx = sq.cursor;
             let w = &sq.q[idx];
             match w.st {
-                WqeSt::Done(_) | WqeSt::Wait => {
+                WqeState::Done(_) | WqeState::Wait => {
                     sq.cursor += 1;
                     continue;
                 }
-                WqeSt::Pending if q.state == super::QpState::Sqd => break,
+                WqeState::Pending if q.state == super::QpState::Sqd => break,
                 _ => {}
             }
             if psn_diff(self.psn, comp.comp_psn) >= MAX_UNACKED_PSNS {
@@ -343,14 +343,14 @@ impl Requester {
             let earlier_done = |sq: &SendQueue| {
                 sq.q.iter()
                     .take(idx)
-                    .all(|w| matches!(w.st, WqeSt::Done(_)))
+                    .all(|w| matches!(w.st, WqeState::Done(_)))
             };
             if op.is_local() {
                 if !earlier_done(sq) {
                     break;
                 }
                 let status = exec_local(q, &sq.q[idx].wr);
-                sq.q[idx].st = WqeSt::Done(status);
+                sq.q[idx].st = WqeState::Done(status);
                 sq.cursor += 1;
                 if status != WcStatus::Success {
                     out.error = true;
@@ -363,7 +363,7 @@ impl Requester {
                     .q
                     .iter()
                     .take(idx)
-                    .any(|x| x.wr.opcode.is_rd_atomic() && !matches!(x.st, WqeSt::Done(_)))
+                    .any(|x| x.wr.opcode.is_rd_atomic() && !matches!(x.st, WqeState::Done(_)))
             {
                 break;
             }
@@ -374,7 +374,7 @@ impl Requester {
                 comp.mark_activity(now);
             }
             let w = &mut sq.q[idx];
-            if w.st == WqeSt::Pending {
+            if w.st == WqeState::Pending {
                 debug_assert!(
                     !w.psn_valid || w.first_psn == self.psn,
                     "a retried WQE keeps its PSNs"
@@ -389,13 +389,13 @@ impl Requester {
                 w.last_psn = psn_add(w.first_psn, w.npkts - 1);
                 w.sent = 0;
                 w.ahead = None;
-                w.st = WqeSt::Sending;
+                w.st = WqeState::Sending;
             }
             if op.is_rd_atomic() {
                 out.pkts.push(self.rd_atomic_packet(q, w));
                 self.psn = psn_add(w.last_psn, 1);
                 self.note_sent();
-                w.st = WqeSt::Wait;
+                w.st = WqeState::Wait;
                 rd_out += 1;
                 sq.cursor += 1;
                 continue;
@@ -408,7 +408,7 @@ impl Requester {
                 match self.data_packet(q, w) {
                     Ok(p) => out.pkts.push(p),
                     Err(status) => {
-                        w.st = WqeSt::Done(status);
+                        w.st = WqeState::Done(status);
                         sq.cursor += 1;
                         out.error = true;
                         return;
@@ -418,7 +418,7 @@ impl Requester {
                 self.psn = psn_add(self.psn, 1);
                 self.note_sent();
             }
-            w.st = WqeSt::Wait;
+            w.st = WqeState::Wait;
             sq.cursor += 1;
         }
     }
@@ -550,7 +550,7 @@ impl Requester {
 
 fn exec_local(q: &QpCtx<'_>, wr: &SendWr) -> WcStatus {
     match wr.opcode {
-        WrOpcode::LocalInv => match q.ctx.invalidate_rkey(q.pd, q.qpn, wr.invalidate_rkey) {
+        WrOpcode::LocalInv => match q.mem.invalidate_rkey(q.pd, q.qpn, wr.invalidate_rkey) {
             Ok(()) => WcStatus::Success,
             Err(_) => WcStatus::LocQpOpErr,
         },
@@ -558,7 +558,7 @@ fn exec_local(q: &QpCtx<'_>, wr: &SendWr) -> WcStatus {
             let Some(b) = wr.bind else {
                 return WcStatus::MwBindErr;
             };
-            match q.ctx.bind_mw(q.pd, q.qpn, b.mw_rkey, b.new_key, b.info) {
+            match q.mem.bind_mw(q.pd, q.qpn, b.mw_rkey, b.new_key, b.info) {
                 Ok(_) => WcStatus::Success,
                 Err(_) => WcStatus::MwBindErr,
             }

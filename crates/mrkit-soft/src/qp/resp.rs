@@ -14,15 +14,17 @@ use crate::access::AccessFlags;
 use crate::copy::{self, AtomicOp, Unreachable};
 use crate::cq::{Wc, WcOpcode, WcStatus, WC_WITH_IMM, WC_WITH_INV};
 use crate::device::StatusModel;
+use crate::events::AsyncEvent;
 use crate::mr::KeyUse;
-use crate::net::{Payload, Pkt};
-use crate::progress::AsyncEvent;
+use crate::pkt::{Payload, Pkt};
 use crate::wire::{
     psn_add, psn_cmp, psn_diff, Aeth, AtomicAckEth, Bth, ExtHeaders, NakCode, Opcode, MSN_MASK,
 };
 
+/// The inbound message the responder is in the middle of: a SEND being placed into its
+/// receive WQE, or an RDMA WRITE being placed at `va` (`off` bytes so far).
 #[derive(Debug, Default)]
-enum Cur {
+enum InboundMessage {
     #[default]
     None,
     Send {
@@ -37,8 +39,11 @@ enum Cur {
     },
 }
 
+/// A responder resource (IBA: one per outstanding READ or atomic the requester may have):
+/// what is needed to answer a duplicate of that request again (a READ's range, an atomic's
+/// original value).
 #[derive(Debug, Clone, Copy)]
-enum Res {
+enum ResponderResource {
     Read {
         first: u32,
         last: u32,
@@ -80,10 +85,10 @@ pub(crate) struct Responder {
     epsn: u32,
     msn: u32,
     sent_psn_nak: bool,
-    cur: Cur,
+    message: InboundMessage,
     /// Responder resources: the last `max_dest_rd_atomic` READ/atomic requests, the only ones
     /// a duplicate is answered for.
-    res: VecDeque<Res>,
+    resources: VecDeque<ResponderResource>,
     /// The READ response stream being sent.
     job: Option<ReadJob>,
     /// Requests waiting behind `job`.
@@ -229,7 +234,7 @@ impl Responder {
     }
 
     fn recv_wc(&self, q: &QpCtx<'_>, r: &RecvWqe, status: WcStatus, opcode: WcOpcode) -> Wc {
-        crate::stats::hw::recv_done(status);
+        crate::counters::recv_done(status);
         Wc {
             wr_id: r.wr_id,
             status,
@@ -256,10 +261,10 @@ impl Responder {
         }
         self.job = None;
         self.backlog = VecDeque::new();
-        crate::stats::hw::nak_sent(f.nak);
+        crate::counters::nak_sent(f.nak);
         self.ack(q, psn, Aeth::nak(f.nak, self.msn), out);
-        let recv = match std::mem::take(&mut self.cur) {
-            Cur::Send { recv, .. } => Some(recv),
+        let recv = match std::mem::take(&mut self.message) {
+            InboundMessage::Send { recv, .. } => Some(recv),
             _ => taken,
         };
         if let (Some(r), Some(st)) = (recv, f.recv_status) {
@@ -304,8 +309,8 @@ impl Responder {
             .retain(|p| p.bth.opcode != Opcode::Acknowledge || psn_cmp(p.bth.psn, psn).is_lt());
         match side {
             Unreachable::Dst => {
-                if matches!(self.cur, Cur::Write { .. }) {
-                    self.cur = Cur::None;
+                if matches!(self.message, InboundMessage::Write { .. }) {
+                    self.message = InboundMessage::None;
                 }
                 let f = fail(NakCode::RemoteAccessError, Some(WcStatus::RemAccessErr));
                 self.error(q, psn, f, taken, out);
@@ -317,11 +322,12 @@ impl Responder {
                     let wc = self.recv_wc(q, &r, WcStatus::WrFlushErr, WcOpcode::Recv);
                     out.recv_wcs.push((wc, false));
                 }
-                if matches!(self.cur, Cur::Write { .. }) {
-                    self.cur = Cur::None;
+                if matches!(self.message, InboundMessage::Write { .. }) {
+                    self.message = InboundMessage::None;
                 }
                 self.epsn = psn;
-                crate::net::loopback::notify(q.dest_node, q.dest_qpn, Notice::GatherFault { psn });
+                out.peer_notices
+                    .push((q.dest_node, q.dest_qpn, Notice::GatherFault { psn }));
             }
         }
     }
@@ -352,7 +358,7 @@ impl Responder {
             return;
         }
         if d > 0 {
-            crate::stats::hw::out_of_seq(!self.sent_psn_nak);
+            crate::counters::out_of_seq(!self.sent_psn_nak);
             if !self.sent_psn_nak {
                 self.sent_psn_nak = true;
                 self.ack(
@@ -365,25 +371,26 @@ impl Responder {
             return;
         }
         if d < 0 {
-            crate::stats::hw::inc(crate::stats::hw::Hw::DuplicateRequest);
+            crate::counters::inc(crate::counters::Hw::DuplicateRequest);
             self.duplicate(q, p, out);
             return;
         }
         self.sent_psn_nak = false;
         let op = p.bth.opcode;
         // Opcode sequence.
-        let seq_ok = match (&self.cur, op) {
+        let seq_ok = match (&self.message, op) {
             (
-                Cur::Send { .. },
+                InboundMessage::Send { .. },
                 SendMiddle | SendLast | SendLastWithImmediate | SendLastWithInvalidate,
             ) => true,
-            (Cur::Send { .. }, _) => false,
-            (Cur::Write { .. }, RdmaWriteMiddle | RdmaWriteLast | RdmaWriteLastWithImmediate) => {
-                true
-            }
-            (Cur::Write { .. }, _) => false,
+            (InboundMessage::Send { .. }, _) => false,
             (
-                Cur::None,
+                InboundMessage::Write { .. },
+                RdmaWriteMiddle | RdmaWriteLast | RdmaWriteLastWithImmediate,
+            ) => true,
+            (InboundMessage::Write { .. }, _) => false,
+            (
+                InboundMessage::None,
                 SendMiddle
                 | SendLast
                 | SendLastWithImmediate
@@ -392,7 +399,7 @@ impl Responder {
                 | RdmaWriteLast
                 | RdmaWriteLastWithImmediate,
             ) => false,
-            (Cur::None, _) => true,
+            (InboundMessage::None, _) => true,
         };
         if !seq_ok {
             let st = Some(WcStatus::RemInvReqErr);
@@ -429,7 +436,7 @@ impl Responder {
                 | RdmaWriteOnlyWithImmediate
         );
         if needs_recv && rq.is_empty() {
-            crate::stats::hw::inc(crate::stats::hw::Hw::SendRnrErr);
+            crate::counters::inc(crate::counters::Hw::SendRnrErr);
             self.ack(q, psn, Aeth::rnr_nak(q.min_rnr_timer, self.msn), out);
             return;
         }
@@ -487,9 +494,9 @@ impl Responder {
         let psn = p.bth.psn;
         if is_first_or_only(op) {
             let recv = rq.pop_front().expect("checked non-empty");
-            self.cur = Cur::Send { recv, off: 0 };
+            self.message = InboundMessage::Send { recv, off: 0 };
         }
-        let Cur::Send { recv, off } = &mut self.cur else {
+        let InboundMessage::Send { recv, off } = &mut self.message else {
             return;
         };
         let n = p.payload.len() as u64;
@@ -511,15 +518,13 @@ impl Responder {
                 // receive WQE this packet took goes back.
                 Unreachable::Src => {
                     if is_first_or_only(op) {
-                        if let Cur::Send { recv, .. } = std::mem::take(&mut self.cur) {
+                        if let InboundMessage::Send { recv, .. } = std::mem::take(&mut self.message)
+                        {
                             rq.push_front(recv);
                         }
                     }
-                    crate::net::loopback::notify(
-                        q.dest_node,
-                        q.dest_qpn,
-                        Notice::GatherFault { psn },
-                    );
+                    out.peer_notices
+                        .push((q.dest_node, q.dest_qpn, Notice::GatherFault { psn }));
                 }
                 // The receive buffer could not be reached: a local protection error on the
                 // receive WQE in both models (a fault, not a malformed WQE), the class of a
@@ -548,7 +553,7 @@ impl Responder {
         }
         *off += n;
         if is_last_or_only(op) {
-            let Cur::Send { recv, off } = std::mem::take(&mut self.cur) else {
+            let InboundMessage::Send { recv, off } = std::mem::take(&mut self.message) else {
                 unreachable!()
             };
             self.msn = (self.msn + 1) & MSN_MASK;
@@ -560,7 +565,7 @@ impl Responder {
             }
             let mut inv_failed = false;
             if let Some(ieth) = p.ext.ieth {
-                match q.ctx.invalidate_rkey(q.pd, q.qpn, ieth.rkey) {
+                match q.mem.invalidate_rkey(q.pd, q.qpn, ieth.rkey) {
                     Ok(()) => {
                         wc.imm_data = ieth.rkey;
                         wc.wc_flags |= WC_WITH_INV;
@@ -591,7 +596,7 @@ impl Responder {
         );
         let rkey_fail = |s: &mut Self, rq: &mut VecDeque<RecvWqe>, out: &mut Out| {
             let taken = if imm_recv { rq.pop_front() } else { None };
-            s.cur = Cur::None;
+            s.message = InboundMessage::None;
             s.error(
                 q,
                 psn,
@@ -608,7 +613,7 @@ impl Responder {
             let single = is_last_or_only(op) && p.payload.len() as u64 == len;
             if len > 0
                 && !single
-                && q.ctx
+                && q.mem
                     .check_access(
                         reth.rkey,
                         q.pd,
@@ -623,20 +628,20 @@ impl Responder {
                 rkey_fail(self, rq, out);
                 return;
             }
-            self.cur = Cur::Write {
+            self.message = InboundMessage::Write {
                 va: reth.va,
                 rkey: reth.rkey,
                 len,
                 off: 0,
             };
         }
-        let Cur::Write { va, rkey, len, off } = &mut self.cur else {
+        let InboundMessage::Write { va, rkey, len, off } = &mut self.message else {
             return;
         };
         let n = p.payload.len() as u64;
         let remaining = *len - *off;
         if n > remaining || (is_last_or_only(op) && n != remaining) {
-            self.cur = Cur::None;
+            self.message = InboundMessage::None;
             let taken = if imm_recv { rq.pop_front() } else { None };
             self.error(
                 q,
@@ -648,7 +653,7 @@ impl Responder {
             return;
         }
         if n > 0 {
-            match q.ctx.check_access(
+            match q.mem.check_access(
                 *rkey,
                 q.pd,
                 AccessFlags::REMOTE_WRITE,
@@ -686,13 +691,13 @@ impl Responder {
                 return;
             }
         }
-        let Cur::Write { len, .. } = &self.cur else {
+        let InboundMessage::Write { len, .. } = &self.message else {
             return;
         };
         let len = *len;
         if is_last_or_only(op) {
             let total = len;
-            self.cur = Cur::None;
+            self.message = InboundMessage::None;
             self.msn = (self.msn + 1) & MSN_MASK;
             if imm_recv {
                 let r = rq.pop_front().expect("checked non-empty");
@@ -711,7 +716,7 @@ impl Responder {
         let Some(reth) = p.ext.reth else { return };
         let len = u64::from(reth.dma_len);
         if len > 0
-            && q.ctx
+            && q.mem
                 .check_access(
                     reth.rkey,
                     q.pd,
@@ -730,7 +735,7 @@ impl Responder {
         let last = psn_add(psn, npkts - 1);
         self.push_res(
             q,
-            Res::Read {
+            ResponderResource::Read {
                 first: psn,
                 last,
                 va: reth.va,
@@ -751,12 +756,12 @@ impl Responder {
         self.pump(q, out);
     }
 
-    fn push_res(&mut self, q: &QpCtx<'_>, r: Res) {
+    fn push_res(&mut self, q: &QpCtx<'_>, r: ResponderResource) {
         let cap = q.max_dest_rd_atomic.max(1) as usize;
-        while self.res.len() >= cap {
-            self.res.pop_front();
+        while self.resources.len() >= cap {
+            self.resources.pop_front();
         }
-        self.res.push_back(r);
+        self.resources.push_back(r);
     }
 
     /// Emit READ responses for packets `k0..end` of a READ of `len` bytes at `va` whose
@@ -793,7 +798,7 @@ impl Responder {
             }
             if n > 0 {
                 let g = q
-                    .ctx
+                    .mem
                     .check_access(
                         rkey,
                         q.pd,
@@ -818,7 +823,7 @@ impl Responder {
             self.error(q, psn, fail(NakCode::InvalidRequest, None), None, out);
             return;
         }
-        let g = match q.ctx.check_access(
+        let g = match q.mem.check_access(
             ae.rkey,
             q.pd,
             AccessFlags::REMOTE_ATOMIC,
@@ -852,7 +857,7 @@ impl Responder {
             self.error(q, psn, fail(NakCode::RemoteAccessError, None), None, out);
             return;
         };
-        self.push_res(q, Res::Atomic { psn, orig });
+        self.push_res(q, ResponderResource::Atomic { psn, orig });
         self.msn = (self.msn + 1) & MSN_MASK;
         self.epsn = psn_add(psn, 1);
         self.atomic_ack(q, psn, orig, out);
@@ -874,8 +879,8 @@ impl Responder {
                 // must lie within that READ (same rkey, its range, its PSNs): a retry asks for
                 // what it still misses. Anything else is dropped silently (IBA class D; rxe).
                 let Some(reth) = p.ext.reth else { return };
-                let found = self.res.iter().rev().find_map(|r| match *r {
-                    Res::Read {
+                let found = self.resources.iter().rev().find_map(|r| match *r {
+                    ResponderResource::Read {
                         first,
                         last,
                         va,
@@ -918,8 +923,8 @@ impl Responder {
                 self.pump(q, out);
             }
             Opcode::CompareSwap | Opcode::FetchAdd => {
-                let found = self.res.iter().rev().find_map(|r| match *r {
-                    Res::Atomic { psn: rp, orig } if rp == psn => Some(orig),
+                let found = self.resources.iter().rev().find_map(|r| match *r {
+                    ResponderResource::Atomic { psn: rp, orig } if rp == psn => Some(orig),
                     _ => None,
                 });
                 if let Some(orig) = found {
@@ -941,8 +946,8 @@ mod tests {
     use std::time::Instant;
 
     use super::{BACKLOG_MAX, READ_BURST};
-    use crate::net::loopback::drive_until_idle;
-    use crate::net::{Payload, Pkt};
+    use crate::driver::loopback::drive_until_idle;
+    use crate::pkt::{Payload, Pkt};
     use crate::qp::{rc_connect, QpState, SendWr, WrOpcode};
     use crate::wire::{Bth, ExtHeaders, Opcode, Reth};
     use crate::{AccessFlags as A, Context};
@@ -964,8 +969,8 @@ mod tests {
     /// Two manual hosts, `b` exposing `len` bytes for READ, `a` a `len`-byte destination.
     fn pair(len: usize) -> Pair {
         let all = A::LOCAL_WRITE | A::REMOTE_WRITE | A::REMOTE_READ | A::REMOTE_ATOMIC;
-        let (a, apd, acq, aqp) = crate::net::fuzz::manual_rc_host(256, true);
-        let (b, bpd, _, bqp) = crate::net::fuzz::manual_rc_host(256, true);
+        let (a, apd, acq, aqp) = crate::fuzz::manual_rc_host(256, true);
+        let (b, bpd, _, bqp) = crate::fuzz::manual_rc_host(256, true);
         rc_connect(&a, aqp, &b, bqp, all, 3).unwrap();
         let src = std::sync::Arc::new((0..len).map(|i| (i * 7 + 3) as u8).collect::<Vec<u8>>());
         let dst = std::sync::Arc::new(vec![0u8; len]);

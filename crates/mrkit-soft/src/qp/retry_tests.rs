@@ -1,24 +1,27 @@
 //! Deterministic tests of the requester/completer retry logic (sans-IO: packets in, packets
-//! and completions out, `now` passed explicitly). Each case replays a response sequence that
-//! loss, duplication and reordering produce on the wire and checks what is resent.
+//! and completions out, `now` passed explicitly; the engines run on a bare memory core, no
+//! device is opened). Each case replays a response sequence that loss, duplication and
+//! reordering produce on the wire and checks what is resent.
 use std::time::{Duration, Instant};
 
 use super::comp::Completer;
-use super::req::{Requester, SendQueue, Wqe, WqeSt};
+use super::req::{Requester, SendQueue, Wqe, WqeState};
 use super::{Out, QpCtx, QpState, SendWr, WrOpcode};
 use crate::access::AccessFlags;
 use crate::cq::WcStatus;
 use crate::device::StatusModel;
-use crate::net::{Payload, Pkt};
+use crate::memcore::MemCore;
+use crate::pkt::{Payload, Pkt};
 use crate::wire::{Aeth, Bth, ExtHeaders, NakCode, Opcode};
-use crate::{Context, DeviceConfig};
+use crate::DeviceConfig;
 
 /// Timeout attribute 12: 4.096 µs << 12 ≈ 16.8 ms.
 const TIMEOUT_ATTR: u8 = 12;
 const LATER: Duration = Duration::from_millis(100);
 
 struct Rig {
-    ctx: Context,
+    /// The memory core alone: the engines run without a device.
+    mem: MemCore,
     req: Requester,
     comp: Completer,
     sq: SendQueue,
@@ -39,8 +42,7 @@ struct Engines<'a> {
 impl Rig {
     /// A requester at PSN 0 with `n` one-packet inline SENDs posted (every one signaled).
     fn new(n: u64) -> Rig {
-        let ctx = Context::open(DeviceConfig::rxe());
-        ctx.set_manual_progress();
+        let mem = MemCore::new(DeviceConfig::rxe());
         let now = Instant::now();
         let mut req = Requester::default();
         req.start(0);
@@ -53,7 +55,7 @@ impl Rig {
             sq.q.push_back(Wqe::new(wr, 16, true));
         }
         Rig {
-            ctx,
+            mem,
             req,
             comp,
             sq,
@@ -87,7 +89,7 @@ impl Rig {
         f: impl FnOnce(&QpCtx<'_>, &mut Engines<'_>, &mut Out) -> R,
     ) -> (R, Out) {
         let q = QpCtx {
-            ctx: &self.ctx,
+            mem: &self.mem,
             qpn: 0x11,
             pd: self.pd,
             mtu: 1024,
@@ -226,7 +228,7 @@ fn go_back_n_resends_from_the_nak_and_keeps_the_psns() {
         .q
         .iter()
         .zip(0u32..)
-        .all(|(w, psn)| w.first_psn == psn && w.st == WqeSt::Wait || w.st != WqeSt::Wait));
+        .all(|(w, psn)| w.first_psn == psn && w.st == WqeState::Wait || w.st != WqeState::Wait));
     assert_eq!(r.completed(), [0]);
     r.respond(4, ack());
     assert_eq!(r.completed(), [1, 2, 3, 4]);
@@ -350,11 +352,11 @@ impl Rig {
 fn a_gap_in_read_responses_re_requests_from_it_at_once_without_a_timer() {
     // A READ of 4 KiB at MTU 1024 is 4 responses (PSNs 0..=3) into a registered buffer.
     let mut r = Rig::hardware(0);
-    let pd = r.ctx.alloc_pd().unwrap();
+    let pd = r.mem.alloc_pd().unwrap();
     r.pd = pd;
     let buf = std::sync::Arc::new(vec![0u8; 4096]);
     let mr = r
-        .ctx
+        .mem
         .reg_mr_va(
             pd,
             crate::UserMemory::owned(buf.clone()),

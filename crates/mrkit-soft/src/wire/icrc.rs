@@ -719,3 +719,47 @@ fn crc_of_sparse(len: usize, set: Option<(usize, u8)>) -> u32 {
     }
     h.finalize()
 }
+
+/// How the receiver checks the ICRC of an IPv4 packet. A UDP socket does not show the IP
+/// header, but the ICRC covers its identification and DF bit.
+///
+/// IPv6 packets are always checked exactly (the ICRC covers nothing a socket cannot see).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Ipv4IcrcMode {
+    /// One expected value per packet (default): identification `k` with DF, where `k` is the
+    /// packet's index within the receive offload batch it arrived in (0 for a datagram that
+    /// arrived alone). That is exactly what an mrkit sender puts on the wire: a lone datagram
+    /// leaves with ID 0 and DF, segment `k` of a GSO send with ID `k`, and on loopback and
+    /// veth a GSO send reaches a receive-offload socket as one batch. As a plain CRC-32
+    /// check against one value, it rejects every error of up to 3 bits and every burst of up
+    /// to 32 bits in datagrams of up to 11 KiB (mrkit's are at most 4.2 KiB), and any other
+    /// corruption except with probability 2^-32.
+    #[default]
+    Exact,
+    /// Accept the packet if **any** identification and DF value makes the ICRC match (a
+    /// linear solve over the 17 unknown bits): for peers whose IDs cannot be predicted (a
+    /// foreign RoCE stack, or a path whose receive offload re-batches datagrams, such as a
+    /// NIC's GRO). Weaker: a random corruption passes with probability about 2^-15, and no
+    /// error pattern is guaranteed to be caught (for every bit position, some single-bit
+    /// flips pass for packets of some lengths, and bursts of up to 32 bits can pass).
+    Solve,
+}
+
+impl Ipv4IcrcMode {
+    /// Parse `exact` or `solve`.
+    pub fn parse(s: &str) -> Option<Ipv4IcrcMode> {
+        match s.trim() {
+            "exact" => Some(Ipv4IcrcMode::Exact),
+            "solve" => Some(Ipv4IcrcMode::Solve),
+            _ => None,
+        }
+    }
+
+    /// The name [`parse`](Self::parse) reads.
+    pub fn name(self) -> &'static str {
+        match self {
+            Ipv4IcrcMode::Exact => "exact",
+            Ipv4IcrcMode::Solve => "solve",
+        }
+    }
+}

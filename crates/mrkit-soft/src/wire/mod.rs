@@ -51,7 +51,8 @@ pub use ext::{
 pub use fuzz::fuzz_parse;
 pub use icrc::{
     check_icrc_ip_packet, check_icrc_ipv4_packet, check_icrc_ipv6_packet, fill_icrc_ip_packet,
-    icrc_for_udp_payload, split_ip_packet, IcrcInputs, IpInfo, Ipv4IdSolver, IPV4_FLAGS_DF,
+    icrc_for_udp_payload, split_ip_packet, IcrcInputs, IpInfo, Ipv4IcrcMode, Ipv4IdSolver,
+    IPV4_FLAGS_DF,
 };
 pub use opcode::{ext_len, HeaderSet, OpFlags, Opcode, OpcodeInfo, OPCODE_TABLE};
 pub use packet::{

@@ -7,8 +7,8 @@ use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
 use mrkit_soft::cq::Wc;
+use mrkit_soft::driver::loopback::drive_until_idle;
 use mrkit_soft::mr::MrInfo;
-use mrkit_soft::net::loopback::drive_until_idle;
 use mrkit_soft::qp::connect::{connect_qp, ConnectOpts, RemoteQp};
 use mrkit_soft::qp::{rc_connect, QpCap, QpInitAttr, RecvWr, Sge};
 use mrkit_soft::{AccessFlags as A, Context, DeviceConfig, UserMemory};

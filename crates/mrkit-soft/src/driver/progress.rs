@@ -13,7 +13,7 @@
 //! workload. The progress thread decides at every idle moment (`progress_thread`):
 //!
 //! * **The application drives** (it called `poll_cq` on an empty CQ within [`APP_WINDOW`];
-//!   such a poll runs progress inline, `fastpath.rs`): the thread **parks** on a condition
+//!   such a poll runs progress inline, `driver/caller_thread.rs`): the thread **parks** on a condition
 //!   variable, *not* on the UDP socket, so datagrams the application is about to pick up do
 //!   not wake it (each such wake-up is an IPI that preempts a spinning thread on the other
 //!   vCPU). It re-checks when the window closes; while the application keeps polling, the
@@ -47,51 +47,15 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex, RwLock};
 
-use crate::cq::{CompChannel, CqObject, Wc};
-use crate::error::{err, Result};
-use crate::net::{loopback, Pkt};
-use crate::qp::QpObject;
-use crate::{Context, DeviceInner};
+use super::held_acks::{AckHold, HeldAcks, ACK_DELAY_MAX};
+use super::loopback;
+use crate::cq::{CompChannel, CqObject};
+pub use crate::device::ProgressPolicy;
+use crate::driver::{Context, DeviceInner};
 
-/// Affiliated and unaffiliated asynchronous events (`enum ibv_event_type` subset).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum AsyncEvent {
-    /// IBV_EVENT_CQ_ERR (0): a CQ overflowed.
-    CqErr {
-        /// CQ number.
-        cqn: u32,
-    },
-    /// IBV_EVENT_QP_FATAL (1).
-    QpFatal {
-        /// QP number.
-        qpn: u32,
-    },
-    /// IBV_EVENT_QP_REQ_ERR (2): invalid request detected as responder (hardware model).
-    QpReqErr {
-        /// QP number.
-        qpn: u32,
-    },
-    /// IBV_EVENT_QP_ACCESS_ERR (3): rkey violation detected as responder (hardware model).
-    QpAccessErr {
-        /// QP number.
-        qpn: u32,
-    },
-    /// IBV_EVENT_SQ_DRAINED (5).
-    SqDrained {
-        /// QP number.
-        qpn: u32,
-    },
-    /// IBV_EVENT_QP_LAST_WQE_REACHED (16): a QP attached to an SRQ entered ERR.
-    QpLastWqeReached {
-        /// QP number.
-        qpn: u32,
-    },
-    /// IBV_EVENT_SRQ_LIMIT_REACHED (15): an armed SRQ dropped below its limit.
-    SrqLimitReached {
-        /// SRQ number.
-        srqn: u32,
-    },
-}
+pub use crate::events::AsyncEvent;
+use crate::pkt::Pkt;
+use crate::qp::QpObject;
 
 #[derive(Debug, Default)]
 struct Sched {
@@ -114,23 +78,8 @@ struct Sched {
     /// thread's re-checks never hold the lock the application's `post_recv` / `poll_cq` take.
     park_lock: Mutex<()>,
     park_cond: Condvar,
-    /// Plain ACKs held back by application progress passes (delayed ACKs,
-    /// [`ACK_DELAY_MAX`](crate::fastpath::ACK_DELAY_MAX)).
-    held_acks: Mutex<Vec<Pkt>>,
-    /// When the oldest ACK in `held_acks` was held (ns since [`epoch`]; 0: none held). Written
-    /// under the `held_acks` lock; read without it so that passes check for due ACKs cheaply.
-    held_at_ns: AtomicU64,
-    /// Held from taking held ACKs until they are sent ([`HeldAcks`]): a thread that exits or
-    /// closes the device right after must not find them taken but not yet sent (the exit
-    /// would kill the sending thread mid-way: seen as a lost ACK in 1 of 8 runs).
-    ack_flush: Mutex<()>,
-}
-
-/// Held ACKs taken for sending; the flush lock is held until this is dropped (send first).
-pub(crate) struct HeldAcks<'a> {
-    _flush: parking_lot::MutexGuard<'a, ()>,
-    /// The ACKs.
-    pub pkts: Vec<Pkt>,
+    /// Plain ACKs held back by application progress passes (delayed ACKs, `held_acks.rs`).
+    pub(crate) acks: AckHold,
 }
 
 /// Process-wide time origin for the atomics holding timestamps.
@@ -170,7 +119,9 @@ pub const TIMERS_PER_MS: u32 = 64;
 #[derive(Debug, Default)]
 struct Timers {
     heap: std::collections::BinaryHeap<std::cmp::Reverse<(u64, u32)>>,
-    /// Start of the current pacing window and timers run in it (`TIMERS_PER_MS`).
+    /// Start of the current pacing window and timers run in it (`TIMERS_PER_MS`). 0: no
+    /// window yet (`ns_since_epoch` is at least 1), so the first window starts at the first
+    /// take, also in a process whose clock origin is less than a millisecond old.
     window_ns: u64,
     in_window: u32,
 }
@@ -182,9 +133,9 @@ pub(crate) struct DataPath {
     pub qps: RwLock<HashMap<u32, Arc<QpObject>, NumHash>>,
     next_qpn: AtomicU32,
     pub cqs: RwLock<HashMap<u32, Arc<CqObject>, NumHash>>,
-    next_cqn: AtomicU32,
-    channels: RwLock<HashMap<u32, Arc<CompChannel>>>,
-    next_ch: AtomicU32,
+    pub(crate) next_cqn: AtomicU32,
+    pub(crate) channels: RwLock<HashMap<u32, Arc<CompChannel>>>,
+    pub(crate) next_ch: AtomicU32,
     sched: Arc<Sched>,
     events: Mutex<VecDeque<AsyncEvent>>,
     ev_cond: Condvar,
@@ -198,7 +149,7 @@ pub(crate) struct DataPath {
     timer_due_ns: AtomicU64,
     /// When a pass last looked at the timers (`ns_since_epoch`); a hint for `TIMER_STARVE`.
     timers_ran_ns: AtomicU64,
-    /// Delayed ACKs allowed (`fastpath::ACK_DELAY_MAX`; `DeviceConfig::delayed_acks`, on by
+    /// Delayed ACKs allowed (`held_acks::ACK_DELAY_MAX`; `DeviceConfig::delayed_acks`, on by
     /// default).
     pub delayed_acks: bool,
     /// An application posted a send since the UDP receiver last found data: the traffic is
@@ -273,7 +224,7 @@ impl DataPath {
             return Vec::new();
         }
         let mut t = self.timers.lock();
-        if now_ns.saturating_sub(t.window_ns) >= 1_000_000 {
+        if t.window_ns == 0 || now_ns.saturating_sub(t.window_ns) >= 1_000_000 {
             t.window_ns = now_ns;
             t.in_window = 0;
         }
@@ -340,27 +291,12 @@ impl DataPath {
     /// A newer ACK of a QP replaces its held one (ACKs are cumulative).
     pub(crate) fn hold_acks(&self, mut pkts: Vec<Pkt>, now: Instant) {
         let s = &*self.sched;
-        let at = ns_since_epoch(now);
-        {
-            let mut g = s.held_acks.lock();
-            for p in pkts.drain(..) {
-                if let Some(old) = g.iter_mut().find(|h| h.src_qpn == p.src_qpn) {
-                    *old = p;
-                } else {
-                    g.push(p);
-                }
-            }
-            if s.held_at_ns.load(Ordering::Relaxed) == 0 {
-                // SeqCst with the load of `sleeping` below, against sleep()'s store of
-                // `sleeping` and load of held_at_ns: one of the two sides sees the other.
-                s.held_at_ns.store(at, Ordering::SeqCst);
-            }
-        }
-        crate::net::recycle(pkts);
+        s.acks.hold(&mut pkts, ns_since_epoch(now));
+        crate::pkt::recycle(pkts);
         // A progress thread sleeping (nobody was driving the device) is woken: it then
         // sleeps again with a timeout capped at the ACK's deadline. A *parked* thread is not
         // (the application is polling and sends the ACK itself once due; see
-        // fastpath::ACK_DELAY_MAX for why the parked thread does not wake for it).
+        // held_acks::ACK_DELAY_MAX for why the parked thread does not wake for it).
         if s.sleeping.load(Ordering::SeqCst) {
             s.cond.notify_all();
             s.kick();
@@ -369,29 +305,22 @@ impl DataPath {
 
     /// Whether any ACK is held back (one atomic load).
     pub(crate) fn acks_held(&self) -> bool {
-        self.sched.held_at_ns.load(Ordering::Acquire) != 0
+        self.sched.acks.any()
     }
 
     /// With ACKs held: how long until the oldest is due (zero: due now).
     pub(crate) fn acks_due(&self, now: Instant) -> Option<std::time::Duration> {
-        self.sched.acks_due(now)
+        self.sched.acks.due(now)
     }
 
     /// Take every held ACK, holding the flush lock until the returned value is dropped: send
     /// them before dropping it.
     pub(crate) fn take_held_acks(&self) -> HeldAcks<'_> {
-        let flush = self.sched.ack_flush.lock();
-        let mut g = self.sched.held_acks.lock();
-        self.sched.held_at_ns.store(0, Ordering::Release);
-        let pkts = std::mem::replace(&mut *g, crate::net::pkt_vec());
-        HeldAcks {
-            _flush: flush,
-            pkts,
-        }
+        self.sched.acks.take()
     }
 
     pub(crate) fn held_ack_count(&self) -> usize {
-        self.sched.held_acks.lock().len()
+        self.sched.acks.count()
     }
 
     /// Wake the progress thread (e.g. after the UDP port was bound, so it starts polling it).
@@ -498,11 +427,11 @@ impl Sched {
     /// `timeout`, shortened to the deadline of the oldest held ACK if there is one. Called
     /// after publishing that this thread sleeps (SeqCst, see `hold_acks`).
     fn cap_to_held_ack(&self, now: Instant, timeout: Duration) -> Duration {
-        let held = self.held_at_ns.load(Ordering::SeqCst);
+        let held = self.acks.held_at_ns_seqcst();
         if held == 0 {
             return timeout;
         }
-        let deadline = held + crate::fastpath::ACK_DELAY_MAX.as_nanos() as u64;
+        let deadline = held + ACK_DELAY_MAX.as_nanos() as u64;
         timeout.min(Duration::from_nanos(
             deadline.saturating_sub(ns_since_epoch(now)),
         ))
@@ -510,12 +439,7 @@ impl Sched {
 
     /// With ACKs held: how long until the oldest is due (zero: due now).
     fn acks_due(&self, now: Instant) -> Option<Duration> {
-        let at = self.held_at_ns.load(Ordering::Acquire);
-        if at == 0 {
-            return None;
-        }
-        let age = Duration::from_nanos(ns_since_epoch(now).saturating_sub(at));
-        Some(crate::fastpath::ACK_DELAY_MAX.saturating_sub(age))
+        self.acks.due(now)
     }
 }
 
@@ -547,31 +471,6 @@ impl Drop for DataPath {
         self.sched.park_cond.notify_all();
         self.sched.kick();
         loopback::detach(self.node_id);
-    }
-}
-
-/// What the progress thread does while idle and no application thread polls the device
-/// (module docs). `MRKIT_PROGRESS=auto|spin|block`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum ProgressPolicy {
-    /// Spin adaptively and yield; block when preempted (shared CPUs). The default.
-    #[default]
-    Auto,
-    /// Spin up to [`SPIN_DEDICATED`] of idleness, even when preempted (a dedicated core).
-    Spin,
-    /// Block at once when idle (oversubscribed CPUs; every wake-up then costs a context switch).
-    Block,
-}
-
-impl ProgressPolicy {
-    /// Parse `auto`, `spin` or `block`.
-    pub fn parse(s: &str) -> Option<ProgressPolicy> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "auto" | "adaptive" => Some(ProgressPolicy::Auto),
-            "spin" | "poll" => Some(ProgressPolicy::Spin),
-            "block" | "sleep" => Some(ProgressPolicy::Block),
-            _ => None,
-        }
     }
 }
 
@@ -609,7 +508,7 @@ pub const CONTENDED_FOR: Duration = Duration::from_millis(20);
 
 fn progress_thread(weak: Weak<DeviceInner>, sched: Arc<Sched>) {
     let policy = match weak.upgrade() {
-        Some(d) => d.config.progress_policy(),
+        Some(d) => d.core.config.progress_policy(),
         None => return,
     };
     let mut idle_since: Option<Instant> = None;
@@ -629,7 +528,7 @@ fn progress_thread(weak: Weak<DeviceInner>, sched: Arc<Sched>) {
             // even run a pass: that would take packets from under it) until it stops;
             // checked again when its window closes, less often the longer it drives.
             idle_since = None;
-            // Delayed ACKs (fastpath::ACK_DELAY_MAX): the application's held ACKs that are due
+            // Delayed ACKs (held_acks::ACK_DELAY_MAX): the application's held ACKs that are due
             // leave at this re-check. The park is *not* shortened for them: re-checking every
             // few tens of microseconds cost the SEND echo p99 tails of 2-4.5 ms on 2 vCPUs.
             if sched.acks_due(now).is_some_and(|d| d.is_zero()) {
@@ -700,7 +599,7 @@ impl Context {
     }
 
     /// Run every QP that has work once (and the QPs whose timers are due, `TIMERS_PER_MS`). Returns the number of QP runs that did something. Sends every ACK an
-    /// application pass held back (`fastpath::ACK_DELAY_MAX`).
+    /// application pass held back (`held_acks::ACK_DELAY_MAX`).
     pub fn progress_once(&self, now: Instant) -> usize {
         self.progress_pass(now, false)
     }
@@ -709,7 +608,7 @@ impl Context {
     /// plain ACKs back and sends them once due.
     pub(crate) fn progress_pass(&self, now: Instant, app: bool) -> usize {
         let dp = &self.dev.dp;
-        let _running = crate::fastpath::Running::enter(self);
+        let _running = crate::driver::caller_thread::Running::enter(self);
         let hold = (app && dp.delayed_acks).then_some(now);
         if !app {
             self.flush_acks(None);
@@ -735,8 +634,18 @@ impl Context {
                 // way. That thread takes full batches. (Always full batches for the progress
                 // thread cost a passive WRITE target ~0.4 µs per round trip.)
                 let one_ok = app || !dp.sched.app_polled_recently(now);
-                rx_datagrams =
-                    crate::net::udp::poll_rx(self, port, &mut bufs, one_ok, |q, pkts| {
+                // Demultiplexing: each run of packets for one QP goes to its inbox, and the QP
+                // into this pass's table (or, when the table is full, onto the run queue).
+                rx_datagrams = crate::net::udp::poll_rx(
+                    port,
+                    &mut bufs,
+                    one_ok,
+                    dp.node_id,
+                    self.dev.core.config.icrc_ipv4(),
+                    &self.dev.net_stats,
+                    &dp.answered,
+                    |qpn| self.qp_cached(qpn),
+                    |q, pkts| {
                         q.inbox.append(pkts);
                         if holds(&batch[..received], &q) {
                             return;
@@ -747,7 +656,8 @@ impl Context {
                         } else {
                             dp.schedule_obj(&q);
                         }
-                    });
+                    },
+                );
             }
             let _ = port.tick(now);
         }
@@ -827,202 +737,6 @@ impl Context {
             }
         }
     }
-
-    // ---- completion queues ----
-
-    pub(crate) fn cq(&self, cqn: u32) -> Result<Arc<CqObject>> {
-        self.dev
-            .dp
-            .cqs
-            .read()
-            .get(&cqn)
-            .cloned()
-            .ok_or_else(|| err!(EINVAL, "CQ {cqn} does not exist"))
-    }
-
-    /// `ibv_create_comp_channel`.
-    pub fn create_comp_channel(&self) -> u32 {
-        let n = self.dev.dp.next_ch.fetch_add(1, Ordering::Relaxed);
-        self.dev.dp.channels.write().insert(n, Arc::default());
-        n
-    }
-
-    /// `ibv_get_cq_event`: block until an armed CQ of this channel fires; returns its number.
-    pub fn get_cq_event(&self, channel: u32, timeout: Option<Duration>) -> Result<Option<u32>> {
-        let ch = self
-            .dev
-            .dp
-            .channels
-            .read()
-            .get(&channel)
-            .cloned()
-            .ok_or_else(|| err!(EINVAL, "completion channel {channel} does not exist"))?;
-        self.dev.dp.app_blocks();
-        // About to block: held ACKs must not wait for this thread.
-        self.flush_acks(None);
-        Ok(ch.get_event(timeout))
-    }
-
-    /// `ibv_destroy_comp_channel`: EBUSY while a CQ reports to it, EINVAL for an unknown one.
-    pub fn destroy_comp_channel(&self, channel: u32) -> Result<()> {
-        let mut g = self.dev.dp.channels.write();
-        let ch = g
-            .get(&channel)
-            .ok_or_else(|| err!(EINVAL, "completion channel {channel} does not exist"))?;
-        let users = self
-            .dev
-            .dp
-            .cqs
-            .read()
-            .values()
-            .filter(|cq| cq.channel.as_ref().is_some_and(|c| Arc::ptr_eq(c, ch)))
-            .count();
-        if users > 0 {
-            return Err(err!(
-                EBUSY,
-                "completion channel {channel} is used by {users} CQ(s); destroy them first"
-            ));
-        }
-        g.remove(&channel);
-        Ok(())
-    }
-
-    /// A pollable descriptor of completion channel `channel` (a duplicate, owned by the
-    /// caller): readable while the channel holds events, for `poll`/`epoll`/async runtimes.
-    /// Drain the events with [`Context::get_cq_event`] (timeout zero does not block).
-    pub fn comp_channel_fd(&self, channel: u32) -> Result<rustix::fd::OwnedFd> {
-        let ch = self
-            .dev
-            .dp
-            .channels
-            .read()
-            .get(&channel)
-            .cloned()
-            .ok_or_else(|| err!(EINVAL, "completion channel {channel} does not exist"))?;
-        ch.fd()
-            .map_err(|e| err!(ENOMEM, "no descriptor for the completion channel: {e}"))
-    }
-
-    /// `ibv_create_cq`: `cqe` in 1..=max_cqe (EINVAL otherwise); optional channel.
-    pub fn create_cq(&self, cqe: u32, channel: Option<u32>) -> Result<u32> {
-        let max = self.dev.config.attr().max_cqe;
-        if cqe == 0 || cqe > max {
-            return Err(err!(EINVAL, "cqe {cqe} must be in 1..={max}"));
-        }
-        let ch = match channel {
-            Some(c) => Some(
-                self.dev
-                    .dp
-                    .channels
-                    .read()
-                    .get(&c)
-                    .cloned()
-                    .ok_or_else(|| err!(EINVAL, "completion channel {c} does not exist"))?,
-            ),
-            None => None,
-        };
-        if self.dev.dp.cqs.read().len() as u32 >= self.dev.config.attr().max_cq {
-            return Err(err!(ENOMEM, "max_cq CQs exist"));
-        }
-        let n = self.dev.dp.next_cqn.fetch_add(1, Ordering::Relaxed);
-        self.dev
-            .dp
-            .cqs
-            .write()
-            .insert(n, Arc::new(CqObject::new(n, cqe as usize, ch)));
-        Ok(n)
-    }
-
-    /// `ibv_resize_cq`: EINVAL below the number of queued completions or above max_cqe.
-    pub fn resize_cq(&self, cqn: u32, cqe: u32) -> Result<()> {
-        let max = self.dev.config.attr().max_cqe;
-        if cqe == 0 || cqe > max {
-            return Err(err!(EINVAL, "cqe {cqe} must be in 1..={max}"));
-        }
-        self.cq(cqn)?.resize(cqe as usize).map_err(|have| {
-            err!(
-                EINVAL,
-                "CQ {cqn} holds {have} completions; poll before shrinking to {cqe}"
-            )
-        })
-    }
-
-    /// `ibv_destroy_cq`: EBUSY while a QP uses it.
-    pub fn destroy_cq(&self, cqn: u32) -> Result<()> {
-        let mut g = self.dev.dp.cqs.write();
-        let cq = g
-            .get(&cqn)
-            .ok_or_else(|| err!(EINVAL, "CQ {cqn} does not exist"))?;
-        let users = cq.users.load(Ordering::Acquire);
-        if users > 0 {
-            return Err(err!(
-                EBUSY,
-                "CQ {cqn} is used by {users} QP(s); destroy them first"
-            ));
-        }
-        if let Some(cq) = g.remove(&cqn) {
-            cq.destroyed.store(true, Ordering::Release);
-        }
-        Ok(())
-    }
-
-    /// Run `f` on CQ `cqn`, through this thread's last-used CQ cache (`last_used.rs`: no
-    /// table lock per poll; a destroyed CQ's memory stays with the threads that polled it
-    /// last until they poll another CQ or exit).
-    fn with_cq<R>(&self, cqn: u32, f: impl FnOnce(&CqObject) -> R) -> Result<R> {
-        thread_local! {
-            static LAST_CQ: crate::last_used::Slot<CqObject> = const { std::cell::RefCell::new(None) };
-        }
-        let dp = &self.dev.dp;
-        crate::last_used::with_cached(
-            &LAST_CQ,
-            dp.node_id,
-            cqn,
-            || dp.cqs.read().get(&cqn).cloned(),
-            |cq| f(cq),
-        )
-        .ok_or_else(|| err!(EINVAL, "CQ {cqn} does not exist"))
-    }
-
-    /// `ibv_poll_cq`: append up to `max` completions to `out`; returns how many.
-    /// On an empty CQ (and without manual progress) it first runs the device's progress
-    /// inline once (progress-on-poll, `fastpath.rs`).
-    pub fn poll_cq(&self, cqn: u32, out: &mut Vec<Wc>, max: usize) -> Result<usize> {
-        let poll = |out: &mut Vec<Wc>| self.with_cq(cqn, |cq| cq.poll(out, max));
-        let n = poll(out)?;
-        if n == 0 && max > 0 && !self.dev.dp.manual() {
-            let now = Instant::now();
-            self.dev.dp.note_app_poll(now);
-            if self.progress_on_poll(now) {
-                return poll(out);
-            }
-        }
-        Ok(n)
-    }
-
-    /// Block until the CQ holds a completion or `timeout` passes.
-    pub fn wait_cq(&self, cqn: u32, timeout: Duration) -> Result<bool> {
-        self.dev.dp.app_blocks();
-        // About to block: held ACKs must not wait for this thread.
-        self.flush_acks(None);
-        Ok(self.cq(cqn)?.wait_nonempty(Instant::now() + timeout))
-    }
-
-    /// `ibv_req_notify_cq` (one-shot; solicited-only fires on solicited or error completions).
-    pub fn req_notify_cq(&self, cqn: u32, solicited_only: bool) -> Result<()> {
-        self.cq(cqn)?.arm(solicited_only);
-        Ok(())
-    }
-
-    /// Whether the CQ overflowed (CQ error).
-    pub fn cq_overflowed(&self, cqn: u32) -> Result<bool> {
-        Ok(self.cq(cqn)?.overflowed())
-    }
-
-    /// `(queued completions, capacity)`.
-    pub fn cq_len(&self, cqn: u32) -> Result<(usize, usize)> {
-        Ok(self.cq(cqn)?.len_cap())
-    }
 }
 
 #[cfg(test)]
@@ -1032,8 +746,8 @@ mod tests {
     #[test]
     fn request_response_traffic_arms_a_timer_once_per_timeout_not_per_message() {
         use crate::qp::{rc_connect, RecvWr, SendWr, WrOpcode};
-        let (c, _, cq, q1) = crate::net::fuzz::manual_rc_host(16, false);
-        let (d, _, dcq, q2) = crate::net::fuzz::manual_rc_host(16, false);
+        let (c, _, cq, q1) = crate::fuzz::manual_rc_host(16, false);
+        let (d, _, dcq, q2) = crate::fuzz::manual_rc_host(16, false);
         rc_connect(&c, q1, &d, q2, crate::AccessFlags::LOCAL_WRITE, 3).unwrap();
         let dp = &c.dev.dp;
         let t0 = Instant::now();

@@ -3,7 +3,7 @@
 //!
 //! A hardware responder has sent its ACK before the application even sees the completion, so
 //! a program that receives its last message and exits at once still completes its peer's
-//! send on a ConnectX. With delayed ACKs (`fastpath::ACK_DELAY_MAX`) that ACK may still be
+//! send on a ConnectX. With delayed ACKs (`held_acks::ACK_DELAY_MAX`) that ACK may still be
 //! held in this process; an `atexit` handler sends the ACKs held by every open device. Not
 //! covered: `_exit`, and death by a signal or a crash, which run no exit handlers (the peer
 //! then retransmits to a receiver that is gone, and completes with RETRY_EXC_ERR).
@@ -33,6 +33,6 @@ pub(crate) fn register() {
 
 extern "C" fn flush_at_exit() {
     // A panic must not unwind into libc; nothing is left to report it to at exit.
-    let _ = std::panic::catch_unwind(crate::net::loopback::flush_held_acks_of_every_device);
+    let _ = std::panic::catch_unwind(crate::driver::loopback::flush_held_acks_of_every_device);
     let _ = std::panic::catch_unwind(crate::stat_export::shutdown); // remove the stat files
 }

@@ -44,10 +44,10 @@ pub fn live(limit: usize) -> (Vec<LiveMr>, usize) {
     let mut out = Vec::new();
     let mut total = 0;
     for dev in devs {
-        let mut keys = dev.mrs.keys();
+        let mut keys = dev.core.mrs.keys();
         keys.sort_unstable();
         for k in keys {
-            let Some(g) = dev.mrs.get(k) else { continue };
+            let Some(g) = dev.core.mrs.get(k) else { continue };
             total += 1;
             if out.len() < limit {
                 out.push(LiveMr {

@@ -12,7 +12,8 @@
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 use crate::cq::WcStatus;
-use crate::net::Pkt;
+use crate::pkt::Pkt;
+use crate::stats::RxDrop;
 use crate::wire::NakCode;
 
 macro_rules! counters {
@@ -134,7 +135,20 @@ pub(crate) fn inc(c: Hw) {
 
 /// The value of one counter.
 pub fn get(c: Hw) -> u64 {
-    slot(c).load(Relaxed)
+    match c {
+        // ICRC failures are counted once, where the receive path drops them
+        // (`stats::rx_drops`): every kind of ICRC drop is an mlx5 `rx_icrc_encapsulated`.
+        Hw::RxIcrcEncapsulated => {
+            let drops = crate::stats::rx_drops().snapshot();
+            let icrc = [RxDrop::BadIcrc, RxDrop::IcrcForeignId, RxDrop::IcrcCutRun];
+            drops
+                .iter()
+                .filter(|(name, _)| icrc.iter().any(|k| k.name() == *name))
+                .map(|(_, n)| n)
+                .sum()
+        }
+        c => slot(c).load(Relaxed),
+    }
 }
 
 /// `(name, value)` of every counter, in [`Hw::ALL`] order.

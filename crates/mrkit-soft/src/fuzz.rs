@@ -1,5 +1,5 @@
 //! Fuzzing the receive path and the responder: arbitrary datagrams go through
-//! [`Pkt::from_wire`](super::Pkt::from_wire) into a real RC QP whose registered buffer is
+//! [`Pkt::from_wire`](crate::pkt::Pkt::from_wire) into a real RC QP whose registered buffer is
 //! surrounded by canary bytes, and the device makes progress until idle. Whatever the input, the
 //! device must not panic, hang, or write outside the registered range.
 //!
@@ -18,14 +18,14 @@ use std::cell::RefCell;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::Instant;
 
-use super::Pkt;
 use crate::access::AccessFlags;
 use crate::device::DeviceConfig;
+use crate::driver::Context;
+use crate::pkt::Pkt;
 use crate::qp::connect::{connect_qp, ConnectOpts, RemoteQp};
 use crate::qp::{QpCap, QpInitAttr, QpState, RecvWr, Sge};
 use crate::user_mem::UserMemory;
 use crate::wire::IcrcInputs;
-use crate::Context;
 use std::sync::Arc;
 
 const CANARY: u8 = 0xa5;
@@ -189,9 +189,9 @@ pub fn fuzz_responder(data: &[u8]) {
             0
         };
         let icrc_mode = if mode & 0x88 == 0x88 {
-            super::Ipv4IcrcMode::Solve
+            crate::wire::Ipv4IcrcMode::Solve
         } else {
-            super::Ipv4IcrcMode::Exact
+            crate::wire::Ipv4IcrcMode::Exact
         };
         if mode & 8 == 0 && d.len() >= 16 {
             let inputs = IcrcInputs::from_socket_addrs(src, dst)

@@ -1,34 +1,18 @@
-//! Caller-thread progress (the latency fast path), kept apart from the progress thread.
-//!
-//! * **Inline requester**: `post_send` on an idle QP in RTS runs that QP's engines on the
-//!   caller's thread (`Context::run_qp_inline`) and hands the packets to the link at once,
-//!   instead of scheduling the QP and paying a cross-CPU wakeup of the progress thread.
-//! * **Progress on poll**: `poll_cq` on an empty CQ runs [`Context::progress_once`] for the
-//!   device inline (as user-space providers do), so a spinning application makes progress
-//!   by itself; the background thread remains for applications that block or never poll.
-//!
-//! * A poller skips progress while another thread is inside `progress_once` (the progress
-//!   thread or another poller): that thread is already moving the same QPs, and two threads
-//!   contending for one QP's lock only slow both down.
-//!
-//! * **Delayed ACKs (UDP link only, on by default)**: a plain ACK produced by a progress pass
-//!   that an application thread runs inline (`poll_cq` → progress) is held back for at most
-//!   [`ACK_DELAY_MAX`] and leaves right *after* the application's next packets, so that a
-//!   reply does not wait behind the ACK's send call: on an 8-byte SEND echo the two ACK sends
-//!   (~1.5 µs each on loopback) leave the round trip's critical path. See [`ACK_DELAY_MAX`]
-//!   for the bound and who enforces it.
-//!
-//! Both are off in manual-progress mode (tests drive the device explicitly). The engines stay
-//! sans-IO: this only decides *which thread* calls `QpObject::run`.
+//! Delayed ACKs, in one place: the held ACKs of a device (`AckHold`), the bound on their
+//! delay ([`ACK_DELAY_MAX`]), which packets may be held, and how held ACKs leave (with the
+//! next packets any thread sends, when due, when the device closes). The progress thread's
+//! sleep is capped at the oldest held ACK's deadline (`progress.rs`), and the exit handler
+//! sends what is still held (`at_exit.rs`).
 #![forbid(unsafe_code)]
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::net::Pkt;
-use crate::qp::QpObject;
-use crate::Context;
+use parking_lot::Mutex;
+
+use super::progress::ns_since_epoch;
+use super::{delivery, Context, DeviceInner};
+use crate::pkt::Pkt;
 
 /// Longest time a plain ACK may be held back (delayed ACK) before it is sent on its own.
 ///
@@ -77,11 +61,95 @@ pub const ACK_DELAY_MAX: Duration = Duration::from_micros(30);
 
 /// Bound on a held ACK's delay when the application stops calling verbs without blocking,
 /// destroying its QP or closing the device (the parked progress thread's longest re-check,
-/// [`PARK_MAX`](crate::progress::PARK_MAX), after the application's window
-/// [`APP_WINDOW`](crate::progress::APP_WINDOW)), plus scheduling delays.
-pub const ACK_DELAY_IDLE_MAX: Duration = crate::progress::PARK_MAX
-    .saturating_add(crate::progress::APP_WINDOW)
+/// [`PARK_MAX`](crate::driver::progress::PARK_MAX), after the application's window
+/// [`APP_WINDOW`](crate::driver::progress::APP_WINDOW)), plus scheduling delays.
+pub const ACK_DELAY_IDLE_MAX: Duration = crate::driver::progress::PARK_MAX
+    .saturating_add(crate::driver::progress::APP_WINDOW)
     .saturating_add(Duration::from_micros(5));
+
+/// The ACKs a device holds back.
+#[derive(Debug, Default)]
+pub(crate) struct AckHold {
+    /// Plain ACKs held back by application progress passes.
+    held: Mutex<Vec<Pkt>>,
+    /// When the oldest ACK in `held` was held (ns since the progress epoch; 0: none held).
+    /// Written under the `held` lock; read without it so that passes check for due ACKs
+    /// cheaply. Stored SeqCst by a hold, against the progress thread's SeqCst store of its
+    /// `sleeping` flag and load of this value (`progress.rs`): one of the two sides sees the
+    /// other.
+    held_at_ns: AtomicU64,
+    /// Held from taking held ACKs until they are sent ([`HeldAcks`]): a thread that exits or
+    /// closes the device right after must not find them taken but not yet sent (the exit
+    /// would kill the sending thread mid-way: seen as a lost ACK in 1 of 8 runs).
+    flush: Mutex<()>,
+}
+
+/// Held ACKs taken for sending; the flush lock is held until this is dropped (send first).
+pub(crate) struct HeldAcks<'a> {
+    _flush: parking_lot::MutexGuard<'a, ()>,
+    /// The ACKs.
+    pub pkts: Vec<Pkt>,
+}
+
+impl AckHold {
+    /// Hold `pkts` (plain ACKs produced at `at_ns`), leaving `pkts` empty. A newer ACK of a QP
+    /// replaces its held one (ACKs are cumulative). The caller then wakes a sleeping progress
+    /// thread (SeqCst load of its flag after this SeqCst store).
+    pub(crate) fn hold(&self, pkts: &mut Vec<Pkt>, at_ns: u64) {
+        let mut g = self.held.lock();
+        for p in pkts.drain(..) {
+            if let Some(old) = g.iter_mut().find(|h| h.src_qpn == p.src_qpn) {
+                *old = p;
+            } else {
+                g.push(p);
+            }
+        }
+        if self.held_at_ns.load(Ordering::Relaxed) == 0 {
+            // SeqCst with the hold's load of `sleeping`, against sleep()'s store of
+            // `sleeping` and load of held_at_ns: one of the two sides sees the other.
+            self.held_at_ns.store(at_ns, Ordering::SeqCst);
+        }
+    }
+
+    /// Whether any ACK is held back (one atomic load).
+    pub(crate) fn any(&self) -> bool {
+        self.held_at_ns.load(Ordering::Acquire) != 0
+    }
+
+    /// When the oldest ACK was held (0: none), loaded SeqCst (the sleeping progress thread's
+    /// side of the hold/sleep handshake).
+    pub(crate) fn held_at_ns_seqcst(&self) -> u64 {
+        self.held_at_ns.load(Ordering::SeqCst)
+    }
+
+    /// With ACKs held: how long until the oldest is due (zero: due now).
+    pub(crate) fn due(&self, now: Instant) -> Option<Duration> {
+        let at = self.held_at_ns.load(Ordering::Acquire);
+        if at == 0 {
+            return None;
+        }
+        let age = Duration::from_nanos(ns_since_epoch(now).saturating_sub(at));
+        Some(ACK_DELAY_MAX.saturating_sub(age))
+    }
+
+    /// Take every held ACK, holding the flush lock until the returned value is dropped: send
+    /// them before dropping it.
+    pub(crate) fn take(&self) -> HeldAcks<'_> {
+        let flush = self.flush.lock();
+        let mut g = self.held.lock();
+        self.held_at_ns.store(0, Ordering::Release);
+        let pkts = std::mem::replace(&mut *g, crate::pkt::pkt_vec());
+        HeldAcks {
+            _flush: flush,
+            pkts,
+        }
+    }
+
+    /// ACKs held right now.
+    pub(crate) fn count(&self) -> usize {
+        self.held.lock().len()
+    }
+}
 
 /// A plain ACK to a UDP peer: the only kind of packet that may be held back.
 fn delayable(p: &Pkt) -> bool {
@@ -90,41 +158,36 @@ fn delayable(p: &Pkt) -> bool {
         && p.ext.aeth.is_some_and(|a| a.is_ack())
 }
 
+/// Order held ACKs around the packets about to be sent: returns what to send first and what
+/// to send right after it, in a separate send call. The held ACKs go after the packets, so
+/// that the application's message leaves without waiting for them: a loopback send costs
+/// ~1.5 µs per datagram here (mostly the receiver's kernel work, run by the sender), and one
+/// GSO send of the message with the ACK as its short last segment measured slower still
+/// (~3.9 µs for the two, against ~1.6 µs for the message alone). Except the ACKs of a QP that
+/// is also sending responses now: those go first, in the same send, to keep that QP's
+/// responses in PSN order.
+fn around_held(held: Vec<Pkt>, pkts: Vec<Pkt>) -> (Vec<Pkt>, Vec<Pkt>) {
+    let responds = |qpn: u32| {
+        pkts.iter()
+            .any(|p| p.src_qpn == qpn && p.bth.opcode.info().is_response())
+    };
+    if !held.iter().any(|h| responds(h.src_qpn)) {
+        return (pkts, held); // the common case: no partition, no allocation
+    }
+    let (mut first, then): (Vec<Pkt>, Vec<Pkt>) =
+        held.into_iter().partition(|h| responds(h.src_qpn));
+    first.extend(pkts);
+    (first, then)
+}
+
 impl Context {
-    /// Run one QP now on this thread (its lock `g` held by the caller) and deliver what it
-    /// produced (with any held ACKs).
-    pub(crate) fn run_qp_inline(
-        &self,
-        q: &Arc<QpObject>,
-        g: parking_lot::MutexGuard<'_, crate::qp::QpInner>,
-    ) {
-        let pkts = q.run_locked(self, Instant::now(), g);
-        self.deliver_pkts(pkts, None);
-    }
-
-    /// Progress-on-poll: called by `poll_cq` when the CQ was empty. Returns whether any QP ran.
-    pub(crate) fn progress_on_poll(&self, now: Instant) -> bool {
-        if self.dev.dp.manual() {
-            return false;
-        }
-        // Another thread (the progress thread, another poller) is making progress right now:
-        // let it, rather than contend for the same QPs. But this thread still sends its held
-        // ACKs once due: that thread may be preempted in the middle of its pass for
-        // milliseconds (seen on 2 vCPUs with two spinning applications: ACKs held 2-6 ms).
-        if self.dev.progress_runners.load(Ordering::Acquire) > 0 {
-            self.flush_acks(Some(now));
-            return false;
-        }
-        self.progress_pass(now, true) > 0
-    }
-
     /// Send the packets of one QP run. `hold = Some(now)`: the run was part of an application
     /// thread's progress pass, and if it produced nothing but plain ACKs to UDP peers they
     /// are held back (delayed ACK, [`ACK_DELAY_MAX`]). Anything that is sent takes the held
     /// ACKs along.
     pub(crate) fn deliver_pkts(&self, pkts: Vec<Pkt>, hold: Option<Instant>) {
         if pkts.is_empty() {
-            return crate::net::recycle(pkts);
+            return crate::pkt::recycle(pkts);
         }
         let dp = &self.dev.dp;
         if let Some(now) = hold {
@@ -137,14 +200,14 @@ impl Context {
             let mut held = dp.take_held_acks();
             if !held.pkts.is_empty() {
                 let (first, then) = around_held(std::mem::take(&mut held.pkts), pkts);
-                crate::net::deliver(self, first);
+                delivery::deliver(self, first);
                 if !then.is_empty() {
-                    crate::net::deliver(self, then);
+                    delivery::deliver(self, then);
                 }
                 return;
             }
         }
-        crate::net::deliver(self, pkts);
+        delivery::deliver(self, pkts);
     }
 
     /// Send the held ACKs: all of them (`aged_at = None`), or only if the oldest was held at
@@ -172,18 +235,9 @@ impl Context {
             }
         }
         if !held_pkts.is_empty() {
-            crate::net::deliver(self, held_pkts);
+            delivery::deliver(self, held_pkts);
         }
         drop(held); // sent: release the flush lock
-    }
-
-    /// Run one progress pass as an application thread's `poll_cq` does (plain ACKs may be
-    /// held back, [`ACK_DELAY_MAX`]), at the given time. For deterministic tests with manual
-    /// progress; [`Context::progress_once`] is the progress thread's pass (it holds nothing
-    /// and sends every held ACK).
-    #[doc(hidden)]
-    pub fn progress_once_as_app(&self, now: Instant) -> usize {
-        self.progress_pass(now, true)
     }
 
     /// ACKs currently held back (tests).
@@ -193,48 +247,22 @@ impl Context {
     }
 }
 
-/// Order held ACKs around the packets about to be sent: returns what to send first and what
-/// to send right after it, in a separate send call. The held ACKs go after the packets, so
-/// that the application's message leaves without waiting for them: a loopback send costs
-/// ~1.5 µs per datagram here (mostly the receiver's kernel work, run by the sender), and one
-/// GSO send of the message with the ACK as its short last segment measured slower still
-/// (~3.9 µs for the two, against ~1.6 µs for the message alone). Except the ACKs of a QP that
-/// is also sending responses now: those go first, in the same send, to keep that QP's
-/// responses in PSN order.
-fn around_held(held: Vec<Pkt>, pkts: Vec<Pkt>) -> (Vec<Pkt>, Vec<Pkt>) {
-    let responds = |qpn: u32| {
-        pkts.iter()
-            .any(|p| p.src_qpn == qpn && p.bth.opcode.info().is_response())
-    };
-    if !held.iter().any(|h| responds(h.src_qpn)) {
-        return (pkts, held); // the common case: no partition, no allocation
-    }
-    let (mut first, then): (Vec<Pkt>, Vec<Pkt>) =
-        held.into_iter().partition(|h| responds(h.src_qpn));
-    first.extend(pkts);
-    (first, then)
-}
-
-/// Counts a thread inside `progress_once` for the time it lives.
-pub(crate) struct Running<'a>(&'a AtomicUsize);
-
-impl<'a> Running<'a> {
-    pub(crate) fn enter(ctx: &'a Context) -> Running<'a> {
-        ctx.dev.progress_runners.fetch_add(1, Ordering::AcqRel);
-        Running(&ctx.dev.progress_runners)
-    }
-}
-
-impl Drop for Running<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
+impl DeviceInner {
+    /// Send every ACK held back (device close, process exit).
+    pub(crate) fn flush_held_acks(&self) {
+        // No early return when none is held: taking them waits for a thread that took some
+        // and is still sending them (the flush lock), which an exit must not cut short.
+        let held = self.dp.take_held_acks();
+        if let Some(port) = self.udp.get() {
+            delivery::send_pkts_on(self, port, &held.pkts);
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::net::Payload;
+    use crate::pkt::Payload;
     use crate::wire::{Aeth, Bth, ExtHeaders, Opcode};
 
     fn pkt(src_qpn: u32, opcode: Opcode, psn: u32) -> Pkt {

@@ -14,8 +14,8 @@ use std::time::Instant;
 
 use parking_lot::RwLock;
 
-use super::Pkt;
-use crate::{Context, DeviceInner};
+use crate::driver::{Context, DeviceInner};
+use crate::pkt::Pkt;
 
 static NEXT_NODE: AtomicU64 = AtomicU64::new(1);
 type Nodes = RwLock<Option<HashMap<u64, Weak<DeviceInner>>>>;
@@ -45,7 +45,7 @@ pub(crate) fn detach(node: u64) {
     }
 }
 
-/// Send the ACKs every open device of this process holds back (`crate::at_exit`).
+/// Send the ACKs every open device of this process holds back (`crate::driver::at_exit`).
 pub(crate) fn flush_held_acks_of_every_device() {
     let devices: Vec<Arc<DeviceInner>> = match nodes().read().as_ref() {
         Some(m) => m.values().filter_map(|w| w.upgrade()).collect(),
@@ -70,7 +70,7 @@ pub(crate) fn notify(node: u64, qpn: u32, n: crate::qp::Notice) {
 
 /// Deliver packets (grouped by destination QP to schedule each QP once).
 pub(crate) fn deliver(pkts: Vec<Pkt>) {
-    crate::stats::hw::tx_pkts(&pkts);
+    crate::counters::tx_pkts(&pkts);
     let mut cur: Option<(u64, Arc<DeviceInner>)> = None;
     for p in pkts {
         let dev = match &cur {
