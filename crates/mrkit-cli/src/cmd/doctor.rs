@@ -5,6 +5,9 @@ use mrkit::{AccessFlags, Buffer, BufferOptions, Context, Errno};
 use mrkit_soft::DeviceConfig;
 use serde_json::{json, Value};
 
+use std::path::Path;
+
+use super::device::Selected;
 use super::human;
 use super::sysinfo::SysInfo;
 use crate::exit;
@@ -53,7 +56,7 @@ pub struct ExplainArgs {
     /// The buffer was backed by transparent huge pages.
     #[arg(long)]
     thp: bool,
-    /// Register with these parameters on mrkit0 now and show the real result (sizes up to 1 GiB).
+    /// Register with these parameters on the device now and show the real result (sizes up to 1 GiB).
     #[arg(long)]
     reproduce: bool,
     /// Machine-readable output.
@@ -467,6 +470,210 @@ fn device_limits(i: &Inputs) -> Check {
     }
 }
 
+/// The kernel driver bound to RDMA device `dev` (`mlx5_core`, `mlx4_core`, `irdma`, ...): the
+/// name of the `/sys/class/infiniband/<dev>/device/driver` link under `root`.
+pub fn driver_of(root: &Path, dev: &str) -> Option<String> {
+    let link = root
+        .join("sys/class/infiniband")
+        .join(dev)
+        .join("device/driver");
+    std::fs::read_link(link)
+        .ok()?
+        .file_name()?
+        .to_str()
+        .map(String::from)
+}
+
+fn read_trim(p: &Path) -> Option<String> {
+    std::fs::read_to_string(p).ok().map(|s| s.trim().to_string())
+}
+
+/// A loaded kernel module: `/sys/module/<m>` (built-in modules appear there too) or a line of
+/// `/proc/modules`.
+fn module_loaded(root: &Path, m: &str) -> bool {
+    root.join("sys/module").join(m).exists()
+        || read_trim(&root.join("proc/modules")).is_some_and(|t| {
+            t.lines()
+                .any(|l| l.split_whitespace().next() == Some(m))
+        })
+}
+
+/// The checklist of a kernel RDMA stack for device `dev`, reading the tree under `root` (`/`,
+/// or a fake tree in tests): the uverbs character devices, the modules, each port's state and
+/// RoCE v2 GID, and the security modules' denials where they can be seen.
+pub fn stack_checks(root: &Path, dev: &str) -> Vec<Check> {
+    let mut out = Vec::new();
+    // 1. /dev/infiniband/uverbs*: present and readable+writable by this process.
+    let uverbs: Vec<std::path::PathBuf> = std::fs::read_dir(root.join("dev/infiniband"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("uverbs"))
+        })
+        .collect();
+    out.push(if uverbs.is_empty() {
+        check(
+            "uverbs",
+            Status::Fail,
+            "no /dev/infiniband/uverbs* character device: user space cannot open any RDMA device",
+            "load the module (`modprobe ib_uverbs`); in a container pass the devices \
+             (`docker run --device=/dev/infiniband/uverbs0 --device=/dev/infiniband/rdma_cm`, \
+             or the RDMA device plugin in Kubernetes)",
+        )
+    } else {
+        let denied: Vec<String> = uverbs
+            .iter()
+            .filter(|p| {
+                rustix::fs::access(p.as_path(), rustix::fs::Access::READ_OK | rustix::fs::Access::WRITE_OK)
+                    .is_err()
+            })
+            .map(|p| p.display().to_string())
+            .collect();
+        if denied.is_empty() {
+            check(
+                "uverbs",
+                Status::Ok,
+                format!("{} uverbs device(s), readable and writable", uverbs.len()),
+                "",
+            )
+        } else {
+            check(
+                "uverbs",
+                Status::Fail,
+                format!("no read/write access to {}", denied.join(", ")),
+                "give the user access: the rdma-core udev rule (MODE=\"0666\") or the `rdma` group, \
+                 or run with the device passed into the container",
+            )
+        }
+    });
+    // 2. ib_uverbs and the device's driver.
+    let driver = driver_of(root, dev);
+    let devdir = root.join("sys/class/infiniband").join(dev);
+    let mut missing = Vec::new();
+    if !module_loaded(root, "ib_uverbs") {
+        missing.push("ib_uverbs".to_string());
+    }
+    out.push(if !devdir.exists() {
+        check(
+            "driver",
+            Status::Fail,
+            format!("no RDMA device {dev} in /sys/class/infiniband (its driver is not loaded, or the name is wrong)"),
+            "load the RDMA driver of the NIC (`modprobe mlx5_ib`, `irdma`, `efa`, `bnxt_re`; soft RoCE: \
+             `modprobe rdma_rxe && rdma link add rxe0 type rxe netdev eth0`); `rdma link` lists the devices",
+        )
+    } else if !missing.is_empty() {
+        check(
+            "driver",
+            Status::Fail,
+            format!("{dev} exists (driver {}) but {} is not loaded", driver.as_deref().unwrap_or("?"), missing.join(", ")),
+            "`modprobe ib_uverbs` (and add it to /etc/modules-load.d/ so it loads at boot)",
+        )
+    } else {
+        check(
+            "driver",
+            Status::Ok,
+            format!("{dev}: driver {}, ib_uverbs loaded", driver.as_deref().unwrap_or("unknown")),
+            "",
+        )
+    });
+    // 3. Ports: state ACTIVE and, on Ethernet, a RoCE v2 GID.
+    let mut ports: Vec<(u32, std::path::PathBuf)> = std::fs::read_dir(devdir.join("ports"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| Some((e.file_name().to_str()?.parse().ok()?, e.path())))
+        .collect();
+    ports.sort();
+    if devdir.exists() && ports.is_empty() {
+        out.push(check("port", Status::Fail, format!("{dev} has no ports in sysfs"), "check the driver's kernel log (dmesg)"));
+    }
+    for (n, p) in &ports {
+        let state = read_trim(&p.join("state")).unwrap_or_else(|| "unreadable".into());
+        out.push(if state.ends_with("ACTIVE") && !state.contains("DEFER") {
+            check("port", Status::Ok, format!("{dev} port {n}: {state}"), "")
+        } else {
+            check(
+                "port",
+                Status::Fail,
+                format!("{dev} port {n} is {state}, not ACTIVE: QPs cannot reach RTR"),
+                "bring the link up (`ip link set <netdev> up`, cable and switch port); on InfiniBand a subnet manager must run (opensm)",
+            )
+        });
+        let ll = read_trim(&p.join("link_layer")).unwrap_or_default();
+        if ll == "InfiniBand" {
+            out.push(check("roce_gid", Status::Ok, format!("{dev} port {n}: InfiniBand link layer, no RoCE GID needed"), ""));
+            continue;
+        }
+        let types = p.join("gid_attrs/types");
+        let v2: Vec<String> = std::fs::read_dir(&types)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|e| read_trim(&e.path()).is_some_and(|t| t.eq_ignore_ascii_case("RoCE v2")))
+            .filter(|e| {
+                // A RoCE v2 entry with a non-zero GID (unused entries read as zeros or fail).
+                read_trim(&p.join("gids").join(e.file_name()))
+                    .is_some_and(|g| g.chars().any(|c| c != '0' && c != ':'))
+            })
+            .filter_map(|e| e.file_name().to_str().map(String::from))
+            .collect();
+        out.push(if v2.is_empty() {
+            check(
+                "roce_gid",
+                Status::Fail,
+                format!("{dev} port {n}: no RoCE v2 GID (gid_attrs/types has none with an address)"),
+                "give the port's netdev an IP address (`ip addr add 192.0.2.1/24 dev <netdev>`): RoCE v2 GIDs are made from its addresses",
+            )
+        } else {
+            let mut v2 = v2;
+            v2.sort_by_key(|i| i.parse::<u32>().unwrap_or(u32::MAX));
+            check("roce_gid", Status::Ok, format!("{dev} port {n}: RoCE v2 GID index {}", v2.join(", ")), "")
+        });
+    }
+    // 4. Security modules: SELinux enforcing and its denials, the AppArmor confinement.
+    let mut notes = Vec::new();
+    let mut st = Status::Ok;
+    let mut fix = String::new();
+    if read_trim(&root.join("sys/fs/selinux/enforce")).as_deref() == Some("1") {
+        notes.push("SELinux is enforcing".to_string());
+        if let Some(log) = read_trim(&root.join("var/log/audit/audit.log")) {
+            let denials = log
+                .lines()
+                .filter(|l| l.contains("avc:") && l.contains("denied") && (l.contains("infiniband") || l.contains("uverbs") || l.contains("rdma")))
+                .count();
+            if denials > 0 {
+                st = Status::Fail;
+                notes.push(format!("{denials} AVC denial(s) of RDMA devices in the audit log"));
+                fix = "allow the access in the policy (`ausearch -m avc -c <comm> | audit2allow -M rdma_local && semodule -i rdma_local.pp`), or label the device correctly (`restorecon -v /dev/infiniband/*`)".into();
+            }
+        } else {
+            notes.push("the audit log is not readable here: denials cannot be seen".into());
+            st = st.max(Status::Warn);
+            fix = "run as root or read /var/log/audit/audit.log (`ausearch -m avc -ts recent`) for denials of /dev/infiniband".into();
+        }
+    }
+    if let Some(label) = read_trim(&root.join("proc/self/attr/current")) {
+        let label = label.trim_end_matches('\0').to_string();
+        if !label.is_empty() && label != "unconfined" && !label.contains("unconfined_t") && !label.starts_with("kernel") {
+            notes.push(format!("this process runs confined as `{label}`"));
+            if st == Status::Ok {
+                st = Status::Warn;
+                fix = "make sure the profile allows /dev/infiniband/* rw and /sys/class/infiniband/** r (AppArmor: `aa-complain` the profile to test; the kernel log shows `apparmor=\"DENIED\"` lines)".into();
+            }
+        }
+    }
+    out.push(if notes.is_empty() {
+        check("lsm", Status::Ok, "no SELinux enforcement and no confining security profile seen", "")
+    } else {
+        check("lsm", st, notes.join("; "), fix)
+    });
+    out
+}
+
 fn checks_json(cs: &[Check]) -> Value {
     json!(cs
         .iter()
@@ -474,12 +681,17 @@ fn checks_json(cs: &[Check]) -> Value {
         .collect::<Vec<_>>())
 }
 
-pub fn run(a: DoctorArgs) -> u8 {
+pub fn run(a: DoctorArgs, dev: &Selected) -> u8 {
     if let Some(DoctorSub::Explain(e)) = a.sub {
-        return explain_run(e);
+        return explain_run(e, dev);
     }
     let inputs = Inputs::gather();
-    let cs = checks(&inputs);
+    let mut cs = checks(&inputs);
+    if !dev.is_embedded() {
+        // A kernel device: its stack, read from sysfs without opening it (so the checklist
+        // also runs when opening is what fails).
+        cs.extend(stack_checks(Path::new("/"), dev.device()));
+    }
     let worst = cs.iter().map(|c| c.status).max().unwrap_or(Status::Ok);
     if a.json {
         let v = json!({
@@ -573,8 +785,25 @@ fn fit(known: bool, yes: bool) -> Fit {
 }
 
 /// Causes of `errno` for these parameters, most likely first.
+#[cfg(test)]
 pub fn explain(errno: Errno, p: &Params, cfg: &DeviceConfig, sys: &SysInfo) -> Vec<Cause> {
+    explain_on(errno, p, cfg, sys, None)
+}
+
+/// [`explain`] for device `other` (not mrkit0) whose limits `cfg` carries: the limits are
+/// then quoted as read from that device, not from mrkit0's configuration.
+pub fn explain_on(
+    errno: Errno,
+    p: &Params,
+    cfg: &DeviceConfig,
+    sys: &SysInfo,
+    other: Option<&str>,
+) -> Vec<Cause> {
     let attr = cfg.attr();
+    let source = |k: &str| match other {
+        None => cfg.source(k).to_string(),
+        Some(d) => format!("ibv_query_device on {d}"),
+    };
     let acc = p.access;
     let has = |f: AccessFlags| acc.map(|a| a.intersects(f));
     let ps = sys.page_size;
@@ -621,7 +850,7 @@ pub fn explain(errno: Errno, p: &Params, cfg: &DeviceConfig, sys: &SysInfo) -> V
                 format!(
                     "length exceeds max_mr_size ({}, from {})",
                     if attr.max_mr_size == u64::MAX { "unlimited".into() } else { human(attr.max_mr_size) },
-                    cfg.source("max_mr_size")
+                    source("max_mr_size")
                 ),
                 "split the buffer into several MRs (e.g. 1 GiB each) or raise max_mr_size (MRKIT_MAX_MR_SIZE)",
             );
@@ -702,14 +931,14 @@ pub fn explain(errno: Errno, p: &Params, cfg: &DeviceConfig, sys: &SysInfo) -> V
                 format!(
                     "the MR needs more translation entries than are free (2^{} in total, from {})",
                     attr.log_num_mtt,
-                    cfg.source("log_num_mtt")
+                    source("log_num_mtt")
                 ),
                 "back the buffer with THP (512x fewer entries), deregister MRs, or raise log_num_mtt (MRKIT_LOG_NUM_MTT; mlx5: log_num_mtt module parameter)",
             );
             add(
                 "max_mr",
                 Fit::Possible,
-                format!("max_mr ({}, from {}) MRs are already registered", attr.max_mr, cfg.source("max_mr")),
+                format!("max_mr ({}, from {}) MRs are already registered", attr.max_mr, source("max_mr")),
                 "reuse registrations (MR pool / registration cache), deregister idle MRs, or raise max_mr (MRKIT_MAX_MR)",
             );
             let cg = sys
@@ -775,7 +1004,7 @@ pub fn explain(errno: Errno, p: &Params, cfg: &DeviceConfig, sys: &SysInfo) -> V
                 format!(
                     "ON_DEMAND without the device's ODP capability (ODP caps {:#x}, from {})",
                     attr.odp_general_caps,
-                    cfg.source("odp_caps")
+                    source("odp_caps")
                 ),
                 "register pinned memory (drop on-demand) or use a device with ODP (MRKIT_ODP=1)",
             );
@@ -844,15 +1073,11 @@ pub fn explain(errno: Errno, p: &Params, cfg: &DeviceConfig, sys: &SysInfo) -> V
     v
 }
 
-fn reproduce(p: &Params) -> Value {
+fn reproduce(p: &Params, ctx: &Context) -> Value {
     let size = p.size.unwrap_or(4096);
     if size > 1 << 30 {
         return json!({"attempted": false, "reason": "sizes above 1 GiB are not reproduced (they would pin real memory)"});
     }
-    let ctx = match Context::open_default() {
-        Ok(c) => c,
-        Err(e) => return json!({"attempted": false, "reason": e.to_string()}),
-    };
     let Ok(len) = usize::try_from(size) else {
         return json!({"attempted": false, "reason": "size too large"});
     };
@@ -881,9 +1106,8 @@ fn reproduce(p: &Params) -> Value {
     let iova = p.iova.unwrap_or(buf.addr());
     let access = p.access.unwrap_or(AccessFlags::LOCAL_WRITE);
     let r = if size == 0 {
-        // Buffer cannot be empty: register zero bytes of it through the raw device.
-        let soft = ctx.soft().expect("embedded device");
-        soft.reg_mr(
+        // Buffer cannot be empty: register zero bytes of it through the raw provider.
+        ctx.provider().reg_mr(
             pd.handle(),
             mrkit_soft::UserMemory::empty_at(buf.addr()),
             iova,
@@ -895,7 +1119,7 @@ fn reproduce(p: &Params) -> Value {
     };
     match r {
         Ok(()) => {
-            json!({"attempted": true, "ok": true, "errno": null, "message": "registration succeeded on mrkit0"})
+            json!({"attempted": true, "ok": true, "errno": null, "message": format!("registration succeeded on {}", ctx.name())})
         }
         Err(e) => {
             json!({"attempted": true, "ok": false, "errno": e.errno().name(), "message": e.cause()})
@@ -903,7 +1127,7 @@ fn reproduce(p: &Params) -> Value {
     }
 }
 
-fn explain_run(a: ExplainArgs) -> u8 {
+fn explain_run(a: ExplainArgs, dev: &Selected) -> u8 {
     let Some(errno) = Errno::parse(&a.errno) else {
         eprintln!(
             "mrkit doctor explain: `{}` is not an errno name or number (EINVAL, 22, ENOMEM, ...)",
@@ -918,12 +1142,27 @@ fn explain_run(a: ExplainArgs) -> u8 {
             return exit::USAGE;
         }
     };
-    let cfg = match DeviceConfig::from_env() {
+    let ctx = match dev.open("doctor explain") {
         Ok(c) => c,
-        Err(e) => {
-            eprintln!("mrkit doctor explain: {e}");
-            return exit::USAGE;
+        Err(code) => return code,
+    };
+    let (cfg, other) = if ctx.soft().is_some() {
+        match DeviceConfig::from_env() {
+            Ok(c) => (c, None),
+            Err(e) => {
+                eprintln!("mrkit doctor explain: {e}");
+                return exit::USAGE;
+            }
         }
+    } else {
+        // Another device: its limits as it reports them, in mrkit0's rule model.
+        let attr = ctx.query_device();
+        (
+            DeviceConfig::rxe()
+                .status_model(mrkit::StatusModel::Hardware)
+                .with_attr(|a| *a = attr),
+            Some(ctx.name().to_string()),
+        )
     };
     let p = Params {
         access,
@@ -934,8 +1173,8 @@ fn explain_run(a: ExplainArgs) -> u8 {
         thp: a.thp,
     };
     let sys = SysInfo::gather();
-    let causes = explain(errno, &p, &cfg, &sys);
-    let repro = a.reproduce.then(|| reproduce(&p));
+    let causes = explain_on(errno, &p, &cfg, &sys, other.as_deref());
+    let repro = a.reproduce.then(|| reproduce(&p, &ctx));
     if a.json {
         let v = json!({
             "errno": errno.name(),
@@ -967,10 +1206,11 @@ fn explain_run(a: ExplainArgs) -> u8 {
         println!();
         if r["attempted"] == true {
             if r["ok"] == true {
-                println!("reproduction on mrkit0: the registration succeeded");
+                println!("reproduction on {}: the registration succeeded", ctx.name());
             } else {
                 println!(
-                    "reproduction on mrkit0: {}: {}",
+                    "reproduction on {}: {}: {}",
+                    ctx.name(),
                     r["errno"].as_str().unwrap_or("?"),
                     r["message"].as_str().unwrap_or("")
                 );
@@ -989,7 +1229,6 @@ fn explain_run(a: ExplainArgs) -> u8 {
 mod tests {
     use super::*;
     use crate::cmd::sysinfo::Cgroup;
-    use std::path::Path;
 
     /// A healthy machine: every check ok.
     fn healthy() -> Inputs {

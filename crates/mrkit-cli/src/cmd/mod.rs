@@ -5,6 +5,7 @@ pub mod bench_transport;
 pub mod capacity;
 pub mod completions;
 pub mod demo;
+pub mod device;
 pub mod devinfo;
 pub mod doctor;
 pub mod perf;

@@ -383,7 +383,8 @@ fn once(a: &StatArgs) -> (Vec<Value>, Vec<PathBuf>) {
     (collect(a, &ds), looked)
 }
 
-pub fn run(a: StatArgs) -> u8 {
+pub fn run(a: StatArgs, dev: &super::device::Selected) -> u8 {
+    let _ = dev;
     if let Some(w) = a.watch {
         if !(w > 0.0 && w.is_finite()) {
             eprintln!("mrkit stat: --watch needs a positive number of seconds");

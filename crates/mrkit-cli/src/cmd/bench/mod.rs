@@ -70,7 +70,10 @@ enum BenchSub {
 pub const SCHEMA: &str = "mrkit-bench/2";
 
 /// `mrkit bench`: a subcommand, or the whole suite into `--out` (the exit status).
-pub fn run(a: BenchArgs) -> u8 {
+pub fn run(a: BenchArgs, dev: &super::device::Selected) -> u8 {
+    if let Err(code) = dev.require_embedded("bench") {
+        return code;
+    }
     if let Some(BenchSub::PoolCache { json }) = a.sub {
         return super::bench_pool_cache::run(json);
     }
