@@ -1424,4 +1424,119 @@ mod tests {
             Fit::Certain
         );
     }
+
+    /// A fake root: `files` written (parents created), `links` made (link, target).
+    fn fake(files: &[(&str, &str)], links: &[(&str, &str)]) -> tempfile::TempDir {
+        let t = tempfile::tempdir().unwrap();
+        for (p, c) in files {
+            let p = t.path().join(p);
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::write(p, c).unwrap();
+        }
+        for (l, target) in links {
+            let l = t.path().join(l);
+            std::fs::create_dir_all(l.parent().unwrap()).unwrap();
+            std::fs::create_dir_all(t.path().join(target)).unwrap();
+            std::os::unix::fs::symlink(t.path().join(target), l).unwrap();
+        }
+        t
+    }
+
+    const MLX5: &[(&str, &str)] = &[
+        ("dev/infiniband/uverbs0", ""),
+        ("sys/module/ib_uverbs/refcnt", "1\n"),
+        ("sys/class/infiniband/mlx5_0/ports/1/state", "4: ACTIVE\n"),
+        ("sys/class/infiniband/mlx5_0/ports/1/link_layer", "Ethernet\n"),
+        ("sys/class/infiniband/mlx5_0/ports/1/gid_attrs/types/0", "IB/RoCE v1\n"),
+        ("sys/class/infiniband/mlx5_0/ports/1/gid_attrs/types/1", "RoCE v2\n"),
+        ("sys/class/infiniband/mlx5_0/ports/1/gids/0", "fe80:0000:0000:0000:0202:c9ff:fe00:0001\n"),
+        ("sys/class/infiniband/mlx5_0/ports/1/gids/1", "0000:0000:0000:0000:0000:ffff:c000:0201\n"),
+    ];
+    const MLX5_DRIVER: &[(&str, &str)] = &[(
+        "sys/class/infiniband/mlx5_0/device/driver",
+        "sys/bus/pci/drivers/mlx5_core",
+    )];
+
+    fn stack_status(files: &[(&str, &str)], links: &[(&str, &str)], id: &str) -> Vec<Status> {
+        let t = fake(files, links);
+        stack_checks(t.path(), "mlx5_0")
+            .into_iter()
+            .filter(|c| c.id == id)
+            .map(|c| {
+                if c.status != Status::Ok {
+                    assert!(!c.fix.is_empty(), "{c:?} has no fix");
+                }
+                c.status
+            })
+            .collect()
+    }
+
+    fn with(extra: &[(&'static str, &'static str)], drop: &[&str]) -> Vec<(&'static str, &'static str)> {
+        let mut v: Vec<_> = MLX5.iter().copied().filter(|(p, _)| !drop.contains(p)).collect();
+        v.extend_from_slice(extra);
+        v
+    }
+
+    #[test]
+    fn real_stack_table() {
+        let ok = Status::Ok;
+        let fail = Status::Fail;
+        // (what, files, check id, expected statuses)
+        let cases: Vec<(&str, Vec<(&str, &str)>, &str, Vec<Status>)> = vec![
+            ("healthy uverbs", with(&[], &[]), "uverbs", vec![ok]),
+            ("no uverbs", with(&[], &["dev/infiniband/uverbs0"]), "uverbs", vec![fail]),
+            ("healthy driver", with(&[], &[]), "driver", vec![ok]),
+            ("ib_uverbs missing", with(&[], &["sys/module/ib_uverbs/refcnt"]), "driver", vec![fail]),
+            (
+                "ib_uverbs in /proc/modules",
+                with(&[("proc/modules", "ib_uverbs 184320 2 rdma_ucm, Live 0x0\n")], &["sys/module/ib_uverbs/refcnt"]),
+                "driver",
+                vec![ok],
+            ),
+            ("port active", with(&[], &[]), "port", vec![ok]),
+            (
+                "port down",
+                with(&[("sys/class/infiniband/mlx5_0/ports/1/state", "1: DOWN\n")], &["sys/class/infiniband/mlx5_0/ports/1/state"]),
+                "port",
+                vec![fail],
+            ),
+            ("roce v2 gid", with(&[], &[]), "roce_gid", vec![ok]),
+            (
+                "only RoCE v1",
+                with(&[], &["sys/class/infiniband/mlx5_0/ports/1/gid_attrs/types/1"]),
+                "roce_gid",
+                vec![fail],
+            ),
+            (
+                "RoCE v2 entry without an address",
+                with(&[("sys/class/infiniband/mlx5_0/ports/1/gids/1", "0000:0000:0000:0000:0000:0000:0000:0000\n")], &["sys/class/infiniband/mlx5_0/ports/1/gids/1"]),
+                "roce_gid",
+                vec![fail],
+            ),
+            (
+                "InfiniBand port",
+                with(&[("sys/class/infiniband/mlx5_0/ports/1/link_layer", "InfiniBand\n")], &["sys/class/infiniband/mlx5_0/ports/1/link_layer", "sys/class/infiniband/mlx5_0/ports/1/gid_attrs/types/1"]),
+                "roce_gid",
+                vec![ok],
+            ),
+            ("no lsm", with(&[], &[]), "lsm", vec![ok]),
+            (
+                "selinux denial",
+                with(&[("sys/fs/selinux/enforce", "1"), ("var/log/audit/audit.log", "type=AVC msg=audit(1.2:3): avc:  denied  { read write } for pid=7 comm=\"app\" name=\"uverbs0\" dev=\"devtmpfs\"\n")], &[]),
+                "lsm",
+                vec![fail],
+            ),
+            ("selinux, log unreadable", with(&[("sys/fs/selinux/enforce", "1")], &[]), "lsm", vec![Status::Warn]),
+            ("apparmor confined", with(&[("proc/self/attr/current", "docker-default (enforce)\n")], &[]), "lsm", vec![Status::Warn]),
+            ("apparmor unconfined", with(&[("proc/self/attr/current", "unconfined\n")], &[]), "lsm", vec![ok]),
+        ];
+        for (what, files, id, want) in cases {
+            assert_eq!(stack_status(&files, MLX5_DRIVER, id), want, "{what}");
+        }
+        // No device at all: driver fails with its fix; the driver name comes from the link.
+        assert_eq!(stack_status(&[], &[], "driver"), vec![fail]);
+        let t = fake(MLX5, MLX5_DRIVER);
+        assert_eq!(driver_of(t.path(), "mlx5_0").as_deref(), Some("mlx5_core"));
+    }
+
 }
