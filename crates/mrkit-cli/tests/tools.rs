@@ -289,7 +289,11 @@ fn devinfo_fields(text: &str) -> Vec<String> {
             && key
                 .chars()
                 .all(|c| c.is_ascii_alphanumeric() || "_ []".contains(c));
-        out.push(if is_key { key.to_string() } else { t.to_string() });
+        out.push(if is_key {
+            key.to_string()
+        } else {
+            t.to_string()
+        });
     }
     out
 }
@@ -353,6 +357,24 @@ fn device_selection_errors_exit_1_and_list() {
     // MRKIT_DEVICE=mrkit0 and --device mrkit:mrkit0 are the embedded device.
     run_ok(mrkit().arg("devinfo").env("MRKIT_DEVICE", "mrkit0"));
     run_ok(mrkit().args(["devinfo", "--device", "mrkit:mrkit0"]));
+}
+
+/// Without kernel RDMA (as here) the netlink MR dump fails with a sentence and exit 1.
+#[test]
+fn stat_kernel_dump_fails_cleanly_without_kernel_rdma() {
+    let o = run(mrkit().args(["stat", "--kernel"]));
+    let err = String::from_utf8_lossy(&o.stderr);
+    if o.status.success() {
+        // A machine with kernel RDMA: the dump worked.
+        assert!(
+            Path::new("/sys/class/infiniband").exists(),
+            "{}",
+            stdout(&o)
+        );
+    } else {
+        assert_eq!(o.status.code(), Some(1), "{err}");
+        assert!(err.contains("RDMA") && !err.contains("panicked"), "{err}");
+    }
 }
 
 /// The closing line counts the whole run (more than a thousand registrations: the max_mr

@@ -130,7 +130,11 @@ pub fn translation_from_sysfs(root: &std::path::Path, dev: &str) -> Translation 
         Some("mlx4_core") | Some("mlx4_ib") => {
             let dir = root.join("sys/module/mlx4_core/parameters");
             let read = |n: &str| -> Option<u64> {
-                std::fs::read_to_string(dir.join(n)).ok()?.trim().parse().ok()
+                std::fs::read_to_string(dir.join(n))
+                    .ok()?
+                    .trim()
+                    .parse()
+                    .ok()
             };
             match (read("log_num_mtt"), read("log_mtts_per_seg")) {
                 (Some(0), _) => Translation::Unknown(
@@ -168,12 +172,7 @@ pub fn compute(
 }
 
 /// Compute every term for any device.
-pub fn compute_for(
-    d: &DeviceLimits,
-    sys: &SysInfo,
-    ratio: (f64, String),
-    pinned: u64,
-) -> Capacity {
+pub fn compute_for(d: &DeviceLimits, sys: &SysInfo, ratio: (f64, String), pinned: u64) -> Capacity {
     let ps = sys.page_size;
     let mut terms = Vec::new();
     let mms = (d.max_mr_size.0 != u64::MAX).then_some(d.max_mr_size.0);
@@ -406,8 +405,7 @@ pub fn run(a: CapacityArgs, dev: &super::device::Selected) -> u8 {
     if a.json {
         println!(
             "{}",
-            serde_json::to_string_pretty(&to_json(&c, &sys, &limits.device))
-                .expect("json")
+            serde_json::to_string_pretty(&to_json(&c, &sys, &limits.device)).expect("json")
         );
         return exit::OK;
     }
@@ -521,7 +519,11 @@ mod tests {
     /// module parameters.
     fn tree(dev: &str, driver: Option<&str>, params: &[(&str, &str)]) -> tempfile::TempDir {
         let t = tempfile::tempdir().unwrap();
-        let devdir = t.path().join("sys/class/infiniband").join(dev).join("device");
+        let devdir = t
+            .path()
+            .join("sys/class/infiniband")
+            .join(dev)
+            .join("device");
         std::fs::create_dir_all(&devdir).unwrap();
         if let Some(d) = driver {
             let drv = t.path().join("sys/bus/pci/drivers").join(d);
@@ -545,11 +547,36 @@ mod tests {
             entries: Option<u64>,
         }
         let cases = [
-            Case { what: "mlx4 with params", driver: Some("mlx4_core"), params: &[("log_num_mtt", "20\n"), ("log_mtts_per_seg", "3\n")], entries: Some(1 << 23) },
-            Case { what: "mlx4 auto (0)", driver: Some("mlx4_core"), params: &[("log_num_mtt", "0\n"), ("log_mtts_per_seg", "3\n")], entries: None },
-            Case { what: "mlx4 params missing", driver: Some("mlx4_core"), params: &[], entries: None },
-            Case { what: "mlx5: none exposed", driver: Some("mlx5_core"), params: &[("log_num_mtt", "24\n"), ("log_mtts_per_seg", "3\n")], entries: None },
-            Case { what: "no driver link", driver: None, params: &[], entries: None },
+            Case {
+                what: "mlx4 with params",
+                driver: Some("mlx4_core"),
+                params: &[("log_num_mtt", "20\n"), ("log_mtts_per_seg", "3\n")],
+                entries: Some(1 << 23),
+            },
+            Case {
+                what: "mlx4 auto (0)",
+                driver: Some("mlx4_core"),
+                params: &[("log_num_mtt", "0\n"), ("log_mtts_per_seg", "3\n")],
+                entries: None,
+            },
+            Case {
+                what: "mlx4 params missing",
+                driver: Some("mlx4_core"),
+                params: &[],
+                entries: None,
+            },
+            Case {
+                what: "mlx5: none exposed",
+                driver: Some("mlx5_core"),
+                params: &[("log_num_mtt", "24\n"), ("log_mtts_per_seg", "3\n")],
+                entries: None,
+            },
+            Case {
+                what: "no driver link",
+                driver: None,
+                params: &[],
+                entries: None,
+            },
         ];
         let s = sys();
         for c in cases {
@@ -568,7 +595,11 @@ mod tests {
                 mtt_used: None,
             };
             let cap = compute_for(&d, &s, (0.9, "default".into()), 0);
-            let t = cap.terms.iter().find(|t| t.name == "translation_capacity").unwrap();
+            let t = cap
+                .terms
+                .iter()
+                .find(|t| t.name == "translation_capacity")
+                .unwrap();
             match c.entries {
                 // 2^23 entries x 4 KiB = 32 GiB: above RAM x 0.9, so RAM binds.
                 Some(e) => assert_eq!(t.bytes, Some(e * 4096), "{}", c.what),
@@ -577,12 +608,18 @@ mod tests {
                     assert_eq!(t.source, "not exposed");
                 }
             }
-            assert!(cap.terms.iter().all(|t| t.name != "free_translation_entries"));
+            assert!(cap
+                .terms
+                .iter()
+                .all(|t| t.name != "free_translation_entries"));
             assert_eq!(cap.binding, Some("ram_ratio"), "{}", c.what);
         }
         let t = tree("mlx5_0", Some("mlx5_core"), &[]);
         match translation_from_sysfs(t.path(), "mlx5_0") {
-            Translation::Unknown(why) => assert!(why.contains("mlx5_core exposes no translation limit"), "{why}"),
+            Translation::Unknown(why) => assert!(
+                why.contains("mlx5_core exposes no translation limit"),
+                "{why}"
+            ),
             k => panic!("{k:?}"),
         }
     }

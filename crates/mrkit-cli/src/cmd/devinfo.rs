@@ -302,10 +302,7 @@ pub fn to_json(i: &Info) -> Value {
     let a = &i.attr;
     let mut attrs = Map::new();
     for (k, v, src) in attributes(a) {
-        attrs.insert(
-            k.to_string(),
-            json!({"value": v, "source": i.source(src)}),
-        );
+        attrs.insert(k.to_string(), json!({"value": v, "source": i.source(src)}));
     }
     let cfg = i.config.as_ref();
     json!({
@@ -380,12 +377,28 @@ pub fn text(i: &Info, verbose: bool) -> String {
     o += &line("node_guid", guid(a.node_guid), "node_guid");
     o += &line("sys_image_guid", guid(a.sys_image_guid), "sys_image_guid");
     o += &line("vendor_id", format!("{:#06x}", a.vendor_id), "vendor_id");
-    o += &line("vendor_part_id", a.vendor_part_id.to_string(), "vendor_part_id");
+    o += &line(
+        "vendor_part_id",
+        a.vendor_part_id.to_string(),
+        "vendor_part_id",
+    );
     o += &line("hw_ver", format!("{:#x}", a.hw_ver), "hw_ver");
-    o += &line("phys_port_cnt", a.phys_port_cnt.to_string(), "phys_port_cnt");
+    o += &line(
+        "phys_port_cnt",
+        a.phys_port_cnt.to_string(),
+        "phys_port_cnt",
+    );
     if verbose {
-        o += &line("max_mr_size", format!("{:#x}", a.max_mr_size), "max_mr_size");
-        o += &line("page_size_cap", format!("{:#x}", a.page_size_cap), "page_size_cap");
+        o += &line(
+            "max_mr_size",
+            format!("{:#x}", a.max_mr_size),
+            "max_mr_size",
+        );
+        o += &line(
+            "page_size_cap",
+            format!("{:#x}", a.page_size_cap),
+            "page_size_cap",
+        );
         o += &line("max_qp", a.max_qp.to_string(), "max_qp");
         o += &line("max_qp_wr", a.max_qp_wr.to_string(), "max_qp_wr");
         o += &line(
@@ -402,9 +415,17 @@ pub fn text(i: &Info, verbose: bool) -> String {
         o += &line("max_cqe", a.max_cqe.to_string(), "max_cqe");
         o += &line("max_mr", a.max_mr.to_string(), "max_mr");
         o += &line("max_pd", a.max_pd.to_string(), "max_pd");
-        o += &line("max_qp_rd_atom", a.max_qp_rd_atom.to_string(), "max_qp_rd_atom");
+        o += &line(
+            "max_qp_rd_atom",
+            a.max_qp_rd_atom.to_string(),
+            "max_qp_rd_atom",
+        );
         o += &line("max_ee_rd_atom", zero(), "");
-        o += &line("max_res_rd_atom", a.max_res_rd_atom.to_string(), "max_res_rd_atom");
+        o += &line(
+            "max_res_rd_atom",
+            a.max_res_rd_atom.to_string(),
+            "max_res_rd_atom",
+        );
         o += &line(
             "max_qp_init_rd_atom",
             a.max_qp_init_rd_atom.to_string(),
@@ -486,7 +507,10 @@ pub fn text(i: &Info, verbose: bool) -> String {
             }
         };
         let pl = |k: &str, v: String| format!("\t\t\t{k}:{}{v}\n", port_tabs(k));
-        o += &pl("state", format!("{} ({})", port_state_name(p.state), p.state));
+        o += &pl(
+            "state",
+            format!("{} ({})", port_state_name(p.state), p.state),
+        );
         o += &pl("max_mtu", mtu_name(p.max_mtu));
         o += &pl("active_mtu", mtu_name(p.active_mtu));
         o += &pl("sm_lid", p.sm_lid.to_string());
@@ -533,13 +557,23 @@ pub fn text(i: &Info, verbose: bool) -> String {
                 },
                 src("status_model")
             );
-            let _ = writeln!(o, "\tdontfork:\t\t\t{}{}", c.uses_dontfork(), src("dontfork"));
+            let _ = writeln!(
+                o,
+                "\tdontfork:\t\t\t{}{}",
+                c.uses_dontfork(),
+                src("dontfork")
+            );
             let _ = writeln!(
                 o,
                 "\tpin_mode:\t\t\t{}",
                 format!("{:?}", mrkit_soft::mem::pin::pin_mode()).to_ascii_lowercase()
             );
-            let _ = writeln!(o, "\tlog_num_mtt:\t\t\t{}{}", a.log_num_mtt, src("log_num_mtt"));
+            let _ = writeln!(
+                o,
+                "\tlog_num_mtt:\t\t\t{}{}",
+                a.log_num_mtt,
+                src("log_num_mtt")
+            );
             let _ = writeln!(o, "\tmax_mtt:\t\t\t{}{}", a.max_mtt, src("log_num_mtt"));
             let _ = writeln!(o, "\tmax_inline_data:\t\t{}", a.max_inline_data);
             let _ = writeln!(o, "\nenvironment (MRKIT_*):");

@@ -485,17 +485,17 @@ pub fn driver_of(root: &Path, dev: &str) -> Option<String> {
 }
 
 fn read_trim(p: &Path) -> Option<String> {
-    std::fs::read_to_string(p).ok().map(|s| s.trim().to_string())
+    std::fs::read_to_string(p)
+        .ok()
+        .map(|s| s.trim().to_string())
 }
 
 /// A loaded kernel module: `/sys/module/<m>` (built-in modules appear there too) or a line of
 /// `/proc/modules`.
 fn module_loaded(root: &Path, m: &str) -> bool {
     root.join("sys/module").join(m).exists()
-        || read_trim(&root.join("proc/modules")).is_some_and(|t| {
-            t.lines()
-                .any(|l| l.split_whitespace().next() == Some(m))
-        })
+        || read_trim(&root.join("proc/modules"))
+            .is_some_and(|t| t.lines().any(|l| l.split_whitespace().next() == Some(m)))
 }
 
 /// The checklist of a kernel RDMA stack for device `dev`, reading the tree under `root` (`/`,
@@ -589,7 +589,12 @@ pub fn stack_checks(root: &Path, dev: &str) -> Vec<Check> {
         .collect();
     ports.sort();
     if devdir.exists() && ports.is_empty() {
-        out.push(check("port", Status::Fail, format!("{dev} has no ports in sysfs"), "check the driver's kernel log (dmesg)"));
+        out.push(check(
+            "port",
+            Status::Fail,
+            format!("{dev} has no ports in sysfs"),
+            "check the driver's kernel log (dmesg)",
+        ));
     }
     for (n, p) in &ports {
         let state = read_trim(&p.join("state")).unwrap_or_else(|| "unreadable".into());
@@ -605,7 +610,12 @@ pub fn stack_checks(root: &Path, dev: &str) -> Vec<Check> {
         });
         let ll = read_trim(&p.join("link_layer")).unwrap_or_default();
         if ll == "InfiniBand" {
-            out.push(check("roce_gid", Status::Ok, format!("{dev} port {n}: InfiniBand link layer, no RoCE GID needed"), ""));
+            out.push(check(
+                "roce_gid",
+                Status::Ok,
+                format!("{dev} port {n}: InfiniBand link layer, no RoCE GID needed"),
+                "",
+            ));
             continue;
         }
         let types = p.join("gid_attrs/types");
@@ -643,11 +653,17 @@ pub fn stack_checks(root: &Path, dev: &str) -> Vec<Check> {
         if let Some(log) = read_trim(&root.join("var/log/audit/audit.log")) {
             let denials = log
                 .lines()
-                .filter(|l| l.contains("avc:") && l.contains("denied") && (l.contains("infiniband") || l.contains("uverbs") || l.contains("rdma")))
+                .filter(|l| {
+                    l.contains("avc:")
+                        && l.contains("denied")
+                        && (l.contains("infiniband") || l.contains("uverbs") || l.contains("rdma"))
+                })
                 .count();
             if denials > 0 {
                 st = Status::Fail;
-                notes.push(format!("{denials} AVC denial(s) of RDMA devices in the audit log"));
+                notes.push(format!(
+                    "{denials} AVC denial(s) of RDMA devices in the audit log"
+                ));
                 fix = "allow the access in the policy (`ausearch -m avc -c <comm> | audit2allow -M rdma_local && semodule -i rdma_local.pp`), or label the device correctly (`restorecon -v /dev/infiniband/*`)".into();
             }
         } else {
@@ -658,7 +674,11 @@ pub fn stack_checks(root: &Path, dev: &str) -> Vec<Check> {
     }
     if let Some(label) = read_trim(&root.join("proc/self/attr/current")) {
         let label = label.trim_end_matches('\0').to_string();
-        if !label.is_empty() && label != "unconfined" && !label.contains("unconfined_t") && !label.starts_with("kernel") {
+        if !label.is_empty()
+            && label != "unconfined"
+            && !label.contains("unconfined_t")
+            && !label.starts_with("kernel")
+        {
             notes.push(format!("this process runs confined as `{label}`"));
             if st == Status::Ok {
                 st = Status::Warn;
@@ -667,7 +687,12 @@ pub fn stack_checks(root: &Path, dev: &str) -> Vec<Check> {
         }
     }
     out.push(if notes.is_empty() {
-        check("lsm", Status::Ok, "no SELinux enforcement and no confining security profile seen", "")
+        check(
+            "lsm",
+            Status::Ok,
+            "no SELinux enforcement and no confining security profile seen",
+            "",
+        )
     } else {
         check("lsm", st, notes.join("; "), fix)
     });
@@ -1107,13 +1132,14 @@ fn reproduce(p: &Params, ctx: &Context) -> Value {
     let access = p.access.unwrap_or(AccessFlags::LOCAL_WRITE);
     let r = if size == 0 {
         // Buffer cannot be empty: register zero bytes of it through the raw provider.
-        ctx.provider().reg_mr(
-            pd.handle(),
-            mrkit_soft::UserMemory::empty_at(buf.addr()),
-            iova,
-            access,
-        )
-        .map(|_| ())
+        ctx.provider()
+            .reg_mr(
+                pd.handle(),
+                mrkit_soft::UserMemory::empty_at(buf.addr()),
+                iova,
+                access,
+            )
+            .map(|_| ())
     } else {
         pd.register_iova(buf, iova, access).map(|_| ())
     };
@@ -1446,11 +1472,26 @@ mod tests {
         ("dev/infiniband/uverbs0", ""),
         ("sys/module/ib_uverbs/refcnt", "1\n"),
         ("sys/class/infiniband/mlx5_0/ports/1/state", "4: ACTIVE\n"),
-        ("sys/class/infiniband/mlx5_0/ports/1/link_layer", "Ethernet\n"),
-        ("sys/class/infiniband/mlx5_0/ports/1/gid_attrs/types/0", "IB/RoCE v1\n"),
-        ("sys/class/infiniband/mlx5_0/ports/1/gid_attrs/types/1", "RoCE v2\n"),
-        ("sys/class/infiniband/mlx5_0/ports/1/gids/0", "fe80:0000:0000:0000:0202:c9ff:fe00:0001\n"),
-        ("sys/class/infiniband/mlx5_0/ports/1/gids/1", "0000:0000:0000:0000:0000:ffff:c000:0201\n"),
+        (
+            "sys/class/infiniband/mlx5_0/ports/1/link_layer",
+            "Ethernet\n",
+        ),
+        (
+            "sys/class/infiniband/mlx5_0/ports/1/gid_attrs/types/0",
+            "IB/RoCE v1\n",
+        ),
+        (
+            "sys/class/infiniband/mlx5_0/ports/1/gid_attrs/types/1",
+            "RoCE v2\n",
+        ),
+        (
+            "sys/class/infiniband/mlx5_0/ports/1/gids/0",
+            "fe80:0000:0000:0000:0202:c9ff:fe00:0001\n",
+        ),
+        (
+            "sys/class/infiniband/mlx5_0/ports/1/gids/1",
+            "0000:0000:0000:0000:0000:ffff:c000:0201\n",
+        ),
     ];
     const MLX5_DRIVER: &[(&str, &str)] = &[(
         "sys/class/infiniband/mlx5_0/device/driver",
@@ -1471,8 +1512,15 @@ mod tests {
             .collect()
     }
 
-    fn with(extra: &[(&'static str, &'static str)], drop: &[&str]) -> Vec<(&'static str, &'static str)> {
-        let mut v: Vec<_> = MLX5.iter().copied().filter(|(p, _)| !drop.contains(p)).collect();
+    fn with(
+        extra: &[(&'static str, &'static str)],
+        drop: &[&str],
+    ) -> Vec<(&'static str, &'static str)> {
+        let mut v: Vec<_> = MLX5
+            .iter()
+            .copied()
+            .filter(|(p, _)| !drop.contains(p))
+            .collect();
         v.extend_from_slice(extra);
         v
     }
@@ -1538,5 +1586,4 @@ mod tests {
         let t = fake(MLX5, MLX5_DRIVER);
         assert_eq!(driver_of(t.path(), "mlx5_0").as_deref(), Some("mlx5_core"));
     }
-
 }

@@ -8,6 +8,7 @@ pub mod demo;
 pub mod device;
 pub mod devinfo;
 pub mod doctor;
+pub mod nldev;
 pub mod perf;
 pub mod reg;
 pub mod stat;
