@@ -1530,7 +1530,8 @@ mod tests {
         let ok = Status::Ok;
         let fail = Status::Fail;
         // (what, files, check id, expected statuses)
-        let cases: Vec<(&str, Vec<(&str, &str)>, &str, Vec<Status>)> = vec![
+        type Files = Vec<(&'static str, &'static str)>;
+        let cases: Vec<(&str, Files, &str, Vec<Status>)> = vec![
             ("healthy uverbs", with(&[], &[]), "uverbs", vec![ok]),
             ("no uverbs", with(&[], &["dev/infiniband/uverbs0"]), "uverbs", vec![fail]),
             ("healthy driver", with(&[], &[]), "driver", vec![ok]),
