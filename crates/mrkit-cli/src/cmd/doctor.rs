@@ -470,6 +470,14 @@ fn device_limits(i: &Inputs) -> Check {
     }
 }
 
+/// Checks about mrkit0 itself, left out for a kernel device.
+const MRKIT0_ONLY: &[&str] = &[
+    "huge_detection",
+    "io_uring",
+    "device_config",
+    "device_limits",
+];
+
 /// The kernel driver bound to RDMA device `dev` (`mlx5_core`, `mlx4_core`, `irdma`, ...): the
 /// name of the `/sys/class/infiniband/<dev>/device/driver` link under `root`.
 pub fn driver_of(root: &Path, dev: &str) -> Option<String> {
@@ -713,8 +721,11 @@ pub fn run(a: DoctorArgs, dev: &Selected) -> u8 {
     let inputs = Inputs::gather();
     let mut cs = checks(&inputs);
     if !dev.is_embedded() {
-        // A kernel device: its stack, read from sysfs without opening it (so the checklist
-        // also runs when opening is what fails).
+        // A kernel device: mrkit0's own checks (its pin path, page-size detection, MRKIT_*
+        // configuration, its processes' limits) do not apply; the kernel stack does, read
+        // from sysfs without opening the device (so the checklist also runs when opening is
+        // what fails).
+        cs.retain(|c| !MRKIT0_ONLY.contains(&c.id));
         cs.extend(stack_checks(Path::new("/"), dev.device()));
     }
     let worst = cs.iter().map(|c| c.status).max().unwrap_or(Status::Ok);
