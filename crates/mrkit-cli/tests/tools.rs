@@ -9,6 +9,7 @@ use serde_json::Value;
 
 const ENV_VARS: &[&str] = &[
     "MRKIT_PROFILE",
+    "MRKIT_DEVICE",
     "MRKIT_MAX_MR",
     "MRKIT_MAX_MR_SIZE",
     "MRKIT_LOG_NUM_MTT",
@@ -357,6 +358,33 @@ fn device_selection_errors_exit_1_and_list() {
     // MRKIT_DEVICE=mrkit0 and --device mrkit:mrkit0 are the embedded device.
     run_ok(mrkit().arg("devinfo").env("MRKIT_DEVICE", "mrkit0"));
     run_ok(mrkit().args(["devinfo", "--device", "mrkit:mrkit0"]));
+}
+
+/// `doctor --device` with a kernel device runs the kernel-stack checklist; without any
+/// /dev/infiniband (as here) the uverbs check fails with its fix and doctor exits 1.
+#[test]
+fn doctor_kernel_device_checklist() {
+    let o = run(mrkit().args(["doctor", "--json", "--device", "rdma-core:mlx5_0"]));
+    let v = json_of(&o);
+    for id in ["uverbs", "driver", "lsm", "memlock", "cgroup"] {
+        check(&v, id);
+    }
+    assert!(
+        v["checks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|c| c["id"] != "io_uring"),
+        "mrkit0's own checks left out: {v}"
+    );
+    if !Path::new("/dev/infiniband").exists() {
+        assert_eq!(check(&v, "uverbs")["status"], "fail");
+        assert!(check(&v, "uverbs")["fix"]
+            .as_str()
+            .unwrap()
+            .contains("ib_uverbs"));
+        assert_eq!(o.status.code(), Some(1));
+    }
 }
 
 /// Without kernel RDMA (as here) the netlink MR dump fails with a sentence and exit 1.
