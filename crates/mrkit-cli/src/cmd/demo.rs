@@ -404,7 +404,7 @@ fn pool_vs_per_message(ctx: &Context, n: &mut u32) -> mrkit::Result<()> {
             .copy_from_slice(&msg);
         let mem = UserMemory::owned_range(buf.clone(), off as u64, 4096)
             .ok_or_else(|| err("range outside the buffer"))?;
-        let iova = buf.addr() as u64 + off as u64;
+        let iova = buf.addr() + off as u64;
         let mr = dev.reg_mr(
             pd.handle(),
             mem,

@@ -138,7 +138,7 @@ pub(super) fn per_message(ctx: &Context, pd: u32, n: u64) -> PerMessage {
         let Some(mem) = UserMemory::owned_range(slab.clone(), off, 4096) else {
             return pm_failed(n, 0.0, Some("slab too small".into()));
         };
-        let iova = slab.addr() as u64 + off;
+        let iova = slab.addr() + off;
         match dev.reg_mr(
             pd,
             mem,
@@ -152,7 +152,7 @@ pub(super) fn per_message(ctx: &Context, pd: u32, n: u64) -> PerMessage {
         }
     }
     let per = t.elapsed().as_nanos() as f64 / n as f64;
-    let addr = slab.addr() as u64;
+    let addr = slab.addr();
     let big = match dev.reg_mr(
         pd,
         UserMemory::owned(slab),

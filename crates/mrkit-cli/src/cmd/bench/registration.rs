@@ -68,7 +68,7 @@ pub(super) fn reg_point(ctx: &Context, pd: u32, buf: &Arc<Buffer>, thp: bool) ->
         // The MR holds a reference to the buffer until it is deregistered.
         let mem = UserMemory::owned(buf.clone());
         let t = Instant::now();
-        let r = dev.reg_mr(pd, mem, buf.addr() as u64, AccessFlags::LOCAL_WRITE);
+        let r = dev.reg_mr(pd, mem, buf.addr(), AccessFlags::LOCAL_WRITE);
         let reg = t.elapsed().as_nanos() as u64;
         match r {
             Ok(mr) => {
