@@ -140,7 +140,7 @@ pub fn translation_from_sysfs(root: &std::path::Path, dev: &str) -> Translation 
                 (Some(0), _) => Translation::Unknown(
                     "mlx4_core log_num_mtt is 0: the driver sizes the MTT table from RAM at load time and does not expose the result".into(),
                 ),
-                (Some(n), Some(s)) if n + s < 64 => Translation::Known {
+                (Some(n), Some(s)) if n.checked_add(s).is_some_and(|t| t < 64) => Translation::Known {
                     entries: 1u64 << (n + s),
                     formula: format!("2^log_num_mtt x 2^log_mtts_per_seg = 2^{n} x 2^{s}"),
                     source: "/sys/module/mlx4_core/parameters".into(),
@@ -563,6 +563,15 @@ mod tests {
                 what: "mlx4 params missing",
                 driver: Some("mlx4_core"),
                 params: &[],
+                entries: None,
+            },
+            Case {
+                what: "mlx4 hostile params (overflowing sum)",
+                driver: Some("mlx4_core"),
+                params: &[
+                    ("log_num_mtt", "18446744073709551615\n"),
+                    ("log_mtts_per_seg", "3\n"),
+                ],
                 entries: None,
             },
             Case {
