@@ -126,7 +126,9 @@ pub struct PortAttr {
 
 /// `ibv_query_port` (stand-in for the provider op). On `mrkit0` the values are the ones its
 /// drop-in `libibverbs.so.1` reports: one active Ethernet port, MTU 4096, a loopback address
-/// gives active MTU 4096 (rxe's rule: the largest IB MTU at most the netdev MTU minus 80).
+/// gives active MTU 4096 (rxe's rule: the largest IB MTU at most the netdev MTU minus 80). On
+/// another address the shim says 1024 where the drop-in applies the rule to the interface's
+/// MTU (deviation until the provider op replaces this).
 pub fn query_port(ctx: &Context, port: u8) -> Result<PortAttr> {
     let a = ctx.query_device();
     if port == 0 || port > a.phys_port_cnt {

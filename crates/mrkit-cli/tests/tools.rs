@@ -255,6 +255,7 @@ fn devinfo_json_keys_and_env_source() {
             .starts_with("::ffff:127."),
         "{port}"
     );
+    assert_eq!(port["gids"][0]["placeholder"], false);
     assert_eq!(v["provider"], "mrkit");
     let env = v["env"].as_array().unwrap();
     let mr = env.iter().find(|e| e["name"] == "MRKIT_MAX_MR").unwrap();

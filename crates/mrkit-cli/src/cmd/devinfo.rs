@@ -290,7 +290,8 @@ fn port_json(p: &PortAttr, gid0: &Result<[u8; 16], String>) -> Value {
         "active_speed": p.active_speed,
         "phys_state": p.phys_state,
         "gids": match gid0 {
-            Ok(g) => json!([{"index": 0, "gid": gid_text(g), "type": "RoCE v2"}]),
+            // `placeholder` stays for JSON stability: the GID is the device's real one now.
+            Ok(g) => json!([{"index": 0, "gid": gid_text(g), "type": "RoCE v2", "placeholder": false}]),
             Err(_) => json!([]),
         },
         "gid_error": gid0.as_ref().err(),
