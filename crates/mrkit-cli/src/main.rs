@@ -2,6 +2,7 @@
 #![forbid(unsafe_code)]
 
 mod cmd;
+mod device_select;
 
 use std::process::ExitCode;
 
@@ -97,13 +98,17 @@ macro_rules! out {
 #[command(
     name = "mrkit",
     version,
-    about = "RDMA memory registration done right, on the embedded software device mrkit0",
-    after_help = "Examples:\n  mrkit demo\n  mrkit devinfo -v\n  mrkit capacity\n  mrkit doctor\n  mrkit doctor explain EINVAL --access remote-write\n  mrkit reg --size 8MiB --access local-write,remote-write --json\n  mrkit stat --watch 1\n  mrkit bench --quick\n  MRKIT_MAX_MR=1000 mrkit reg --size 4096 --access remote-read\n\nExit status: 0 ok, 1 the verb or a check failed, 2 usage error (bad arguments or MRKIT_* environment)."
+    about = "RDMA memory registration done right, on the embedded software device mrkit0 or any RDMA device (--device NAME)",
+    after_help = "Examples:\n  mrkit demo\n  mrkit devinfo -v\n  mrkit capacity\n  mrkit doctor\n  mrkit doctor explain EINVAL --access remote-write\n  mrkit reg --size 8MiB --access local-write,remote-write --json\n  mrkit stat --watch 1\n  mrkit bench --quick\n  mrkit devinfo --list\n  mrkit devinfo -v --device rdma-core:mlx5_0\n  MRKIT_MAX_MR=1000 mrkit reg --size 4096 --access remote-read\n\nExit status: 0 ok, 1 the verb or a check failed (also: an unknown device, rdma-core missing), 2 usage error (bad arguments or MRKIT_* environment)."
 )]
 pub(crate) struct Cli {
     /// More logging (-v info, -vv debug, -vvv trace).
     #[arg(short, long, action = clap::ArgAction::Count, global = true)]
     verbose: u8,
+    /// The RDMA device: `mrkit0` (the embedded device), a device name (`mlx5_0`), or a name
+    /// qualified by its provider (`rdma-core:mlx5_0`). Default: $MRKIT_DEVICE, else mrkit0.
+    #[arg(long, global = true, value_name = "NAME")]
+    device: Option<String>,
     #[command(subcommand)]
     cmd: Command,
 }
@@ -167,15 +172,16 @@ fn main() -> ExitCode {
         )
         .with_writer(std::io::stderr)
         .init();
+    let dev = cmd::device::Selected::new(cli.device);
     let code = match cli.cmd {
-        Command::Reg(a) => cmd::reg::run(a),
-        Command::Demo(a) => cmd::demo::run(a),
-        Command::Perf(a) => cmd::perf::run(a),
-        Command::Devinfo(a) => cmd::devinfo::run(a, cli.verbose > 0),
-        Command::Capacity(a) => cmd::capacity::run(a),
-        Command::Doctor(a) => cmd::doctor::run(a),
-        Command::Stat(a) => cmd::stat::run(a),
-        Command::Bench(a) => cmd::bench::run(a),
+        Command::Reg(a) => cmd::reg::run(a, &dev),
+        Command::Demo(a) => cmd::demo::run(a, &dev),
+        Command::Perf(a) => cmd::perf::run(a, &dev),
+        Command::Devinfo(a) => cmd::devinfo::run(a, cli.verbose > 0, &dev),
+        Command::Capacity(a) => cmd::capacity::run(a, &dev),
+        Command::Doctor(a) => cmd::doctor::run(a, &dev),
+        Command::Stat(a) => cmd::stat::run(a, &dev),
+        Command::Bench(a) => cmd::bench::run(a, &dev),
         Command::Completions(a) => cmd::completions::run(a),
     };
     out::flush();

@@ -9,6 +9,7 @@ use serde_json::Value;
 
 const ENV_VARS: &[&str] = &[
     "MRKIT_PROFILE",
+    "MRKIT_DEVICE",
     "MRKIT_MAX_MR",
     "MRKIT_MAX_MR_SIZE",
     "MRKIT_LOG_NUM_MTT",
@@ -188,7 +189,8 @@ fn completions_for_shells() {
 
 #[test]
 fn devinfo_text_golden() {
-    let o = run(mrkit().arg("devinfo"));
+    // The GID is the device's UDP address: fix it so the text is stable.
+    let o = run(mrkit().arg("devinfo").env("MRKIT_ADDR", "127.0.77.5"));
     assert!(o.status.success());
     golden("devinfo.txt", &stdout(&o));
 }
@@ -229,6 +231,8 @@ fn devinfo_json_keys_and_env_source() {
             "pin_mode",
             "ports",
             "profile",
+            "provider",
+            "selected",
             "status_model",
             "status_model_source",
             "transport"
@@ -242,8 +246,17 @@ fn devinfo_json_keys_and_env_source() {
     let port = &v["ports"][0];
     assert_eq!(port["state"], "PORT_ACTIVE");
     assert_eq!(port["link_layer"], "Ethernet");
-    assert_eq!(port["active_mtu"], 1024);
-    assert_eq!(port["gids"][0]["placeholder"], true);
+    // A real GID now (the device's UDP address, loopback here: active MTU 4096, rxe's rule).
+    assert_eq!(port["active_mtu"], 4096);
+    assert!(
+        port["gids"][0]["gid"]
+            .as_str()
+            .unwrap()
+            .starts_with("::ffff:127."),
+        "{port}"
+    );
+    assert_eq!(port["gids"][0]["placeholder"], false);
+    assert_eq!(v["provider"], "mrkit");
     let env = v["env"].as_array().unwrap();
     let mr = env.iter().find(|e| e["name"] == "MRKIT_MAX_MR").unwrap();
     assert_eq!(mr["value"], "1000");
@@ -262,6 +275,155 @@ fn devinfo_profile_source() {
         "profile connectx5-seed"
     );
     assert_eq!(v["attributes"]["log_num_mtt"]["value"], 20);
+}
+
+/// The field names of `ibv_devinfo -v` output, in order, up to the end of the device block:
+/// `key` of `key:<tabs>value` lines, flag names and the "... not supported" lines as they are.
+fn devinfo_fields(text: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    for l in text.lines() {
+        let t = l.trim();
+        if t.is_empty() {
+            break;
+        }
+        let key = t.split(':').next().unwrap_or(t);
+        let is_key = t.contains(':')
+            && key
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "_ []".contains(c));
+        out.push(if is_key {
+            key.to_string()
+        } else {
+            t.to_string()
+        });
+    }
+    out
+}
+
+/// `mrkit devinfo -v` prints the fields `ibv_devinfo -v` prints, in the same order. The golden
+/// list was recorded from ibverbs-utils' `ibv_devinfo -v` on the drop-in libibverbs; when both
+/// are there the live output is compared too.
+#[test]
+fn devinfo_verbose_fields_match_ibv_devinfo() {
+    let want: Vec<String> = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/ibv_devinfo_v_fields.txt"),
+    )
+    .unwrap()
+    .lines()
+    .map(String::from)
+    .collect();
+    let o = run_ok(mrkit().args(["devinfo", "-v"]));
+    assert_eq!(devinfo_fields(&stdout(&o)), want);
+    let tool = Path::new("/usr/bin/ibv_devinfo");
+    let lib = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/debug/libibverbs.so.1");
+    if tool.exists() && lib.exists() {
+        let o = Command::new(tool)
+            .arg("-v")
+            .env("LD_LIBRARY_PATH", lib.parent().unwrap())
+            .env("MRKIT_STAT", "0")
+            .output()
+            .unwrap();
+        assert!(o.status.success());
+        assert_eq!(devinfo_fields(&stdout(&o)), want, "ibv_devinfo -v changed");
+    }
+}
+
+#[test]
+fn device_selection_errors_exit_1_and_list() {
+    let o = run(mrkit().args(["devinfo", "--list"]));
+    assert!(o.status.success());
+    assert!(stdout(&o).contains("mrkit:mrkit0"), "{}", stdout(&o));
+    for args in [
+        &["devinfo", "--device", "mlx5_9"][..],
+        &["reg", "--size", "4096", "--device", "mlx5_9"],
+        &["capacity", "--device", "mlx5_9"],
+        &["doctor", "explain", "EINVAL", "--device", "mlx5_9"],
+        &["demo", "--device", "mlx5_9"],
+        &["perf", "--server", "--device", "mlx5_9"],
+        &["bench", "--quick", "--device", "mlx5_9"],
+    ] {
+        let o = run(mrkit().args(args));
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {err}");
+        assert!(
+            err.contains("no RDMA device named `mlx5_9`") && err.contains("mrkit0"),
+            "{args:?}: {err}"
+        );
+    }
+    let o = run(mrkit().arg("devinfo").env("MRKIT_DEVICE", "nonesuch"));
+    assert_eq!(o.status.code(), Some(1));
+    // rdma-core missing: exit 1 with the reason.
+    let o = run(mrkit().args(["devinfo", "--device", "rdma-core:mrkit0"]));
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("rdma-core"));
+    // MRKIT_DEVICE=mrkit0 and --device mrkit:mrkit0 are the embedded device.
+    run_ok(mrkit().arg("devinfo").env("MRKIT_DEVICE", "mrkit0"));
+    run_ok(mrkit().args(["devinfo", "--device", "mrkit:mrkit0"]));
+}
+
+/// `doctor --device` with a kernel device runs the kernel-stack checklist; without any
+/// /dev/infiniband (as here) the uverbs check fails with its fix and doctor exits 1.
+#[test]
+fn doctor_kernel_device_checklist() {
+    let o = run(mrkit().args(["doctor", "--json", "--device", "rdma-core:mlx5_0"]));
+    let v = json_of(&o);
+    for id in ["uverbs", "driver", "lsm", "memlock", "cgroup"] {
+        check(&v, id);
+    }
+    assert!(
+        v["checks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|c| c["id"] != "io_uring"),
+        "mrkit0's own checks left out: {v}"
+    );
+    if !Path::new("/dev/infiniband").exists() {
+        assert_eq!(check(&v, "uverbs")["status"], "fail");
+        assert!(check(&v, "uverbs")["fix"]
+            .as_str()
+            .unwrap()
+            .contains("ib_uverbs"));
+        assert_eq!(o.status.code(), Some(1));
+    }
+}
+
+/// Without kernel RDMA (as here) the netlink MR dump fails with a sentence and exit 1.
+#[test]
+fn stat_kernel_dump_fails_cleanly_without_kernel_rdma() {
+    let o = run(mrkit().args(["stat", "--kernel"]));
+    let err = String::from_utf8_lossy(&o.stderr);
+    if o.status.success() {
+        // A machine with kernel RDMA: the dump worked.
+        assert!(
+            Path::new("/sys/class/infiniband").exists(),
+            "{}",
+            stdout(&o)
+        );
+    } else {
+        assert_eq!(o.status.code(), Some(1), "{err}");
+        assert!(err.contains("RDMA") && !err.contains("panicked"), "{err}");
+    }
+}
+
+/// The closing line counts the whole run (more than a thousand registrations: the max_mr
+/// step alone makes 1000), not the first context's two.
+#[test]
+fn demo_counts_the_whole_run() {
+    let o = run_ok(mrkit().arg("demo").env("MRKIT_STAT", "0"));
+    let s = stdout(&o);
+    let line = s
+        .lines()
+        .find(|l| l.starts_with("statistics of this run:"))
+        .unwrap_or_else(|| panic!("{s}"));
+    let n: u64 = line
+        .trim_start_matches("statistics of this run: ")
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(n > 1000, "{line}");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -292,6 +454,7 @@ fn capacity_json_min_and_binding() {
         names,
         [
             "max_mr_size",
+            "max_mr",
             "translation_capacity",
             "free_translation_entries",
             "ram_ratio",
@@ -321,7 +484,8 @@ fn capacity_translation_binds_and_thp_lifts_it() {
     assert_eq!(v["capacity_bytes"], 1024 * 4096);
     assert_eq!(v["ratio_source"], "env MRKIT_REG_RATIO");
     assert!(v["thp"]["capacity_bytes"].as_u64().unwrap() > 4 << 20);
-    let t = &v["terms"][1];
+    let t = &v["terms"][2];
+    assert_eq!(t["name"], "translation_capacity");
     assert_eq!(t["source"], "env MRKIT_LOG_NUM_MTT");
     assert_eq!(t["bytes_thp"], 1024u64 * (2 << 20));
     let text = stdout(&run(mrkit().arg("capacity").env("MRKIT_LOG_NUM_MTT", "10")));

@@ -72,7 +72,95 @@ fn min_term(terms: &[Term], thp: bool) -> (Option<u64>, Option<&'static str>) {
     best
 }
 
+/// The translation limit of a device: how many translation (MTT) entries it has.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Translation {
+    /// `entries` in total, described by `formula` (`2^20`), read from `source`.
+    Known {
+        /// Translation entries in total.
+        entries: u64,
+        /// How the number was formed.
+        formula: String,
+        /// Where it was read.
+        source: String,
+    },
+    /// The driver exposes no limit: why (no term is invented).
+    Unknown(String),
+}
+
+/// The device-side inputs of the formula.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DeviceLimits {
+    /// The device name.
+    pub device: String,
+    /// `max_mr` and where it came from.
+    pub max_mr: (u32, String),
+    /// `max_mr_size` and where it came from.
+    pub max_mr_size: (u64, String),
+    /// The translation limit.
+    pub translation: Translation,
+    /// Entries this process uses now (known on mrkit0 only).
+    pub mtt_used: Option<u64>,
+}
+
+impl DeviceLimits {
+    /// The embedded device: every limit from its configuration.
+    pub fn embedded(cfg: &DeviceConfig, mtt_used: u64) -> DeviceLimits {
+        let a = cfg.attr();
+        DeviceLimits {
+            device: mrkit_soft::DEVICE_NAME.to_string(),
+            max_mr: (a.max_mr, cfg.source("max_mr").to_string()),
+            max_mr_size: (a.max_mr_size, cfg.source("max_mr_size").to_string()),
+            translation: Translation::Known {
+                entries: a.max_mtt,
+                formula: format!("2^log_num_mtt = 2^{}", a.log_num_mtt),
+                source: cfg.source("log_num_mtt").to_string(),
+            },
+            mtt_used: Some(mtt_used),
+        }
+    }
+}
+
+/// The translation limit of kernel RDMA device `dev` as sysfs under `root` exposes it:
+/// mlx4 has the `log_num_mtt` and `log_mtts_per_seg` module parameters (entries =
+/// 2^(log_num_mtt + log_mtts_per_seg)); other drivers (mlx5, irdma, efa, rxe, siw) expose none.
+pub fn translation_from_sysfs(root: &std::path::Path, dev: &str) -> Translation {
+    let driver = super::doctor::driver_of(root, dev);
+    match driver.as_deref() {
+        Some("mlx4_core") | Some("mlx4_ib") => {
+            let dir = root.join("sys/module/mlx4_core/parameters");
+            let read = |n: &str| -> Option<u64> {
+                std::fs::read_to_string(dir.join(n))
+                    .ok()?
+                    .trim()
+                    .parse()
+                    .ok()
+            };
+            match (read("log_num_mtt"), read("log_mtts_per_seg")) {
+                (Some(0), _) => Translation::Unknown(
+                    "mlx4_core log_num_mtt is 0: the driver sizes the MTT table from RAM at load time and does not expose the result".into(),
+                ),
+                (Some(n), Some(s)) if n.checked_add(s).is_some_and(|t| t < 64) => Translation::Known {
+                    entries: 1u64 << (n + s),
+                    formula: format!("2^log_num_mtt x 2^log_mtts_per_seg = 2^{n} x 2^{s}"),
+                    source: "/sys/module/mlx4_core/parameters".into(),
+                },
+                _ => Translation::Unknown(
+                    "mlx4_core parameters log_num_mtt / log_mtts_per_seg are unreadable".into(),
+                ),
+            }
+        }
+        Some(d) => Translation::Unknown(format!(
+            "driver {d} exposes no translation limit (no module parameter or sysfs file): no term"
+        )),
+        None => Translation::Unknown(format!(
+            "{dev}: driver unknown (/sys/class/infiniband/{dev}/device/driver unreadable): no term"
+        )),
+    }
+}
+
 /// Compute every term from the device configuration, the system and this process's usage.
+#[cfg(test)]
 pub fn compute(
     cfg: &DeviceConfig,
     sys: &SysInfo,
@@ -80,41 +168,68 @@ pub fn compute(
     mtt_used: u64,
     pinned: u64,
 ) -> Capacity {
-    let a = cfg.attr();
+    compute_for(&DeviceLimits::embedded(cfg, mtt_used), sys, ratio, pinned)
+}
+
+/// Compute every term for any device.
+pub fn compute_for(d: &DeviceLimits, sys: &SysInfo, ratio: (f64, String), pinned: u64) -> Capacity {
     let ps = sys.page_size;
     let mut terms = Vec::new();
-    let mms = (a.max_mr_size != u64::MAX).then_some(a.max_mr_size);
+    let mms = (d.max_mr_size.0 != u64::MAX).then_some(d.max_mr_size.0);
     terms.push(Term {
         name: "max_mr_size",
         bytes: mms,
         bytes_thp: mms,
-        source: cfg.source("max_mr_size").to_string(),
+        source: d.max_mr_size.1.clone(),
         detail: "largest single registration (ibv_query_device max_mr_size)".into(),
     });
-    let mtt = a.max_mtt.saturating_mul(ps);
+    let all = mms.map(|m| m.saturating_mul(u64::from(d.max_mr.0)));
     terms.push(Term {
-        name: "translation_capacity",
-        bytes: Some(mtt),
-        bytes_thp: Some(a.max_mtt.saturating_mul(HUGE_PAGE)),
-        source: cfg.source("log_num_mtt").to_string(),
+        name: "max_mr",
+        bytes: all,
+        bytes_thp: all,
+        source: d.max_mr.1.clone(),
         detail: format!(
-            "2^log_num_mtt x page size = 2^{} x {} (THP: x {})",
-            a.log_num_mtt,
-            human(ps),
-            human(HUGE_PAGE)
+            "at most max_mr = {} MRs of at most max_mr_size each",
+            d.max_mr.0
         ),
     });
-    let free = a.max_mtt.saturating_sub(mtt_used);
-    terms.push(Term {
-        name: "free_translation_entries",
-        bytes: Some(free.saturating_mul(ps)),
-        bytes_thp: Some(free.saturating_mul(HUGE_PAGE)),
-        source: "this process's mrkit0 instances".into(),
-        detail: format!(
-            "{free} of {} entries free ({mtt_used} used) x page size",
-            a.max_mtt
-        ),
-    });
+    match &d.translation {
+        Translation::Known {
+            entries,
+            formula,
+            source,
+        } => {
+            terms.push(Term {
+                name: "translation_capacity",
+                bytes: Some(entries.saturating_mul(ps)),
+                bytes_thp: Some(entries.saturating_mul(HUGE_PAGE)),
+                source: source.clone(),
+                detail: format!(
+                    "{formula} entries x page size {} (THP: x {})",
+                    human(ps),
+                    human(HUGE_PAGE)
+                ),
+            });
+            if let Some(used) = d.mtt_used {
+                let free = entries.saturating_sub(used);
+                terms.push(Term {
+                    name: "free_translation_entries",
+                    bytes: Some(free.saturating_mul(ps)),
+                    bytes_thp: Some(free.saturating_mul(HUGE_PAGE)),
+                    source: "this process's mrkit0 instances".into(),
+                    detail: format!("{free} of {entries} entries free ({used} used) x page size"),
+                });
+            }
+        }
+        Translation::Unknown(why) => terms.push(Term {
+            name: "translation_capacity",
+            bytes: None,
+            bytes_thp: None,
+            source: "not exposed".into(),
+            detail: why.clone(),
+        }),
+    }
     let ram = sys.mem_total().map(|t| (t as f64 * ratio.0) as u64);
     terms.push(Term {
         name: "ram_ratio",
@@ -248,7 +363,7 @@ pub fn to_json(c: &Capacity, sys: &SysInfo, device: &str) -> Value {
     })
 }
 
-pub fn run(a: CapacityArgs) -> u8 {
+pub fn run(a: CapacityArgs, dev: &super::device::Selected) -> u8 {
     let ratio = match ratio_of(a.ratio) {
         Ok(r) => r,
         Err(e) => {
@@ -256,34 +371,47 @@ pub fn run(a: CapacityArgs) -> u8 {
             return exit::USAGE;
         }
     };
-    let cfg = match DeviceConfig::from_env() {
+    let ctx = match dev.open("capacity") {
         Ok(c) => c,
-        Err(e) => {
-            eprintln!("mrkit capacity: {e}");
-            return exit::USAGE;
-        }
+        Err(code) => return code,
     };
     let sys = SysInfo::gather();
     let st = mrkit_soft::stats::process().snapshot();
-    let c = compute(
-        &cfg,
+    let limits = if ctx.soft().is_some() {
+        match DeviceConfig::from_env() {
+            Ok(cfg) => DeviceLimits::embedded(&cfg, st.mtt_used),
+            Err(e) => {
+                eprintln!("mrkit capacity: {e}");
+                return exit::USAGE;
+            }
+        }
+    } else {
+        let a = ctx.query_device();
+        DeviceLimits {
+            device: ctx.name().to_string(),
+            max_mr: (a.max_mr, "ibv_query_device".into()),
+            max_mr_size: (a.max_mr_size, "ibv_query_device".into()),
+            translation: translation_from_sysfs(std::path::Path::new("/"), ctx.name()),
+            mtt_used: None,
+        }
+    };
+    let c = compute_for(
+        &limits,
         &sys,
         ratio,
-        st.mtt_used,
         mrkit_soft::mem::account::pinned_pages() * sys.page_size,
     );
     tracing::info!(binding = ?c.binding, bytes = ?c.bytes, "capacity computed");
     if a.json {
         println!(
             "{}",
-            serde_json::to_string_pretty(&to_json(&c, &sys, mrkit_soft::DEVICE_NAME))
-                .expect("json")
+            serde_json::to_string_pretty(&to_json(&c, &sys, &limits.device)).expect("json")
         );
         return exit::OK;
     }
     println!(
         "registrable memory on {} for this process (pid {}), page size {}",
-        mrkit_soft::DEVICE_NAME,
+        limits.device,
         std::process::id(),
         human(sys.page_size)
     );
@@ -320,7 +448,7 @@ pub fn run(a: CapacityArgs) -> u8 {
         None => println!("  note: /sys/kernel/mm/transparent_hugepage/enabled is unreadable"),
         _ => {}
     }
-    if !sys.huge_detection {
+    if !sys.huge_detection && ctx.soft().is_some() {
         println!("  note: PAGEMAP_SCAN is unavailable: mrkit0 sees every page as 4 KiB, so THP saves no entries here");
     }
     exit::OK
@@ -385,5 +513,123 @@ mod tests {
         );
         assert_eq!(c.binding, Some("max_mr_size"));
         assert_eq!(c.terms[0].source, "profile connectx5-seed");
+    }
+
+    /// A fake sysfs tree: `/sys/class/infiniband/<dev>/device/driver` → the driver, plus
+    /// module parameters.
+    fn tree(dev: &str, driver: Option<&str>, params: &[(&str, &str)]) -> tempfile::TempDir {
+        let t = tempfile::tempdir().unwrap();
+        let devdir = t
+            .path()
+            .join("sys/class/infiniband")
+            .join(dev)
+            .join("device");
+        std::fs::create_dir_all(&devdir).unwrap();
+        if let Some(d) = driver {
+            let drv = t.path().join("sys/bus/pci/drivers").join(d);
+            std::fs::create_dir_all(&drv).unwrap();
+            std::os::unix::fs::symlink(&drv, devdir.join("driver")).unwrap();
+        }
+        let pdir = t.path().join("sys/module/mlx4_core/parameters");
+        for (k, v) in params {
+            std::fs::create_dir_all(&pdir).unwrap();
+            std::fs::write(pdir.join(k), v).unwrap();
+        }
+        t
+    }
+
+    #[test]
+    fn translation_limit_table() {
+        struct Case {
+            what: &'static str,
+            driver: Option<&'static str>,
+            params: &'static [(&'static str, &'static str)],
+            entries: Option<u64>,
+        }
+        let cases = [
+            Case {
+                what: "mlx4 with params",
+                driver: Some("mlx4_core"),
+                params: &[("log_num_mtt", "20\n"), ("log_mtts_per_seg", "3\n")],
+                entries: Some(1 << 23),
+            },
+            Case {
+                what: "mlx4 auto (0)",
+                driver: Some("mlx4_core"),
+                params: &[("log_num_mtt", "0\n"), ("log_mtts_per_seg", "3\n")],
+                entries: None,
+            },
+            Case {
+                what: "mlx4 params missing",
+                driver: Some("mlx4_core"),
+                params: &[],
+                entries: None,
+            },
+            Case {
+                what: "mlx4 hostile params (overflowing sum)",
+                driver: Some("mlx4_core"),
+                params: &[
+                    ("log_num_mtt", "18446744073709551615\n"),
+                    ("log_mtts_per_seg", "3\n"),
+                ],
+                entries: None,
+            },
+            Case {
+                what: "mlx5: none exposed",
+                driver: Some("mlx5_core"),
+                params: &[("log_num_mtt", "24\n"), ("log_mtts_per_seg", "3\n")],
+                entries: None,
+            },
+            Case {
+                what: "no driver link",
+                driver: None,
+                params: &[],
+                entries: None,
+            },
+        ];
+        let s = sys();
+        for c in cases {
+            let t = tree("dev0", c.driver, c.params);
+            let tr = translation_from_sysfs(t.path(), "dev0");
+            let got = match &tr {
+                Translation::Known { entries, .. } => Some(*entries),
+                Translation::Unknown(_) => None,
+            };
+            assert_eq!(got, c.entries, "{}: {tr:?}", c.what);
+            let d = DeviceLimits {
+                device: "dev0".into(),
+                max_mr: (1000, "ibv_query_device".into()),
+                max_mr_size: (u64::MAX, "ibv_query_device".into()),
+                translation: tr,
+                mtt_used: None,
+            };
+            let cap = compute_for(&d, &s, (0.9, "default".into()), 0);
+            let t = cap
+                .terms
+                .iter()
+                .find(|t| t.name == "translation_capacity")
+                .unwrap();
+            match c.entries {
+                // 2^23 entries x 4 KiB = 32 GiB: above RAM x 0.9, so RAM binds.
+                Some(e) => assert_eq!(t.bytes, Some(e * 4096), "{}", c.what),
+                None => {
+                    assert_eq!(t.bytes, None, "{}: no invented term", c.what);
+                    assert_eq!(t.source, "not exposed");
+                }
+            }
+            assert!(cap
+                .terms
+                .iter()
+                .all(|t| t.name != "free_translation_entries"));
+            assert_eq!(cap.binding, Some("ram_ratio"), "{}", c.what);
+        }
+        let t = tree("mlx5_0", Some("mlx5_core"), &[]);
+        match translation_from_sysfs(t.path(), "mlx5_0") {
+            Translation::Unknown(why) => assert!(
+                why.contains("mlx5_core exposes no translation limit"),
+                "{why}"
+            ),
+            k => panic!("{k:?}"),
+        }
     }
 }

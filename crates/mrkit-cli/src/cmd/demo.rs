@@ -39,8 +39,12 @@ fn show<T>(what: &str, r: mrkit::Result<T>) -> Option<T> {
     }
 }
 
-pub fn run(_a: DemoArgs) -> u8 {
-    match run_inner() {
+pub fn run(_a: DemoArgs, dev: &super::device::Selected) -> u8 {
+    let ctx = match dev.open("demo") {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    match run_inner(ctx) {
         Ok(()) => exit::OK,
         Err(e) => {
             eprintln!("mrkit demo: unexpected failure: {e}");
@@ -49,12 +53,46 @@ pub fn run(_a: DemoArgs) -> u8 {
     }
 }
 
-fn run_inner() -> mrkit::Result<()> {
-    let ctx = Context::open_default()?;
+/// Registrations and failures of the whole run, from the process-wide counters of every
+/// `mrkit0` instance (`mrkit_soft::stats::process()`), not one context's.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Tally {
+    /// Successful registrations.
+    pub registrations: u64,
+    /// Failed registrations.
+    pub failures: u64,
+}
+
+impl Tally {
+    /// The process-wide counters of the embedded device now.
+    pub fn embedded_now() -> Tally {
+        let st = mrkit_soft::stats::process().snapshot();
+        Tally {
+            registrations: st.registrations,
+            failures: st.failures.iter().map(|(_, c)| c).sum(),
+        }
+    }
+
+    /// What happened between `self` (earlier) and `later`.
+    pub fn since(self, later: Tally) -> Tally {
+        Tally {
+            registrations: later.registrations.saturating_sub(self.registrations),
+            failures: later.failures.saturating_sub(self.failures),
+        }
+    }
+}
+
+fn run_inner(ctx: Context) -> mrkit::Result<()> {
+    let start = Tally::embedded_now();
     let attr = ctx.query_device();
     crate::outln!(
-        "mrkit demo: memory registration on {} (a software RDMA device; no NIC needed)",
-        ctx.name()
+        "mrkit demo: memory registration on {} ({})",
+        ctx.name(),
+        if ctx.soft().is_some() {
+            "a software RDMA device; no NIC needed"
+        } else {
+            "the selected device; the device-limit steps run on embedded mrkit0 instances"
+        }
     );
     crate::outln!(
         "   max_mr {}  max_mr_size {:#x}  translation entries 2^{}  ODP caps {:#x}",
@@ -85,7 +123,7 @@ fn run_inner() -> mrkit::Result<()> {
         "   key = (index << 8) | generation: a deregistered key never matches a later MR"
     );
 
-    move_data(&mut n)?;
+    move_data(&ctx, &mut n)?;
 
     step(&mut n, "Classic mistake: REMOTE_WRITE without LOCAL_WRITE");
     show(
@@ -122,13 +160,15 @@ fn run_inner() -> mrkit::Result<()> {
     }
 
     step(&mut n, "Using a key after dereg: the device refuses it");
-    let soft = ctx.soft().expect("embedded device");
     let stale = mr.lkey();
     let iova = mr.info().iova;
     drop(mr);
-    match soft.check_access(stale, pd.handle(), AccessFlags::REMOTE_WRITE, iova, 8, KeyUse::Remote, 0) {
-        Ok(_) => crate::outln!("   BUG: stale key accepted"),
-        Err(d) => crate::outln!("   remote WRITE with stale rkey {stale:#010x}: refused ({d:?}) -> IBV_WC_REM_ACCESS_ERR"),
+    match ctx.soft() {
+        Some(soft) => match soft.check_access(stale, pd.handle(), AccessFlags::REMOTE_WRITE, iova, 8, KeyUse::Remote, 0) {
+            Ok(_) => crate::outln!("   BUG: stale key accepted"),
+            Err(d) => crate::outln!("   remote WRITE with stale rkey {stale:#010x}: refused ({d:?}) -> IBV_WC_REM_ACCESS_ERR"),
+        },
+        None => crate::outln!("   (the key check is shown on mrkit0 only: a remote WRITE with stale rkey {stale:#010x} completes with IBV_WC_REM_ACCESS_ERR)"),
     }
 
     step(
@@ -205,14 +245,25 @@ fn run_inner() -> mrkit::Result<()> {
     s.dereg_mr(m.lkey)?;
     show("dealloc_pd after dereg", s.dealloc_pd(p));
 
-    pool_vs_per_message(&mut n)?;
+    pool_vs_per_message(&ctx, &mut n)?;
 
-    let st = soft.stats();
+    // The whole run: every mrkit0 instance the demo opened. Another device's registrations
+    // are counted by its own driver, not here: say so rather than print a partial number as
+    // the total.
+    let run = start.since(Tally::embedded_now());
     crate::outln!(
-        "\nstatistics of this run: {} registrations, {} failures, peak pinned {} bytes",
-        st.registrations,
-        st.failures.iter().map(|(_, c)| c).sum::<u64>(),
-        st.pinned_bytes_peak
+        "\nstatistics of this run: {} registrations, {} failures, peak pinned {} bytes{}",
+        run.registrations,
+        run.failures,
+        mrkit_soft::stats::process().snapshot().pinned_bytes_peak,
+        if ctx.soft().is_some() {
+            String::new()
+        } else {
+            format!(
+                " (on the mrkit0 instances; {}'s own are not counted here)",
+                ctx.name()
+            )
+        }
     );
     Ok(())
 }
@@ -232,51 +283,6 @@ fn buffer(len: usize) -> mrkit::Result<Buffer> {
     .map_err(|e| mrkit::Error::new(mrkit::Errno::ENOMEM, e.to_string()))
 }
 
-/// One endpoint: an mrkit0 instance with a PD, a CQ and an RC QP.
-struct Endpoint {
-    ctx: mrkit_soft::Context,
-    /// The safe API's PD: its MRs own their buffers.
-    pd: mrkit::ProtectionDomain,
-    cq: u32,
-    qp: u32,
-}
-
-fn endpoint() -> mrkit::Result<Endpoint> {
-    use mrkit_soft::qp::{QpCap, QpInitAttr};
-    let ctx = mrkit_soft::Context::open(DeviceConfig::rxe());
-    let pd = Context::from_provider(Arc::new(ctx.clone())).alloc_pd()?;
-    let cq = ctx.create_cq(64, None)?;
-    let (qp, _) = ctx.create_qp(QpInitAttr {
-        pd: pd.handle(),
-        send_cq: cq,
-        recv_cq: cq,
-        cap: QpCap::default(),
-        sq_sig_all: true,
-    })?;
-    Ok(Endpoint { ctx, pd, cq, qp })
-}
-
-/// Post one WR on `a` and wait for its completion.
-fn one(a: &Endpoint, wr: mrkit_soft::qp::SendWr) -> mrkit::Result<mrkit_soft::cq::Wc> {
-    a.ctx
-        .post_send(a.qp, &[wr])
-        .map_err(|e| err(format!("post_send: {e:?}")))?;
-    let end = Instant::now() + Duration::from_secs(5);
-    let mut wcs = Vec::new();
-    loop {
-        if a.ctx.poll_cq(a.cq, &mut wcs, 1)? == 1 {
-            return Ok(wcs[0]);
-        }
-        if Instant::now() > end {
-            return Err(mrkit::Error::new(
-                mrkit::Errno::ETIMEDOUT,
-                "no completion within 5 s",
-            ));
-        }
-        let _ = a.ctx.wait_cq(a.cq, Duration::from_millis(10));
-    }
-}
-
 fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b.split(|c| *c == 0).next().unwrap_or(b)).into_owned()
 }
@@ -287,49 +293,43 @@ fn u64_at(b: &[u8], off: usize) -> u64 {
     u64::from_ne_bytes(w)
 }
 
-/// Two endpoints on the loopback link: WRITE, READ, FETCH_AND_ADD, and a WRITE the remote MR
-/// does not allow.
-fn move_data(n: &mut u32) -> mrkit::Result<()> {
-    use mrkit_soft::cq::WcStatus;
-    use mrkit_soft::qp::{rc_connect, SendWr, WrOpcode};
+/// Two endpoints on the selected device (each its own PD and RC QP, connected to each other
+/// through the generic API): WRITE, READ, FETCH_AND_ADD, and a WRITE the remote MR does not
+/// allow.
+fn move_data(ctx: &Context, n: &mut u32) -> mrkit::Result<()> {
+    use mrkit::{QpCap, QueuePair, WcStatus};
     step(
         n,
         "Move data between two endpoints: RDMA WRITE, READ and FETCH_AND_ADD",
     );
-    let a = endpoint()?;
-    let b = endpoint()?;
+    let (pd_a, pd_b) = (ctx.alloc_pd()?, ctx.alloc_pd()?);
+    let qa = QueuePair::new(&pd_a, QpCap::default())?;
+    let qb = QueuePair::new(&pd_b, QpCap::default())?;
     let remote = AccessFlags::LOCAL_WRITE
         | AccessFlags::REMOTE_WRITE
         | AccessFlags::REMOTE_READ
         | AccessFlags::REMOTE_ATOMIC;
-    rc_connect(&a.ctx, a.qp, &b.ctx, b.qp, remote, 5)?;
+    QueuePair::connect(&qa, &qb, remote)?;
     crate::outln!(
-        "   endpoint A: QP {:#x} on node {:#x}; endpoint B: QP {:#x} on node {:#x} (RC, connected over the loopback link)",
-        a.qp,
-        a.ctx.node_id(),
-        b.qp,
-        b.ctx.node_id()
+        "   endpoint A: QP {:#x}; endpoint B: QP {:#x} (RC on {}, each with its own PD, connected to each other)",
+        qa.qp_num(),
+        qb.qp_num(),
+        ctx.name()
     );
     // Each MR owns its buffer (freed only after deregistration).
-    let mut am = a.pd.register(buffer(16 << 10)?, AccessFlags::LOCAL_WRITE)?;
-    let mut bm = b.pd.register(buffer(16 << 10)?, remote)?;
-    let (a_iova, a_lkey) = (am.info().iova, am.lkey());
-    let (b_iova, b_rkey) = (bm.info().iova, bm.rkey());
+    let mut am = pd_a.register(buffer(16 << 10)?, AccessFlags::LOCAL_WRITE)?;
+    let mut bm = pd_b.register(buffer(16 << 10)?, remote)?;
     crate::outln!(
         "   A registers 16 KiB LOCAL_WRITE (lkey {:#010x}); B registers 16 KiB LOCAL_WRITE|REMOTE_WRITE|REMOTE_READ|REMOTE_ATOMIC and sends A its address {:#x} and rkey {:#010x}",
-        a_lkey,
-        b_iova,
-        b_rkey
+        am.lkey(),
+        bm.info().iova,
+        bm.rkey()
     );
 
     let msg = b"hello from A, written by RDMA WRITE";
+    let len = msg.len() as u64;
     am.as_mut_slice()[..msg.len()].copy_from_slice(msg);
-    let wc = one(
-        &a,
-        SendWr::new(1, WrOpcode::RdmaWrite)
-            .sge(a_iova, msg.len() as u32, a_lkey)
-            .remote(b_iova, b_rkey),
-    )?;
+    let wc = qa.write(&am, 0..len, bm.remote(0..len)?)?;
     crate::outln!(
         "   WRITE {} B A -> B: completion {}; B's memory now reads \"{}\" (B's CPU did nothing)",
         msg.len(),
@@ -338,13 +338,9 @@ fn move_data(n: &mut u32) -> mrkit::Result<()> {
     );
 
     let reply = b"B's data, fetched by RDMA READ";
+    let rlen = reply.len() as u64;
     bm.as_mut_slice()[4096..4096 + reply.len()].copy_from_slice(reply);
-    let wc = one(
-        &a,
-        SendWr::new(2, WrOpcode::RdmaRead)
-            .sge(a_iova + 4096, reply.len() as u32, a_lkey)
-            .remote(b_iova + 4096, b_rkey),
-    )?;
+    let wc = qa.read(&mut am, 4096..4096 + rlen, bm.remote(4096..4096 + rlen)?)?;
     crate::outln!(
         "   READ {} B B -> A: completion {}; A's memory now reads \"{}\"",
         reply.len(),
@@ -353,11 +349,7 @@ fn move_data(n: &mut u32) -> mrkit::Result<()> {
     );
 
     bm.as_mut_slice()[8192..8200].copy_from_slice(&41u64.to_ne_bytes());
-    let mut faa = SendWr::new(3, WrOpcode::AtomicFetchAndAdd)
-        .sge(a_iova + 8192, 8, a_lkey)
-        .remote(b_iova + 8192, b_rkey);
-    faa.compare_add = 1;
-    let wc = one(&a, faa)?;
+    let wc = qa.fetch_add(&mut am, 8192, bm.remote(8192..8200)?, 1)?;
     crate::outln!(
         "   FETCH_AND_ADD(+1) on B's counter: completion {}; A received the old value {}, B's counter is now {}",
         wc.status.name(),
@@ -366,13 +358,10 @@ fn move_data(n: &mut u32) -> mrkit::Result<()> {
     );
 
     crate::outln!("\n   Classic mistake: WRITE to an MR registered without REMOTE_WRITE");
-    let cm = b.pd.register(buffer(4096)?, AccessFlags::LOCAL_WRITE)?;
-    let wc = one(
-        &a,
-        SendWr::new(4, WrOpcode::RdmaWrite)
-            .sge(a_iova, 8, a_lkey)
-            .remote(cm.info().iova, cm.rkey()),
-    )?;
+    let cm = pd_b.register(buffer(4096)?, AccessFlags::LOCAL_WRITE)?;
+    // B hands out (address, rkey) of an MR without remote rights: only the responder's key
+    // check can refuse the WRITE.
+    let wc = qa.write(&am, 0..8, cm.remote(0..8)?)?;
     crate::outln!(
         "   WRITE with B's rkey {:#010x} (LOCAL_WRITE only): completion {}{}",
         cm.rkey(),
@@ -383,27 +372,25 @@ fn move_data(n: &mut u32) -> mrkit::Result<()> {
             " (unexpected)"
         }
     );
-    if let Ok(st) = a.ctx.qp_state(a.qp) {
+    if let Ok(st) = qa.state() {
         crate::outln!("   A's QP is now in state {st:?}: an RC error is fatal to the connection");
     }
     // QPs first, then the MRs (deregistered, then their buffers freed), then the PDs.
-    let _ = a.ctx.destroy_qp(a.qp);
-    let _ = b.ctx.destroy_qp(b.qp);
+    drop((qa, qb));
     drop((am, bm, cm));
     Ok(())
 }
 
 /// 2000 messages of 4 KiB: reg/dereg per message vs slots of an MR pool.
-fn pool_vs_per_message(n: &mut u32) -> mrkit::Result<()> {
+fn pool_vs_per_message(ctx: &Context, n: &mut u32) -> mrkit::Result<()> {
     use mrkit::pool::{MrPool, PoolConfig};
     const MESSAGES: usize = 2000;
     step(
         n,
         "Pool vs per-message registration: 2000 messages of 4 KiB",
     );
-    let ctx = Context::open(DeviceConfig::rxe());
     let pd = ctx.alloc_pd()?;
-    let soft = ctx.soft().expect("embedded device");
+    let dev = ctx.provider();
     // Each MR holds a reference to the buffer until it is deregistered: between messages the
     // buffer is ours alone again and can be written.
     let mut buf = Arc::new(buffer(1 << 20)?);
@@ -417,12 +404,14 @@ fn pool_vs_per_message(n: &mut u32) -> mrkit::Result<()> {
             .copy_from_slice(&msg);
         let mem = UserMemory::owned_range(buf.clone(), off as u64, 4096)
             .ok_or_else(|| err("range outside the buffer"))?;
-        let mr = soft.reg_mr_va(
+        let iova = buf.addr() + off as u64;
+        let mr = dev.reg_mr(
             pd.handle(),
             mem,
+            iova,
             AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE,
         )?;
-        soft.dereg_mr(mr.lkey)?;
+        dev.dereg_mr(mr.lkey)?;
     }
     let per = t.elapsed();
     let pool = MrPool::new(

@@ -1,24 +1,28 @@
-//! `mrkit devinfo`: like `ibv_devinfo -v`, with where every limit came from.
+//! `mrkit devinfo`: like `ibv_devinfo -v` for any device (same field names, same order), with
+//! where every limit of `mrkit0` came from; `--list` like `ibv_devices`.
 
 use clap::Args;
-use mrkit_soft::device::{cap_flags, ENV_VARS};
+use mrkit::Context;
+use mrkit_soft::device::ENV_VARS;
 use mrkit_soft::{DeviceAttr, DeviceConfig, StatusModel};
 use serde_json::{json, Map, Value};
 
-use crate::exit;
+use super::device::Selected;
+use crate::device_select::{self, PortAttr};
+use crate::{exit, outln};
 
 #[derive(Args, Debug)]
 #[command(
-    after_help = "Examples:\n  mrkit devinfo\n  mrkit devinfo -v\n  MRKIT_MAX_MR=1000 mrkit devinfo --json | jq .attributes.max_mr\n  MRKIT_PROFILE=connectx5-seed mrkit devinfo -v"
+    after_help = "Examples:\n  mrkit devinfo\n  mrkit devinfo -v\n  MRKIT_MAX_MR=1000 mrkit devinfo --json | jq .attributes.max_mr\n  MRKIT_PROFILE=connectx5-seed mrkit devinfo -v\n  mrkit devinfo --list\n  mrkit devinfo -v --device rdma-core:mlx5_0"
 )]
 pub struct DevinfoArgs {
     /// Machine-readable output (always complete; -v only affects the text form).
     #[arg(long)]
     json: bool,
+    /// List the devices of every provider (like `ibv_devices`) and exit.
+    #[arg(long)]
+    list: bool,
 }
-
-/// Port state PORT_ACTIVE.
-const PORT_ACTIVE: u32 = 4;
 
 /// `(key, value, source key)` of every attribute, in `ibv_devinfo -v` order.
 pub fn attributes(a: &DeviceAttr) -> Vec<(&'static str, Value, &'static str)> {
@@ -94,74 +98,236 @@ fn guid(g: u64) -> String {
     )
 }
 
-/// Link-local GID from the node GUID (EUI-64), as RoCE derives GID 0 from the MAC.
-fn gid0(node_guid: u64) -> String {
-    format!("fe80:0000:0000:0000:{}", guid(node_guid))
-}
+/// `IBV_DEVICE_*` capability bits with the names `ibv_devinfo -v` prints for them.
+const CAP_NAMES: &[(u64, &str)] = &[
+    (1 << 0, "RESIZE_MAX_WR"),
+    (1 << 1, "BAD_PKEY_CNTR"),
+    (1 << 2, "BAD_QKEY_CNTR"),
+    (1 << 3, "RAW_MULTI"),
+    (1 << 4, "AUTO_PATH_MIG"),
+    (1 << 5, "CHANGE_PHY_PORT"),
+    (1 << 6, "UD_AV_PORT_ENFORCE"),
+    (1 << 7, "CURR_QP_STATE_MOD"),
+    (1 << 8, "SHUTDOWN_PORT"),
+    (1 << 9, "INIT_TYPE"),
+    (1 << 10, "PORT_ACTIVE_EVENT"),
+    (1 << 11, "SYS_IMAGE_GUID"),
+    (1 << 12, "RC_RNR_NAK_GEN"),
+    (1 << 13, "SRQ_RESIZE"),
+    (1 << 14, "N_NOTIFY_CQ"),
+    (1 << 17, "MEM_WINDOW"),
+    (1 << 18, "UD_IP_CSUM"),
+    (1 << 20, "XRC"),
+    (1 << 21, "MEM_MGT_EXTENSIONS"),
+    (1 << 23, "MEM_WINDOW_TYPE_2A"),
+    (1 << 24, "MEM_WINDOW_TYPE_2B"),
+    (1 << 25, "RC_IP_CSUM"),
+    (1 << 26, "RAW_IP_CSUM"),
+    (1 << 29, "MANAGED_FLOW_STEERING"),
+];
 
 fn cap_names(f: u64) -> Vec<&'static str> {
-    use cap_flags::*;
-    [
-        (BAD_PKEY_CNTR, "BAD_PKEY_CNTR"),
-        (BAD_QKEY_CNTR, "BAD_QKEY_CNTR"),
-        (AUTO_PATH_MIG, "AUTO_PATH_MIG"),
-        (CHANGE_PHY_PORT, "CHANGE_PHY_PORT"),
-        (UD_AV_PORT_ENFORCE, "UD_AV_PORT_ENFORCE"),
-        (SYS_IMAGE_GUID, "SYS_IMAGE_GUID"),
-        (RC_RNR_NAK_GEN, "RC_RNR_NAK_GEN"),
-        (SRQ_RESIZE, "SRQ_RESIZE"),
-        (PORT_ACTIVE_EVENT, "PORT_ACTIVE_EVENT"),
-        (MEM_WINDOW, "MEM_WINDOW"),
-        (MEM_MGT_EXTENSIONS, "MEM_MGT_EXTENSIONS"),
-        (MEM_WINDOW_TYPE_2A, "MEM_WINDOW_TYPE_2A"),
-        (MEM_WINDOW_TYPE_2B, "MEM_WINDOW_TYPE_2B"),
-    ]
-    .into_iter()
-    .filter(|(b, _)| f & b != 0)
-    .map(|(_, n)| n)
-    .collect()
+    CAP_NAMES
+        .iter()
+        .filter(|(b, _)| f & b != 0)
+        .map(|(_, n)| *n)
+        .collect()
+}
+
+/// `IBV_ODP_*` general capabilities and the per-transport `IBV_ODP_SUPPORT_*` bits.
+const ODP_GENERAL: &[(u64, &str)] = &[(1, "ODP_SUPPORT"), (2, "ODP_SUPPORT_IMPLICIT")];
+const ODP_TRANSPORT: &[(u64, &str)] = &[
+    (1, "SUPPORT_SEND"),
+    (2, "SUPPORT_RECV"),
+    (4, "SUPPORT_WRITE"),
+    (8, "SUPPORT_READ"),
+    (16, "SUPPORT_ATOMIC"),
+    (32, "SUPPORT_SRQ"),
+];
+
+fn mtu_name(e: u32) -> String {
+    let bytes = match e {
+        1 => 256,
+        2 => 512,
+        3 => 1024,
+        4 => 2048,
+        5 => 4096,
+        _ => return format!("invalid MTU ({e})"),
+    };
+    format!("{bytes} ({e})")
+}
+
+fn port_state_name(s: u32) -> &'static str {
+    match s {
+        1 => "PORT_DOWN",
+        2 => "PORT_INIT",
+        3 => "PORT_ARMED",
+        4 => "PORT_ACTIVE",
+        5 => "PORT_ACTIVE_DEFER",
+        _ => "PORT_NOP",
+    }
+}
+
+fn link_layer_name(l: u8) -> &'static str {
+    match l {
+        2 => "Ethernet",
+        _ => "InfiniBand",
+    }
+}
+
+fn width_name(w: u8) -> String {
+    let n = match w {
+        1 => "1X",
+        2 => "4X",
+        4 => "8X",
+        8 => "12X",
+        16 => "2X",
+        _ => "invalid width",
+    };
+    format!("{n} ({w})")
+}
+
+fn speed_name(s: u8) -> String {
+    let n = match s {
+        1 => "2.5 Gbps",
+        2 => "5.0 Gbps",
+        4 | 8 => "10.0 Gbps",
+        16 => "14.0 Gbps",
+        32 => "25.0 Gbps",
+        64 => "50.0 Gbps",
+        128 => "100.0 Gbps",
+        _ => "invalid speed",
+    };
+    format!("{n} ({s})")
+}
+
+fn phys_state_name(p: u8) -> String {
+    let n = match p {
+        1 => "SLEEP",
+        2 => "POLLING",
+        3 => "DISABLED",
+        4 => "PORT_CONFIGURATION TRAINNING",
+        5 => "LINK_UP",
+        6 => "LINK_ERROR_RECOVERY",
+        7 => "PHY TEST",
+        _ => "invalid physical state",
+    };
+    format!("{n} ({p})")
+}
+
+/// A GID as `ibv_devinfo` prints it (`inet_ntop(AF_INET6)`: `::ffff:127.0.0.1`, `fe80::1`).
+fn gid_text(g: &[u8; 16]) -> String {
+    let ip = std::net::Ipv6Addr::from(*g);
+    match ip.to_ipv4_mapped() {
+        Some(v4) => format!("::ffff:{v4}"),
+        None => ip.to_string(),
+    }
+}
+
+/// Everything `devinfo` shows about one device, read through the generic API.
+pub struct Info {
+    /// The selected name.
+    pub name: String,
+    /// The provider's device name.
+    pub hca_id: String,
+    /// `ibv_query_device`.
+    pub attr: DeviceAttr,
+    /// `ibv_query_port` of each port (1-based), or why it failed.
+    pub ports: Vec<Result<PortAttr, String>>,
+    /// The GID table of port 1 (index 0), or why it is empty.
+    pub gid0: Result<[u8; 16], String>,
+    /// The embedded device's configuration (sources of its limits), `None` on other devices.
+    pub config: Option<DeviceConfig>,
+}
+
+impl Info {
+    /// Query `ctx`.
+    pub fn query(sel: &Selected, ctx: &Context) -> Info {
+        let attr = ctx.query_device();
+        let ports = (1..=attr.phys_port_cnt)
+            .map(|p| device_select::query_port(ctx, p).map_err(|e| e.to_string()))
+            .collect();
+        Info {
+            name: sel.name().to_string(),
+            hca_id: ctx.name().to_string(),
+            ports,
+            gid0: ctx.provider().query_gid().map_err(|e| e.to_string()),
+            config: ctx.soft().and_then(|_| DeviceConfig::from_env().ok()),
+            attr,
+        }
+    }
+
+    fn source(&self, key: &str) -> String {
+        match &self.config {
+            Some(c) => c.source(key).to_string(),
+            None => "device".to_string(),
+        }
+    }
+}
+
+fn port_json(p: &PortAttr, gid0: &Result<[u8; 16], String>) -> Value {
+    json!({
+        "state": port_state_name(p.state),
+        "state_value": p.state,
+        "max_mtu": 128u32 << p.max_mtu.min(5),
+        "active_mtu": 128u32 << p.active_mtu.min(5),
+        "sm_lid": p.sm_lid,
+        "port_lid": p.lid,
+        "port_lmc": p.lmc,
+        "link_layer": link_layer_name(p.link_layer),
+        "max_msg_sz": p.max_msg_sz,
+        "port_cap_flags": p.port_cap_flags,
+        "port_cap_flags2": p.port_cap_flags2,
+        "max_vl_num": p.max_vl_num,
+        "bad_pkey_cntr": p.bad_pkey_cntr,
+        "qkey_viol_cntr": p.qkey_viol_cntr,
+        "sm_sl": p.sm_sl,
+        "pkey_tbl_len": p.pkey_tbl_len,
+        "gid_tbl_len": p.gid_tbl_len,
+        "subnet_timeout": p.subnet_timeout,
+        "init_type_reply": p.init_type_reply,
+        "active_width": p.active_width,
+        "active_speed": p.active_speed,
+        "phys_state": p.phys_state,
+        "gids": match gid0 {
+            // `placeholder` stays for JSON stability: the GID is the device's real one now.
+            Ok(g) => json!([{"index": 0, "gid": gid_text(g), "type": "RoCE v2", "placeholder": false}]),
+            Err(_) => json!([]),
+        },
+        "gid_error": gid0.as_ref().err(),
+    })
 }
 
 /// The complete JSON document (schema in docs/cli.md).
-pub fn to_json(cfg: &DeviceConfig) -> Value {
-    let a = cfg.attr();
+pub fn to_json(i: &Info) -> Value {
+    let a = &i.attr;
     let mut attrs = Map::new();
     for (k, v, src) in attributes(a) {
-        attrs.insert(
-            k.to_string(),
-            json!({"value": v, "source": cfg.source(src).to_string()}),
-        );
+        attrs.insert(k.to_string(), json!({"value": v, "source": i.source(src)}));
     }
+    let cfg = i.config.as_ref();
     json!({
-        "device": mrkit_soft::DEVICE_NAME,
+        "device": i.hca_id,
+        "selected": i.name,
+        "provider": if cfg.is_some() { "mrkit" } else { "rdma-core" },
         "transport": "InfiniBand (0)",
-        "node_type": "software RDMA device (rxe model)",
-        "profile": cfg.profile_name(),
-        "status_model": match cfg.model() { StatusModel::Hardware => "hardware", StatusModel::Rxe => "rxe" },
-        "status_model_source": cfg.source("status_model").to_string(),
-        "dontfork": cfg.uses_dontfork(),
-        "dontfork_source": cfg.source("dontfork").to_string(),
-        "pin_mode": format!("{:?}", mrkit_soft::mem::pin::pin_mode()).to_ascii_lowercase(),
+        "node_type": if cfg.is_some() { "software RDMA device (rxe model)" } else { "RDMA device" },
+        "profile": cfg.map(|c| c.profile_name()),
+        "status_model": cfg.map(|c| match c.model() { StatusModel::Hardware => "hardware", StatusModel::Rxe => "rxe" }),
+        "status_model_source": cfg.map(|c| c.source("status_model").to_string()),
+        "dontfork": cfg.map(|c| c.uses_dontfork()),
+        "dontfork_source": cfg.map(|c| c.source("dontfork").to_string()),
+        "pin_mode": cfg.map(|_| format!("{:?}", mrkit_soft::mem::pin::pin_mode()).to_ascii_lowercase()),
         "device_cap_flags": cap_names(a.device_cap_flags),
         "attributes": attrs,
-        "ports": [{
-            "port": 1,
-            "state": "PORT_ACTIVE",
-            "state_value": PORT_ACTIVE,
-            "max_mtu": 4096,
-            "active_mtu": 1024,
-            "link_layer": "Ethernet",
-            "max_msg_sz": a.max_msg_sz,
-            "pkey_tbl_len": 1,
-            "gid_tbl_len": 1,
-            "gids": [{
-                "index": 0,
-                "gid": gid0(a.node_guid),
-                "type": "RoCE v2",
-                "placeholder": true,
-                "note": "derived from node_guid; no UDP transport is bound yet, so no IP-based GIDs",
-            }],
-        }],
+        "ports": i.ports.iter().enumerate().map(|(n, p)| match p {
+            Ok(p) => {
+                let mut v = port_json(p, &i.gid0);
+                v["port"] = json!(n + 1);
+                v
+            }
+            Err(e) => json!({"port": n + 1, "error": e}),
+        }).collect::<Vec<_>>(),
         "env": ENV_VARS.iter().map(|(k, what)| json!({
             "name": k,
             "value": std::env::var(k).ok(),
@@ -170,107 +336,298 @@ pub fn to_json(cfg: &DeviceConfig) -> Value {
     })
 }
 
-pub fn run(a: DevinfoArgs, verbose: bool) -> u8 {
-    let cfg = match DeviceConfig::from_env() {
-        Ok(c) => c,
+/// Tabs after `key:` so values line up as in `ibv_devinfo` (a tab stop every 8 columns, value at
+/// column 32 for device attributes).
+fn tabs(key: &str) -> &'static str {
+    match key.len() + 1 {
+        0..=7 => "\t\t\t\t",
+        8..=15 => "\t\t\t",
+        16..=23 => "\t\t",
+        _ => "\t",
+    }
+}
+
+/// Same for port attributes (value at column 40, key at 24).
+fn port_tabs(key: &str) -> &'static str {
+    match key.len() + 1 {
+        0..=7 => "\t\t\t",
+        8..=15 => "\t\t",
+        _ => "\t",
+    }
+}
+
+/// The text of `ibv_devinfo [-v]` for one device: the same fields in the same order; values of
+/// the embedded device carry their source when it is not the default.
+pub fn text(i: &Info, verbose: bool) -> String {
+    use std::fmt::Write;
+    let a = &i.attr;
+    let mut o = String::new();
+    let src = |k: &str| match &i.config {
+        Some(c) if !matches!(c.source(k), mrkit_soft::device::Source::Default) => {
+            format!("    ({})", c.source(k))
+        }
+        _ => String::new(),
+    };
+    let line = |k: &str, v: String, s: &str| format!("\t{k}:{}{v}{}\n", tabs(k), src(s));
+    // Attributes that DeviceAttr does not carry: the values mrkit0 (and its drop-in
+    // libibverbs) reports, the device having none of these resources.
+    let zero = || "0".to_string();
+    let _ = writeln!(o, "hca_id:\t{}", i.hca_id);
+    let _ = writeln!(o, "\ttransport:\t\t\tInfiniBand (0)");
+    o += &line("fw_ver", a.fw_ver.clone(), "fw_ver");
+    o += &line("node_guid", guid(a.node_guid), "node_guid");
+    o += &line("sys_image_guid", guid(a.sys_image_guid), "sys_image_guid");
+    o += &line("vendor_id", format!("{:#06x}", a.vendor_id), "vendor_id");
+    o += &line(
+        "vendor_part_id",
+        a.vendor_part_id.to_string(),
+        "vendor_part_id",
+    );
+    o += &line("hw_ver", format!("{:#x}", a.hw_ver), "hw_ver");
+    o += &line(
+        "phys_port_cnt",
+        a.phys_port_cnt.to_string(),
+        "phys_port_cnt",
+    );
+    if verbose {
+        o += &line(
+            "max_mr_size",
+            format!("{:#x}", a.max_mr_size),
+            "max_mr_size",
+        );
+        o += &line(
+            "page_size_cap",
+            format!("{:#x}", a.page_size_cap),
+            "page_size_cap",
+        );
+        o += &line("max_qp", a.max_qp.to_string(), "max_qp");
+        o += &line("max_qp_wr", a.max_qp_wr.to_string(), "max_qp_wr");
+        o += &line(
+            "device_cap_flags",
+            format!("{:#010x}", a.device_cap_flags as u32),
+            "device_cap_flags",
+        );
+        for n in cap_names(a.device_cap_flags) {
+            let _ = writeln!(o, "\t\t\t\t\t{n}");
+        }
+        o += &line("max_sge", a.max_sge.to_string(), "max_sge");
+        o += &line("max_sge_rd", a.max_sge_rd.to_string(), "max_sge_rd");
+        o += &line("max_cq", a.max_cq.to_string(), "max_cq");
+        o += &line("max_cqe", a.max_cqe.to_string(), "max_cqe");
+        o += &line("max_mr", a.max_mr.to_string(), "max_mr");
+        o += &line("max_pd", a.max_pd.to_string(), "max_pd");
+        o += &line(
+            "max_qp_rd_atom",
+            a.max_qp_rd_atom.to_string(),
+            "max_qp_rd_atom",
+        );
+        o += &line("max_ee_rd_atom", zero(), "");
+        o += &line(
+            "max_res_rd_atom",
+            a.max_res_rd_atom.to_string(),
+            "max_res_rd_atom",
+        );
+        o += &line(
+            "max_qp_init_rd_atom",
+            a.max_qp_init_rd_atom.to_string(),
+            "max_qp_init_rd_atom",
+        );
+        o += &line("max_ee_init_rd_atom", zero(), "");
+        o += &line(
+            "atomic_cap",
+            match a.atomic_cap {
+                0 => "ATOMIC_NONE (0)".to_string(),
+                1 => "ATOMIC_HCA (1)".to_string(),
+                2 => "ATOMIC_GLOB (2)".to_string(),
+                n => format!("invalid atomic capability ({n})"),
+            },
+            "atomic_cap",
+        );
+        o += &line("max_ee", zero(), "");
+        o += &line("max_rdd", zero(), "");
+        o += &line("max_mw", a.max_mw.to_string(), "max_mw");
+        o += &line("max_raw_ipv6_qp", zero(), "");
+        o += &line("max_raw_ethy_qp", zero(), "");
+        o += &line("max_mcast_grp", zero(), "");
+        o += &line("max_mcast_qp_attach", zero(), "");
+        o += &line("max_total_mcast_qp_attach", zero(), "");
+        o += &line("max_ah", "32767".into(), "");
+        o += &line("max_fmr", zero(), "");
+        o += &line("max_srq", a.max_srq.to_string(), "max_srq");
+        o += &line("max_srq_wr", a.max_srq_wr.to_string(), "max_srq_wr");
+        o += &line("max_srq_sge", a.max_srq_sge.to_string(), "max_srq_sge");
+        o += &line("max_pkeys", a.max_pkeys.to_string(), "max_pkeys");
+        o += &line(
+            "local_ca_ack_delay",
+            a.local_ca_ack_delay.to_string(),
+            "local_ca_ack_delay",
+        );
+        let caps = |o: &mut String, k: &str, bits: u64, names: &[(u64, &str)]| {
+            let _ = writeln!(o, "\t{k}:{}", src("odp_caps"));
+            let set: Vec<_> = names.iter().filter(|(b, _)| bits & b != 0).collect();
+            if set.is_empty() {
+                let _ = writeln!(o, "\t\t\t\t\tNO SUPPORT");
+            }
+            for (_, n) in set {
+                let _ = writeln!(o, "\t\t\t\t\t{n}");
+            }
+        };
+        caps(&mut o, "general_odp_caps", a.odp_general_caps, ODP_GENERAL);
+        let rc = if a.odp_general_caps != 0 {
+            u64::from(a.odp_rc_caps)
+        } else {
+            0
+        };
+        caps(&mut o, "rc_odp_caps", rc, ODP_TRANSPORT);
+        caps(&mut o, "uc_odp_caps", 0, ODP_TRANSPORT);
+        caps(&mut o, "ud_odp_caps", 0, ODP_TRANSPORT);
+        caps(&mut o, "xrc_odp_caps", 0, ODP_TRANSPORT);
+        let _ = writeln!(o, "\tcompletion_timestamp_mask not supported");
+        let _ = writeln!(o, "\tcore clock not supported");
+        let _ = writeln!(o, "\tdevice_cap_flags_ex:\t\t{:#x}", a.device_cap_flags);
+        let _ = writeln!(o, "\ttso_caps:\n\t\tmax_tso:\t\t\t0");
+        let _ = writeln!(
+            o,
+            "\trss_caps:\n\t\tmax_rwq_indirection_tables:\t\t\t0\n\t\tmax_rwq_indirection_table_size:\t\t\t0\n\t\trx_hash_function:\t\t\t\t0x0\n\t\trx_hash_fields_mask:\t\t\t\t0x0"
+        );
+        let _ = writeln!(o, "\tmax_wq_type_rq:\t\t\t0");
+        let _ = writeln!(
+            o,
+            "\tpacket_pacing_caps:\n\t\tqp_rate_limit_min:\t0kbps\n\t\tqp_rate_limit_max:\t0kbps"
+        );
+        let _ = writeln!(o, "\ttag matching not supported");
+        let _ = writeln!(o, "\tnum_comp_vectors:\t\t1");
+    }
+    for (n, p) in i.ports.iter().enumerate() {
+        let _ = writeln!(o, "\t\tport:\t{}", n + 1);
+        let p = match p {
+            Ok(p) => p,
+            Err(e) => {
+                let _ = writeln!(o, "\t\t\tquery_port failed: {e}");
+                continue;
+            }
+        };
+        let pl = |k: &str, v: String| format!("\t\t\t{k}:{}{v}\n", port_tabs(k));
+        o += &pl(
+            "state",
+            format!("{} ({})", port_state_name(p.state), p.state),
+        );
+        o += &pl("max_mtu", mtu_name(p.max_mtu));
+        o += &pl("active_mtu", mtu_name(p.active_mtu));
+        o += &pl("sm_lid", p.sm_lid.to_string());
+        o += &pl("port_lid", p.lid.to_string());
+        o += &pl("port_lmc", format!("0x{:02x}", p.lmc));
+        o += &pl("link_layer", link_layer_name(p.link_layer).to_string());
+        if verbose {
+            o += &pl("max_msg_sz", format!("{:#x}", p.max_msg_sz));
+            o += &pl("port_cap_flags", format!("0x{:08x}", p.port_cap_flags));
+            o += &pl("port_cap_flags2", format!("0x{:04x}", p.port_cap_flags2));
+            o += &pl("max_vl_num", format!("{} ({})", p.max_vl_num, p.max_vl_num));
+            o += &pl("bad_pkey_cntr", format!("{:#x}", p.bad_pkey_cntr));
+            o += &pl("qkey_viol_cntr", format!("{:#x}", p.qkey_viol_cntr));
+            o += &pl("sm_sl", p.sm_sl.to_string());
+            o += &pl("pkey_tbl_len", p.pkey_tbl_len.to_string());
+            o += &pl("gid_tbl_len", p.gid_tbl_len.to_string());
+            o += &pl("subnet_timeout", p.subnet_timeout.to_string());
+            o += &pl("init_type_reply", p.init_type_reply.to_string());
+            o += &pl("active_width", width_name(p.active_width));
+            o += &pl("active_speed", speed_name(p.active_speed));
+            o += &pl("phys_state", phys_state_name(p.phys_state));
+        }
+        match (&i.gid0, n) {
+            (Ok(g), 0) => {
+                let _ = writeln!(o, "\t\t\tGID[  0]:\t\t{}, RoCE v2", gid_text(g));
+            }
+            (Err(e), 0) => {
+                let _ = writeln!(o, "\t\t\tno GID: {e}");
+            }
+            _ => {}
+        }
+    }
+    let _ = writeln!(o);
+    if verbose {
+        if let Some(c) = &i.config {
+            let _ = writeln!(o, "mrkit0:");
+            let _ = writeln!(o, "\tprofile:\t\t\t{}", c.profile_name());
+            let _ = writeln!(
+                o,
+                "\tstatus_model:\t\t\t{}{}",
+                match c.model() {
+                    StatusModel::Hardware => "hardware",
+                    StatusModel::Rxe => "rxe",
+                },
+                src("status_model")
+            );
+            let _ = writeln!(
+                o,
+                "\tdontfork:\t\t\t{}{}",
+                c.uses_dontfork(),
+                src("dontfork")
+            );
+            let _ = writeln!(
+                o,
+                "\tpin_mode:\t\t\t{}",
+                format!("{:?}", mrkit_soft::mem::pin::pin_mode()).to_ascii_lowercase()
+            );
+            let _ = writeln!(
+                o,
+                "\tlog_num_mtt:\t\t\t{}{}",
+                a.log_num_mtt,
+                src("log_num_mtt")
+            );
+            let _ = writeln!(o, "\tmax_mtt:\t\t\t{}{}", a.max_mtt, src("log_num_mtt"));
+            let _ = writeln!(o, "\tmax_inline_data:\t\t{}", a.max_inline_data);
+            let _ = writeln!(o, "\nenvironment (MRKIT_*):");
+            for (k, what) in ENV_VARS {
+                match std::env::var(k) {
+                    Ok(v) => {
+                        let _ = writeln!(o, "  {k}={v}\t{what}");
+                    }
+                    Err(_) => {
+                        let _ = writeln!(o, "  {k} (unset)\t{what}");
+                    }
+                }
+            }
+        }
+    } else if let Some(c) = &i.config {
+        let _ = writeln!(o, "mrkit0 profile: {}", c.profile_name());
+    }
+    o
+}
+
+fn list() -> u8 {
+    match device_select::devices() {
+        Ok(list) => {
+            outln!("    {:<16}\t{:<10}\tqualified name", "device", "provider");
+            outln!("    {:<16}\t{:<10}\t--------------", "------", "--------");
+            for e in list {
+                outln!("    {:<16}\t{:<10}\t{}", e.name, e.provider, e.qualified());
+            }
+            exit::OK
+        }
         Err(e) => {
             eprintln!("mrkit devinfo: {e}");
-            return exit::USAGE;
+            exit::VERB_FAILED
         }
+    }
+}
+
+pub fn run(a: DevinfoArgs, verbose: bool, dev: &Selected) -> u8 {
+    if a.list {
+        return list();
+    }
+    let ctx = match dev.open("devinfo") {
+        Ok(c) => c,
+        Err(code) => return code,
     };
-    tracing::info!(profile = cfg.profile_name(), "device configuration read");
+    let info = Info::query(dev, &ctx);
     if a.json {
-        println!(
+        outln!(
             "{}",
-            serde_json::to_string_pretty(&to_json(&cfg)).expect("json")
+            serde_json::to_string_pretty(&to_json(&info)).expect("json")
         );
         return exit::OK;
     }
-    let at = cfg.attr();
-    let src = |k: &str| {
-        let s = cfg.source(k);
-        if matches!(s, mrkit_soft::device::Source::Default) {
-            String::new()
-        } else {
-            format!("    ({s})")
-        }
-    };
-    println!("hca_id:\t{}", mrkit_soft::DEVICE_NAME);
-    println!("\ttransport:\t\t\tInfiniBand (0)");
-    println!("\tfw_ver:\t\t\t\t{}", at.fw_ver);
-    println!("\tnode_guid:\t\t\t{}", guid(at.node_guid));
-    println!("\tsys_image_guid:\t\t\t{}", guid(at.sys_image_guid));
-    println!("\tvendor_id:\t\t\t{:#06x}", at.vendor_id);
-    println!("\tvendor_part_id:\t\t\t{}", at.vendor_part_id);
-    println!("\thw_ver:\t\t\t\t{:#x}", at.hw_ver);
-    println!("\tphys_port_cnt:\t\t\t{}", at.phys_port_cnt);
-    println!("\tprofile:\t\t\t{}", cfg.profile_name());
-    if verbose {
-        for (k, v, s) in attributes(at).into_iter().skip(7) {
-            let shown = match (k, &v) {
-                (
-                    "max_mr_size" | "page_size_cap" | "device_cap_flags" | "max_msg_sz",
-                    Value::Number(n),
-                ) => {
-                    format!("{:#x}", n.as_u64().unwrap_or(0))
-                }
-                _ => v.to_string(),
-            };
-            let tabs = match k.len() {
-                0..=6 => "\t\t\t\t",
-                7..=14 => "\t\t\t",
-                _ => "\t\t",
-            };
-            println!("\t{k}:{tabs}{shown}{}", src(s));
-            if k == "device_cap_flags" {
-                for n in cap_names(at.device_cap_flags) {
-                    println!("\t\t\t\t\t{n}");
-                }
-            }
-        }
-        println!(
-            "\tstatus_model:\t\t\t{}{}",
-            match cfg.model() {
-                StatusModel::Hardware => "hardware",
-                StatusModel::Rxe => "rxe",
-            },
-            src("status_model")
-        );
-        println!(
-            "\tdontfork:\t\t\t{}{}",
-            cfg.uses_dontfork(),
-            src("dontfork")
-        );
-        println!(
-            "\tpin_mode:\t\t\t{}",
-            format!("{:?}", mrkit_soft::mem::pin::pin_mode()).to_ascii_lowercase()
-        );
-    }
-    println!("\t\tport:\t1");
-    println!("\t\t\tstate:\t\t\tPORT_ACTIVE ({PORT_ACTIVE})");
-    println!("\t\t\tmax_mtu:\t\t4096 (5)");
-    println!("\t\t\tactive_mtu:\t\t1024 (3)");
-    println!("\t\t\tsm_lid:\t\t\t0");
-    println!("\t\t\tport_lid:\t\t0");
-    println!("\t\t\tport_lmc:\t\t0x00");
-    println!("\t\t\tlink_layer:\t\tEthernet");
-    if verbose {
-        println!("\t\t\tmax_msg_sz:\t\t{:#x}", at.max_msg_sz);
-        println!("\t\t\tpkey_tbl_len:\t\t1");
-        println!("\t\t\tgid_tbl_len:\t\t1");
-    }
-    println!(
-        "\t\t\tGID[  0]:\t\t{}, RoCE v2 (placeholder: no UDP transport bound yet)",
-        gid0(at.node_guid)
-    );
-    if verbose {
-        println!("\nenvironment (MRKIT_*):");
-        for (k, what) in ENV_VARS {
-            match std::env::var(k) {
-                Ok(v) => println!("  {k}={v}\t{what}"),
-                Err(_) => println!("  {k} (unset)\t{what}"),
-            }
-        }
-    }
+    crate::out!("{}", text(&info, verbose));
     exit::OK
 }

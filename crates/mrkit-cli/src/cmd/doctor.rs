@@ -5,6 +5,9 @@ use mrkit::{AccessFlags, Buffer, BufferOptions, Context, Errno};
 use mrkit_soft::DeviceConfig;
 use serde_json::{json, Value};
 
+use std::path::Path;
+
+use super::device::Selected;
 use super::human;
 use super::sysinfo::SysInfo;
 use crate::exit;
@@ -53,7 +56,7 @@ pub struct ExplainArgs {
     /// The buffer was backed by transparent huge pages.
     #[arg(long)]
     thp: bool,
-    /// Register with these parameters on mrkit0 now and show the real result (sizes up to 1 GiB).
+    /// Register with these parameters on the device now and show the real result (sizes up to 1 GiB).
     #[arg(long)]
     reproduce: bool,
     /// Machine-readable output.
@@ -467,6 +470,243 @@ fn device_limits(i: &Inputs) -> Check {
     }
 }
 
+/// Checks about mrkit0 itself, left out for a kernel device.
+const MRKIT0_ONLY: &[&str] = &[
+    "huge_detection",
+    "io_uring",
+    "device_config",
+    "device_limits",
+];
+
+/// The kernel driver bound to RDMA device `dev` (`mlx5_core`, `mlx4_core`, `irdma`, ...): the
+/// name of the `/sys/class/infiniband/<dev>/device/driver` link under `root`.
+pub fn driver_of(root: &Path, dev: &str) -> Option<String> {
+    let link = root
+        .join("sys/class/infiniband")
+        .join(dev)
+        .join("device/driver");
+    std::fs::read_link(link)
+        .ok()?
+        .file_name()?
+        .to_str()
+        .map(String::from)
+}
+
+fn read_trim(p: &Path) -> Option<String> {
+    std::fs::read_to_string(p)
+        .ok()
+        .map(|s| s.trim().to_string())
+}
+
+/// A loaded kernel module: `/sys/module/<m>` (built-in modules appear there too) or a line of
+/// `/proc/modules`.
+fn module_loaded(root: &Path, m: &str) -> bool {
+    root.join("sys/module").join(m).exists()
+        || read_trim(&root.join("proc/modules"))
+            .is_some_and(|t| t.lines().any(|l| l.split_whitespace().next() == Some(m)))
+}
+
+/// The checklist of a kernel RDMA stack for device `dev`, reading the tree under `root` (`/`,
+/// or a fake tree in tests): the uverbs character devices, the modules, each port's state and
+/// RoCE v2 GID, and the security modules' denials where they can be seen.
+pub fn stack_checks(root: &Path, dev: &str) -> Vec<Check> {
+    let mut out = Vec::new();
+    // 1. /dev/infiniband/uverbs*: present and readable+writable by this process.
+    let uverbs: Vec<std::path::PathBuf> = std::fs::read_dir(root.join("dev/infiniband"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("uverbs"))
+        })
+        .collect();
+    out.push(if uverbs.is_empty() {
+        check(
+            "uverbs",
+            Status::Fail,
+            "no /dev/infiniband/uverbs* character device: user space cannot open any RDMA device",
+            "load the module (`modprobe ib_uverbs`); in a container pass the devices \
+             (`docker run --device=/dev/infiniband/uverbs0 --device=/dev/infiniband/rdma_cm`, \
+             or the RDMA device plugin in Kubernetes)",
+        )
+    } else {
+        let denied: Vec<String> = uverbs
+            .iter()
+            .filter(|p| {
+                rustix::fs::access(p.as_path(), rustix::fs::Access::READ_OK | rustix::fs::Access::WRITE_OK)
+                    .is_err()
+            })
+            .map(|p| p.display().to_string())
+            .collect();
+        if denied.is_empty() {
+            check(
+                "uverbs",
+                Status::Ok,
+                format!("{} uverbs device(s), readable and writable", uverbs.len()),
+                "",
+            )
+        } else {
+            check(
+                "uverbs",
+                Status::Fail,
+                format!("no read/write access to {}", denied.join(", ")),
+                "give the user access: the rdma-core udev rule (MODE=\"0666\") or the `rdma` group, \
+                 or run with the device passed into the container",
+            )
+        }
+    });
+    // 2. ib_uverbs and the device's driver.
+    let driver = driver_of(root, dev);
+    let devdir = root.join("sys/class/infiniband").join(dev);
+    let mut missing = Vec::new();
+    if !module_loaded(root, "ib_uverbs") {
+        missing.push("ib_uverbs".to_string());
+    }
+    out.push(if !devdir.exists() {
+        check(
+            "driver",
+            Status::Fail,
+            format!("no RDMA device {dev} in /sys/class/infiniband (its driver is not loaded, or the name is wrong)"),
+            "load the RDMA driver of the NIC (`modprobe mlx5_ib`, `irdma`, `efa`, `bnxt_re`; soft RoCE: \
+             `modprobe rdma_rxe && rdma link add rxe0 type rxe netdev eth0`); `rdma link` lists the devices",
+        )
+    } else if !missing.is_empty() {
+        check(
+            "driver",
+            Status::Fail,
+            format!("{dev} exists (driver {}) but {} is not loaded", driver.as_deref().unwrap_or("?"), missing.join(", ")),
+            "`modprobe ib_uverbs` (and add it to /etc/modules-load.d/ so it loads at boot)",
+        )
+    } else {
+        check(
+            "driver",
+            Status::Ok,
+            format!("{dev}: driver {}, ib_uverbs loaded", driver.as_deref().unwrap_or("unknown")),
+            "",
+        )
+    });
+    // 3. Ports: state ACTIVE and, on Ethernet, a RoCE v2 GID.
+    let mut ports: Vec<(u32, std::path::PathBuf)> = std::fs::read_dir(devdir.join("ports"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| Some((e.file_name().to_str()?.parse().ok()?, e.path())))
+        .collect();
+    ports.sort();
+    if devdir.exists() && ports.is_empty() {
+        out.push(check(
+            "port",
+            Status::Fail,
+            format!("{dev} has no ports in sysfs"),
+            "check the driver's kernel log (dmesg)",
+        ));
+    }
+    for (n, p) in &ports {
+        let state = read_trim(&p.join("state")).unwrap_or_else(|| "unreadable".into());
+        out.push(if state.ends_with("ACTIVE") && !state.contains("DEFER") {
+            check("port", Status::Ok, format!("{dev} port {n}: {state}"), "")
+        } else {
+            check(
+                "port",
+                Status::Fail,
+                format!("{dev} port {n} is {state}, not ACTIVE: QPs cannot reach RTR"),
+                "bring the link up (`ip link set <netdev> up`, cable and switch port); on InfiniBand a subnet manager must run (opensm)",
+            )
+        });
+        let ll = read_trim(&p.join("link_layer")).unwrap_or_default();
+        if ll == "InfiniBand" {
+            out.push(check(
+                "roce_gid",
+                Status::Ok,
+                format!("{dev} port {n}: InfiniBand link layer, no RoCE GID needed"),
+                "",
+            ));
+            continue;
+        }
+        let types = p.join("gid_attrs/types");
+        let v2: Vec<String> = std::fs::read_dir(&types)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|e| read_trim(&e.path()).is_some_and(|t| t.eq_ignore_ascii_case("RoCE v2")))
+            .filter(|e| {
+                // A RoCE v2 entry with a non-zero GID (unused entries read as zeros or fail).
+                read_trim(&p.join("gids").join(e.file_name()))
+                    .is_some_and(|g| g.chars().any(|c| c != '0' && c != ':'))
+            })
+            .filter_map(|e| e.file_name().to_str().map(String::from))
+            .collect();
+        out.push(if v2.is_empty() {
+            check(
+                "roce_gid",
+                Status::Fail,
+                format!("{dev} port {n}: no RoCE v2 GID (gid_attrs/types has none with an address)"),
+                "give the port's netdev an IP address (`ip addr add 192.0.2.1/24 dev <netdev>`): RoCE v2 GIDs are made from its addresses",
+            )
+        } else {
+            let mut v2 = v2;
+            v2.sort_by_key(|i| i.parse::<u32>().unwrap_or(u32::MAX));
+            check("roce_gid", Status::Ok, format!("{dev} port {n}: RoCE v2 GID index {}", v2.join(", ")), "")
+        });
+    }
+    // 4. Security modules: SELinux enforcing and its denials, the AppArmor confinement.
+    let mut notes = Vec::new();
+    let mut st = Status::Ok;
+    let mut fix = String::new();
+    if read_trim(&root.join("sys/fs/selinux/enforce")).as_deref() == Some("1") {
+        notes.push("SELinux is enforcing".to_string());
+        if let Some(log) = read_trim(&root.join("var/log/audit/audit.log")) {
+            let denials = log
+                .lines()
+                .filter(|l| {
+                    l.contains("avc:")
+                        && l.contains("denied")
+                        && (l.contains("infiniband") || l.contains("uverbs") || l.contains("rdma"))
+                })
+                .count();
+            if denials > 0 {
+                st = Status::Fail;
+                notes.push(format!(
+                    "{denials} AVC denial(s) of RDMA devices in the audit log"
+                ));
+                fix = "allow the access in the policy (`ausearch -m avc -c <comm> | audit2allow -M rdma_local && semodule -i rdma_local.pp`), or label the device correctly (`restorecon -v /dev/infiniband/*`)".into();
+            }
+        } else {
+            notes.push("the audit log is not readable here: denials cannot be seen".into());
+            st = st.max(Status::Warn);
+            fix = "run as root or read /var/log/audit/audit.log (`ausearch -m avc -ts recent`) for denials of /dev/infiniband".into();
+        }
+    }
+    if let Some(label) = read_trim(&root.join("proc/self/attr/current")) {
+        let label = label.trim_end_matches('\0').to_string();
+        if !label.is_empty()
+            && label != "unconfined"
+            && !label.contains("unconfined_t")
+            && !label.starts_with("kernel")
+        {
+            notes.push(format!("this process runs confined as `{label}`"));
+            if st == Status::Ok {
+                st = Status::Warn;
+                fix = "make sure the profile allows /dev/infiniband/* rw and /sys/class/infiniband/** r (AppArmor: `aa-complain` the profile to test; the kernel log shows `apparmor=\"DENIED\"` lines)".into();
+            }
+        }
+    }
+    out.push(if notes.is_empty() {
+        check(
+            "lsm",
+            Status::Ok,
+            "no SELinux enforcement and no confining security profile seen",
+            "",
+        )
+    } else {
+        check("lsm", st, notes.join("; "), fix)
+    });
+    out
+}
+
 fn checks_json(cs: &[Check]) -> Value {
     json!(cs
         .iter()
@@ -474,12 +714,20 @@ fn checks_json(cs: &[Check]) -> Value {
         .collect::<Vec<_>>())
 }
 
-pub fn run(a: DoctorArgs) -> u8 {
+pub fn run(a: DoctorArgs, dev: &Selected) -> u8 {
     if let Some(DoctorSub::Explain(e)) = a.sub {
-        return explain_run(e);
+        return explain_run(e, dev);
     }
     let inputs = Inputs::gather();
-    let cs = checks(&inputs);
+    let mut cs = checks(&inputs);
+    if !dev.is_embedded() {
+        // A kernel device: mrkit0's own checks (its pin path, page-size detection, MRKIT_*
+        // configuration, its processes' limits) do not apply; the kernel stack does, read
+        // from sysfs without opening the device (so the checklist also runs when opening is
+        // what fails).
+        cs.retain(|c| !MRKIT0_ONLY.contains(&c.id));
+        cs.extend(stack_checks(Path::new("/"), dev.device()));
+    }
     let worst = cs.iter().map(|c| c.status).max().unwrap_or(Status::Ok);
     if a.json {
         let v = json!({
@@ -573,8 +821,25 @@ fn fit(known: bool, yes: bool) -> Fit {
 }
 
 /// Causes of `errno` for these parameters, most likely first.
+#[cfg(test)]
 pub fn explain(errno: Errno, p: &Params, cfg: &DeviceConfig, sys: &SysInfo) -> Vec<Cause> {
+    explain_on(errno, p, cfg, sys, None)
+}
+
+/// [`explain`] for device `other` (not mrkit0) whose limits `cfg` carries: the limits are
+/// then quoted as read from that device, not from mrkit0's configuration.
+pub fn explain_on(
+    errno: Errno,
+    p: &Params,
+    cfg: &DeviceConfig,
+    sys: &SysInfo,
+    other: Option<&str>,
+) -> Vec<Cause> {
     let attr = cfg.attr();
+    let source = |k: &str| match other {
+        None => cfg.source(k).to_string(),
+        Some(d) => format!("ibv_query_device on {d}"),
+    };
     let acc = p.access;
     let has = |f: AccessFlags| acc.map(|a| a.intersects(f));
     let ps = sys.page_size;
@@ -621,7 +886,7 @@ pub fn explain(errno: Errno, p: &Params, cfg: &DeviceConfig, sys: &SysInfo) -> V
                 format!(
                     "length exceeds max_mr_size ({}, from {})",
                     if attr.max_mr_size == u64::MAX { "unlimited".into() } else { human(attr.max_mr_size) },
-                    cfg.source("max_mr_size")
+                    source("max_mr_size")
                 ),
                 "split the buffer into several MRs (e.g. 1 GiB each) or raise max_mr_size (MRKIT_MAX_MR_SIZE)",
             );
@@ -702,14 +967,14 @@ pub fn explain(errno: Errno, p: &Params, cfg: &DeviceConfig, sys: &SysInfo) -> V
                 format!(
                     "the MR needs more translation entries than are free (2^{} in total, from {})",
                     attr.log_num_mtt,
-                    cfg.source("log_num_mtt")
+                    source("log_num_mtt")
                 ),
                 "back the buffer with THP (512x fewer entries), deregister MRs, or raise log_num_mtt (MRKIT_LOG_NUM_MTT; mlx5: log_num_mtt module parameter)",
             );
             add(
                 "max_mr",
                 Fit::Possible,
-                format!("max_mr ({}, from {}) MRs are already registered", attr.max_mr, cfg.source("max_mr")),
+                format!("max_mr ({}, from {}) MRs are already registered", attr.max_mr, source("max_mr")),
                 "reuse registrations (MR pool / registration cache), deregister idle MRs, or raise max_mr (MRKIT_MAX_MR)",
             );
             let cg = sys
@@ -775,7 +1040,7 @@ pub fn explain(errno: Errno, p: &Params, cfg: &DeviceConfig, sys: &SysInfo) -> V
                 format!(
                     "ON_DEMAND without the device's ODP capability (ODP caps {:#x}, from {})",
                     attr.odp_general_caps,
-                    cfg.source("odp_caps")
+                    source("odp_caps")
                 ),
                 "register pinned memory (drop on-demand) or use a device with ODP (MRKIT_ODP=1)",
             );
@@ -844,15 +1109,11 @@ pub fn explain(errno: Errno, p: &Params, cfg: &DeviceConfig, sys: &SysInfo) -> V
     v
 }
 
-fn reproduce(p: &Params) -> Value {
+fn reproduce(p: &Params, ctx: &Context) -> Value {
     let size = p.size.unwrap_or(4096);
     if size > 1 << 30 {
         return json!({"attempted": false, "reason": "sizes above 1 GiB are not reproduced (they would pin real memory)"});
     }
-    let ctx = match Context::open_default() {
-        Ok(c) => c,
-        Err(e) => return json!({"attempted": false, "reason": e.to_string()}),
-    };
     let Ok(len) = usize::try_from(size) else {
         return json!({"attempted": false, "reason": "size too large"});
     };
@@ -881,21 +1142,21 @@ fn reproduce(p: &Params) -> Value {
     let iova = p.iova.unwrap_or(buf.addr());
     let access = p.access.unwrap_or(AccessFlags::LOCAL_WRITE);
     let r = if size == 0 {
-        // Buffer cannot be empty: register zero bytes of it through the raw device.
-        let soft = ctx.soft().expect("embedded device");
-        soft.reg_mr(
-            pd.handle(),
-            mrkit_soft::UserMemory::empty_at(buf.addr()),
-            iova,
-            access,
-        )
-        .map(|_| ())
+        // Buffer cannot be empty: register zero bytes of it through the raw provider.
+        ctx.provider()
+            .reg_mr(
+                pd.handle(),
+                mrkit_soft::UserMemory::empty_at(buf.addr()),
+                iova,
+                access,
+            )
+            .map(|_| ())
     } else {
         pd.register_iova(buf, iova, access).map(|_| ())
     };
     match r {
         Ok(()) => {
-            json!({"attempted": true, "ok": true, "errno": null, "message": "registration succeeded on mrkit0"})
+            json!({"attempted": true, "ok": true, "errno": null, "message": format!("registration succeeded on {}", ctx.name())})
         }
         Err(e) => {
             json!({"attempted": true, "ok": false, "errno": e.errno().name(), "message": e.cause()})
@@ -903,7 +1164,7 @@ fn reproduce(p: &Params) -> Value {
     }
 }
 
-fn explain_run(a: ExplainArgs) -> u8 {
+fn explain_run(a: ExplainArgs, dev: &Selected) -> u8 {
     let Some(errno) = Errno::parse(&a.errno) else {
         eprintln!(
             "mrkit doctor explain: `{}` is not an errno name or number (EINVAL, 22, ENOMEM, ...)",
@@ -918,12 +1179,27 @@ fn explain_run(a: ExplainArgs) -> u8 {
             return exit::USAGE;
         }
     };
-    let cfg = match DeviceConfig::from_env() {
+    let ctx = match dev.open("doctor explain") {
         Ok(c) => c,
-        Err(e) => {
-            eprintln!("mrkit doctor explain: {e}");
-            return exit::USAGE;
+        Err(code) => return code,
+    };
+    let (cfg, other) = if ctx.soft().is_some() {
+        match DeviceConfig::from_env() {
+            Ok(c) => (c, None),
+            Err(e) => {
+                eprintln!("mrkit doctor explain: {e}");
+                return exit::USAGE;
+            }
         }
+    } else {
+        // Another device: its limits as it reports them, in mrkit0's rule model.
+        let attr = ctx.query_device();
+        (
+            DeviceConfig::rxe()
+                .status_model(mrkit::StatusModel::Hardware)
+                .with_attr(|a| *a = attr),
+            Some(ctx.name().to_string()),
+        )
     };
     let p = Params {
         access,
@@ -934,8 +1210,8 @@ fn explain_run(a: ExplainArgs) -> u8 {
         thp: a.thp,
     };
     let sys = SysInfo::gather();
-    let causes = explain(errno, &p, &cfg, &sys);
-    let repro = a.reproduce.then(|| reproduce(&p));
+    let causes = explain_on(errno, &p, &cfg, &sys, other.as_deref());
+    let repro = a.reproduce.then(|| reproduce(&p, &ctx));
     if a.json {
         let v = json!({
             "errno": errno.name(),
@@ -967,10 +1243,11 @@ fn explain_run(a: ExplainArgs) -> u8 {
         println!();
         if r["attempted"] == true {
             if r["ok"] == true {
-                println!("reproduction on mrkit0: the registration succeeded");
+                println!("reproduction on {}: the registration succeeded", ctx.name());
             } else {
                 println!(
-                    "reproduction on mrkit0: {}: {}",
+                    "reproduction on {}: {}: {}",
+                    ctx.name(),
                     r["errno"].as_str().unwrap_or("?"),
                     r["message"].as_str().unwrap_or("")
                 );
@@ -989,7 +1266,6 @@ fn explain_run(a: ExplainArgs) -> u8 {
 mod tests {
     use super::*;
     use crate::cmd::sysinfo::Cgroup;
-    use std::path::Path;
 
     /// A healthy machine: every check ok.
     fn healthy() -> Inputs {
@@ -1184,5 +1460,142 @@ mod tests {
             explain(Errno::EPERM, &Params::default(), &DeviceConfig::rxe(), &sys)[0].fit,
             Fit::Certain
         );
+    }
+
+    /// A fake root: `files` written (parents created), `links` made (link, target).
+    fn fake(files: &[(&str, &str)], links: &[(&str, &str)]) -> tempfile::TempDir {
+        let t = tempfile::tempdir().unwrap();
+        for (p, c) in files {
+            let p = t.path().join(p);
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::write(p, c).unwrap();
+        }
+        for (l, target) in links {
+            let l = t.path().join(l);
+            std::fs::create_dir_all(l.parent().unwrap()).unwrap();
+            std::fs::create_dir_all(t.path().join(target)).unwrap();
+            std::os::unix::fs::symlink(t.path().join(target), l).unwrap();
+        }
+        t
+    }
+
+    const MLX5: &[(&str, &str)] = &[
+        ("dev/infiniband/uverbs0", ""),
+        ("sys/module/ib_uverbs/refcnt", "1\n"),
+        ("sys/class/infiniband/mlx5_0/ports/1/state", "4: ACTIVE\n"),
+        (
+            "sys/class/infiniband/mlx5_0/ports/1/link_layer",
+            "Ethernet\n",
+        ),
+        (
+            "sys/class/infiniband/mlx5_0/ports/1/gid_attrs/types/0",
+            "IB/RoCE v1\n",
+        ),
+        (
+            "sys/class/infiniband/mlx5_0/ports/1/gid_attrs/types/1",
+            "RoCE v2\n",
+        ),
+        (
+            "sys/class/infiniband/mlx5_0/ports/1/gids/0",
+            "fe80:0000:0000:0000:0202:c9ff:fe00:0001\n",
+        ),
+        (
+            "sys/class/infiniband/mlx5_0/ports/1/gids/1",
+            "0000:0000:0000:0000:0000:ffff:c000:0201\n",
+        ),
+    ];
+    const MLX5_DRIVER: &[(&str, &str)] = &[(
+        "sys/class/infiniband/mlx5_0/device/driver",
+        "sys/bus/pci/drivers/mlx5_core",
+    )];
+
+    fn stack_status(files: &[(&str, &str)], links: &[(&str, &str)], id: &str) -> Vec<Status> {
+        let t = fake(files, links);
+        stack_checks(t.path(), "mlx5_0")
+            .into_iter()
+            .filter(|c| c.id == id)
+            .map(|c| {
+                if c.status != Status::Ok {
+                    assert!(!c.fix.is_empty(), "{c:?} has no fix");
+                }
+                c.status
+            })
+            .collect()
+    }
+
+    fn with(
+        extra: &[(&'static str, &'static str)],
+        drop: &[&str],
+    ) -> Vec<(&'static str, &'static str)> {
+        let mut v: Vec<_> = MLX5
+            .iter()
+            .copied()
+            .filter(|(p, _)| !drop.contains(p))
+            .collect();
+        v.extend_from_slice(extra);
+        v
+    }
+
+    #[test]
+    fn real_stack_table() {
+        let ok = Status::Ok;
+        let fail = Status::Fail;
+        // (what, files, check id, expected statuses)
+        type Files = Vec<(&'static str, &'static str)>;
+        let cases: Vec<(&str, Files, &str, Vec<Status>)> = vec![
+            ("healthy uverbs", with(&[], &[]), "uverbs", vec![ok]),
+            ("no uverbs", with(&[], &["dev/infiniband/uverbs0"]), "uverbs", vec![fail]),
+            ("healthy driver", with(&[], &[]), "driver", vec![ok]),
+            ("ib_uverbs missing", with(&[], &["sys/module/ib_uverbs/refcnt"]), "driver", vec![fail]),
+            (
+                "ib_uverbs in /proc/modules",
+                with(&[("proc/modules", "ib_uverbs 184320 2 rdma_ucm, Live 0x0\n")], &["sys/module/ib_uverbs/refcnt"]),
+                "driver",
+                vec![ok],
+            ),
+            ("port active", with(&[], &[]), "port", vec![ok]),
+            (
+                "port down",
+                with(&[("sys/class/infiniband/mlx5_0/ports/1/state", "1: DOWN\n")], &["sys/class/infiniband/mlx5_0/ports/1/state"]),
+                "port",
+                vec![fail],
+            ),
+            ("roce v2 gid", with(&[], &[]), "roce_gid", vec![ok]),
+            (
+                "only RoCE v1",
+                with(&[], &["sys/class/infiniband/mlx5_0/ports/1/gid_attrs/types/1"]),
+                "roce_gid",
+                vec![fail],
+            ),
+            (
+                "RoCE v2 entry without an address",
+                with(&[("sys/class/infiniband/mlx5_0/ports/1/gids/1", "0000:0000:0000:0000:0000:0000:0000:0000\n")], &["sys/class/infiniband/mlx5_0/ports/1/gids/1"]),
+                "roce_gid",
+                vec![fail],
+            ),
+            (
+                "InfiniBand port",
+                with(&[("sys/class/infiniband/mlx5_0/ports/1/link_layer", "InfiniBand\n")], &["sys/class/infiniband/mlx5_0/ports/1/link_layer", "sys/class/infiniband/mlx5_0/ports/1/gid_attrs/types/1"]),
+                "roce_gid",
+                vec![ok],
+            ),
+            ("no lsm", with(&[], &[]), "lsm", vec![ok]),
+            (
+                "selinux denial",
+                with(&[("sys/fs/selinux/enforce", "1"), ("var/log/audit/audit.log", "type=AVC msg=audit(1.2:3): avc:  denied  { read write } for pid=7 comm=\"app\" name=\"uverbs0\" dev=\"devtmpfs\"\n")], &[]),
+                "lsm",
+                vec![fail],
+            ),
+            ("selinux, log unreadable", with(&[("sys/fs/selinux/enforce", "1")], &[]), "lsm", vec![Status::Warn]),
+            ("apparmor confined", with(&[("proc/self/attr/current", "docker-default (enforce)\n")], &[]), "lsm", vec![Status::Warn]),
+            ("apparmor unconfined", with(&[("proc/self/attr/current", "unconfined\n")], &[]), "lsm", vec![ok]),
+        ];
+        for (what, files, id, want) in cases {
+            assert_eq!(stack_status(&files, MLX5_DRIVER, id), want, "{what}");
+        }
+        // No device at all: driver fails with its fix; the driver name comes from the link.
+        assert_eq!(stack_status(&[], &[], "driver"), vec![fail]);
+        let t = fake(MLX5, MLX5_DRIVER);
+        assert_eq!(driver_of(t.path(), "mlx5_0").as_deref(), Some("mlx5_core"));
     }
 }

@@ -829,7 +829,10 @@ pub fn run_client(a: &PerfArgs, server: &str) -> anyhow::Result<PerfResult> {
 }
 
 /// Entry point.
-pub fn run(a: PerfArgs) -> u8 {
+pub fn run(a: PerfArgs, dev: &super::device::Selected) -> u8 {
+    if let Err(code) = dev.require_embedded("perf") {
+        return code;
+    }
     MTU.with(|m| m.set(mtu_enum(a.mtu)));
     if a.server {
         return match serve(&a) {

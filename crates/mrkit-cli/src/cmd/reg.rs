@@ -1,14 +1,14 @@
 //! `mrkit reg`: register one buffer and show what the device made of it.
 
 use clap::Args;
-use mrkit::{AccessFlags, Buffer, BufferOptions, Context};
+use mrkit::{AccessFlags, Buffer, BufferOptions};
 use serde_json::json;
 
 use crate::exit;
 
 #[derive(Args, Debug)]
 #[command(
-    after_help = "Examples:\n  mrkit reg --size 64KiB --access local-write,remote-read\n  mrkit reg --size 8MiB --thp --access local-write --json\n  mrkit reg --size 4096 --readonly --access local-write   # EFAULT\n  mrkit reg --size 1GiB --access remote-write            # EINVAL: needs local-write"
+    after_help = "Examples:\n  mrkit reg --size 64KiB --access local-write,remote-read\n  mrkit reg --size 8MiB --thp --access local-write --json\n  mrkit reg --size 4096 --readonly --access local-write   # EFAULT\n  mrkit reg --size 1GiB --access remote-write            # EINVAL: needs local-write\n  mrkit reg --size 64KiB --device rdma-core:mlx5_0"
 )]
 pub struct RegArgs {
     /// Buffer size: 4096, 64KiB, 8MiB, 1GiB.
@@ -43,7 +43,7 @@ fn parse_size(s: &str) -> Result<u64, String> {
         .ok_or_else(|| format!("`{s}` is not a size (4096, 64KiB, 8MiB, 1GiB, 0x1000)"))
 }
 
-pub fn run(a: RegArgs) -> u8 {
+pub fn run(a: RegArgs, dev: &super::device::Selected) -> u8 {
     let mut access = match AccessFlags::parse_list(&a.access) {
         Ok(x) => x,
         Err(e) => {
@@ -54,12 +54,9 @@ pub fn run(a: RegArgs) -> u8 {
     if a.odp {
         access |= AccessFlags::ON_DEMAND;
     }
-    let ctx = match Context::open_default() {
+    let ctx = match dev.open("reg") {
         Ok(c) => c,
-        Err(e) => {
-            eprintln!("mrkit reg: {e}");
-            return exit::USAGE;
-        }
+        Err(code) => return code,
     };
     let len = match usize::try_from(a.size) {
         Ok(l) => l,

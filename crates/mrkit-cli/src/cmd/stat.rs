@@ -14,7 +14,7 @@ use crate::exit;
 
 #[derive(Args, Debug)]
 #[command(
-    after_help = "Examples:\n  mrkit stat\n  mrkit stat --pid 4242 --json\n  mrkit stat --watch 1\n  mrkit stat --counters --pid 4242\n  mrkit stat --counters --watch 1\n  mrkit stat --mrs --pid 4242\n\nProcesses appear once they open mrkit0 (programs on the drop-in libibverbs, on the mrkit crate,
+    after_help = "Examples:\n  mrkit stat\n  mrkit stat --pid 4242 --json\n  mrkit stat --watch 1\n  mrkit stat --counters --pid 4242\n  mrkit stat --counters --watch 1\n  mrkit stat --mrs --pid 4242\n  mrkit stat --kernel                      # every MR on the kernel's RDMA devices\n  mrkit stat --kernel --device mlx5_0\n\nProcesses appear once they open mrkit0 (programs on the drop-in libibverbs, on the mrkit crate,
 and mrkit's own verbs); MRKIT_STAT=0 disables it.\nFiles live in $MRKIT_STAT_DIR, else $XDG_RUNTIME_DIR/mrkit, else /tmp/mrkit-$UID; other users'\nprocesses are visible only if their owner exported with MRKIT_STAT_SHARE=1."
 )]
 pub struct StatArgs {
@@ -40,6 +40,11 @@ pub struct StatArgs {
     /// List the live MRs (like `rdma resource show mr`).
     #[arg(long)]
     mrs: bool,
+    /// List every MR of every process on the kernel's RDMA devices (real NICs, rxe, siw) from
+    /// the kernel's RDMA netlink resource dump, as `rdma resource show mr` does; keys need
+    /// CAP_NET_ADMIN. With --device, only that device.
+    #[arg(long)]
+    kernel: bool,
 }
 
 /// Hidden helper for tests and demos: register some memory, export statistics, wait.
@@ -383,7 +388,62 @@ fn once(a: &StatArgs) -> (Vec<Value>, Vec<PathBuf>) {
     (collect(a, &ds), looked)
 }
 
-pub fn run(a: StatArgs) -> u8 {
+fn kernel(a: &StatArgs, dev: &super::device::Selected, explicit_device: bool) -> u8 {
+    let mrs = match super::nldev::kernel_mrs() {
+        Ok(m) => m,
+        Err(e) => {
+            eprintln!("mrkit stat --kernel: {e}");
+            return exit::VERB_FAILED;
+        }
+    };
+    let mrs: Vec<_> = mrs
+        .into_iter()
+        .filter(|m| !explicit_device || m.dev == dev.device())
+        .filter(|m| a.pid.map_or(true, |p| m.pid == Some(p)))
+        .collect();
+    if a.json {
+        let v: Vec<Value> = mrs
+            .iter()
+            .map(|m| json!({"dev": m.dev, "pid": m.pid, "kern_name": m.kern_name, "length": m.length,
+                             "lkey": m.lkey, "rkey": m.rkey, "iova": m.iova, "mrn": m.mrn, "pdn": m.pdn}))
+            .collect();
+        crate::outln!(
+            "{}",
+            serde_json::to_string_pretty(&json!({"kernel_mrs": v})).expect("json")
+        );
+        return exit::OK;
+    }
+    let hex = |k: Option<u32>| k.map_or("-".to_string(), |k| format!("{k:#x}"));
+    for m in &mrs {
+        let comm = m
+            .pid
+            .and_then(|p| std::fs::read_to_string(format!("/proc/{p}/comm")).ok())
+            .map(|c| c.trim().to_string())
+            .or_else(|| m.kern_name.clone())
+            .unwrap_or_else(|| "?".into());
+        say!(
+            "dev {} mrn {} rkey {} lkey {} mrlen {} pdn {} pid {} comm {}",
+            m.dev,
+            m.mrn.map_or("-".into(), |v| v.to_string()),
+            hex(m.rkey),
+            hex(m.lkey),
+            m.length.map_or("-".into(), |v| v.to_string()),
+            m.pdn.map_or("-".into(), |v| v.to_string()),
+            m.pid.map_or("[kernel]".into(), |v| v.to_string()),
+            comm
+        );
+    }
+    if mrs.is_empty() {
+        say!("no MRs on the kernel's RDMA devices");
+    }
+    exit::OK
+}
+
+pub fn run(a: StatArgs, dev: &super::device::Selected) -> u8 {
+    if a.kernel || !dev.is_embedded() {
+        // A kernel device's MRs come from the kernel; mrkit0's from the processes' exports.
+        return kernel(&a, dev, !dev.is_embedded());
+    }
     if let Some(w) = a.watch {
         if !(w > 0.0 && w.is_finite()) {
             eprintln!("mrkit stat: --watch needs a positive number of seconds");

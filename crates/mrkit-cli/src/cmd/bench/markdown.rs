@@ -14,7 +14,11 @@ pub(super) fn report(raw: &Value, points: &[Point], floors: &[Floor], pm: &PerMe
     let _ = writeln!(s, "# mrkit bench report\n");
     let _ = writeln!(
         s,
-        "Device mrkit0 (rxe profile), page size {} B, io_uring pinning {}, huge-page detection {}. Run took {:.1} s{}.\n",
+        "Device {}, page size {} B, io_uring pinning {}, huge-page detection {}. Run took {:.1} s{}.\n",
+        match raw["device_profile"].as_str() {
+            Some(p) => format!("{} ({p} profile)", raw["device"].as_str().unwrap_or("mrkit0")),
+            None => raw["device"].as_str().unwrap_or("?").to_string(),
+        },
         raw["page_size"],
         if raw["io_uring"] == true { "available" } else { "unavailable" },
         if raw["huge_detection"] == true { "available" } else { "unavailable" },

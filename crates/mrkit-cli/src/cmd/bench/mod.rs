@@ -20,7 +20,7 @@ use std::time::Instant;
 use clap::{Args, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use mrkit_soft::mem::pin::{self, PinPath};
-use mrkit_soft::{Context, DeviceConfig};
+use mrkit_soft::DeviceConfig;
 use serde_json::{json, Value};
 
 use super::human;
@@ -70,13 +70,30 @@ enum BenchSub {
 pub const SCHEMA: &str = "mrkit-bench/2";
 
 /// `mrkit bench`: a subcommand, or the whole suite into `--out` (the exit status).
-pub fn run(a: BenchArgs) -> u8 {
+pub fn run(a: BenchArgs, dev: &super::device::Selected) -> u8 {
     if let Some(BenchSub::PoolCache { json }) = a.sub {
+        if let Err(code) = dev.require_embedded("bench pool-cache") {
+            return code;
+        }
         return super::bench_pool_cache::run(json);
     }
     if let Some(BenchSub::Transport { json, quick }) = a.sub {
+        if let Err(code) = dev.require_embedded("bench transport") {
+            return code;
+        }
         return super::bench_transport::run(json, quick);
     }
+    // The registration experiments run on the selected device through the generic API; the
+    // default is mrkit0 with its built-in (rxe) limits, whatever MRKIT_* says.
+    let ctx = if dev.is_embedded() {
+        mrkit::Context::open(DeviceConfig::rxe())
+    } else {
+        match dev.open("bench") {
+            Ok(c) => c,
+            Err(code) => return code,
+        }
+    };
+    let embedded = ctx.soft().is_some();
     if let Err(e) = std::fs::create_dir_all(&a.out) {
         eprintln!("mrkit bench: cannot create {}: {e}", a.out.display());
         return exit::USAGE;
@@ -94,8 +111,7 @@ pub fn run(a: BenchArgs) -> u8 {
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
     let started = Instant::now();
-    let ctx = Context::open(DeviceConfig::rxe());
-    let pd = match ctx.alloc_pd() {
+    let pd = match ctx.provider().alloc_pd() {
         Ok(p) => p,
         Err(e) => {
             eprintln!("mrkit bench: {e}");
@@ -133,23 +149,36 @@ pub fn run(a: BenchArgs) -> u8 {
     let pm = per_message(&ctx, pd, messages);
     pb.inc(1);
     pb.set_message("registration cache: working set fits");
-    let cache_fit = cache_scenario(32, 1024, messages);
+    let cache_fit = cache_scenario(&ctx, 32, 1024, messages);
     pb.inc(1);
     pb.set_message("registration cache: working set twice the cache");
-    let cache_thrash = cache_scenario(32, 16, messages);
+    let cache_thrash = cache_scenario(&ctx, 32, 16, messages);
     pb.inc(1);
     pb.set_message("registration cache: hits by working-set size");
-    let cache_hits = if a.quick {
+    // The hit sweep and the data path measure mrkit0's own paths.
+    let mrkit0_only =
+        || json!({"error": format!("measured on mrkit0 only, not on {}", ctx.name())});
+    let cache_hits = if !embedded {
+        mrkit0_only()
+    } else if a.quick {
         super::bench_pool_cache::sweep_json(&[1, 64, 4096], 20_000)
     } else {
         super::bench_pool_cache::sweep_json(&super::bench_pool_cache::SWEEP_SIZES, 200_000)
     };
     pb.inc(1);
     pb.set_message("data path in process: WRITE/READ over the loopback link");
-    let dp_in = data_path_in_process(a.quick);
+    let dp_in = if embedded {
+        data_path_in_process(a.quick)
+    } else {
+        mrkit0_only()
+    };
     pb.inc(1);
     pb.set_message("data path between two processes: WRITE/READ over RoCEv2/UDP");
-    let dp_two = data_path_two_process(a.quick);
+    let dp_two = if embedded {
+        data_path_two_process(a.quick)
+    } else {
+        mrkit0_only()
+    };
     pb.inc(1);
     pb.finish_and_clear();
     let elapsed = started.elapsed().as_secs_f64();
@@ -175,8 +204,10 @@ pub fn run(a: BenchArgs) -> u8 {
         notes.push(format!("MR pool: not measured ({e})"));
     }
 
+    let _ = ctx.provider().dealloc_pd(pd);
     let raw = raw_json(
         &a,
+        &ctx,
         elapsed,
         io_uring,
         &points,
@@ -209,6 +240,7 @@ pub fn run(a: BenchArgs) -> u8 {
 #[allow(clippy::too_many_arguments)]
 fn raw_json(
     a: &BenchArgs,
+    ctx: &mrkit::Context,
     elapsed: f64,
     io_uring: bool,
     points: &[Point],
@@ -222,7 +254,8 @@ fn raw_json(
         "schema": SCHEMA,
         "quick": a.quick,
         "elapsed_s": elapsed,
-        "device_profile": "rxe",
+        "device": ctx.name(),
+        "device_profile": ctx.soft().map(|_| "rxe"),
         "page_size": mrkit_soft::mem::page_size(),
         "io_uring": io_uring,
         "huge_detection": mrkit_soft::mem::translate::huge_detection_available(),

@@ -4,9 +4,9 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use mrkit::{AccessFlags, Buffer};
+use mrkit::{AccessFlags, Buffer, Context};
 use mrkit_soft::mr::KeyUse;
-use mrkit_soft::{Context, DeviceConfig, UserMemory};
+use mrkit_soft::UserMemory;
 use serde_json::{json, Value};
 
 use super::registration::alloc;
@@ -23,9 +23,8 @@ pub(super) struct PerMessage {
 }
 
 /// Per-message cost through the MR pool: allocate a 4 KiB slot, write the message, free it.
-pub(super) fn pool_per_message(n: u64) -> Result<f64, String> {
+pub(super) fn pool_per_message(ctx: &Context, n: u64) -> Result<f64, String> {
     use mrkit::pool::{MrPool, PoolConfig};
-    let ctx = mrkit::Context::open(DeviceConfig::rxe());
     let pd = ctx.alloc_pd().map_err(|e| e.to_string())?;
     let pool = MrPool::new(
         &pd,
@@ -50,10 +49,14 @@ pub(super) fn pool_per_message(n: u64) -> Result<f64, String> {
 
 /// One registration-cache scenario: `lookups` gets over `buffers` buffers of 64 KiB with room
 /// for `max_entries` entries.
-pub(super) fn cache_scenario(buffers: usize, max_entries: usize, lookups: u64) -> Value {
+pub(super) fn cache_scenario(
+    ctx: &Context,
+    buffers: usize,
+    max_entries: usize,
+    lookups: u64,
+) -> Value {
     use mrkit::cache::{CacheConfig, RegCache};
     let run = || -> Result<Value, String> {
-        let ctx = mrkit::Context::open(DeviceConfig::rxe());
         let pd = ctx.alloc_pd().map_err(|e| e.to_string())?;
         let cache = RegCache::new(
             &pd,
@@ -121,8 +124,10 @@ pub(super) fn copy_cost(n: u64) -> f64 {
 
 /// Per-message registration vs one big MR reused (what a pool does, without the pool's own
 /// bookkeeping): registering and deregistering 4 KiB for every message vs a key lookup and
-/// range check against one registered 1 MiB slab.
+/// range check against one registered 1 MiB slab (on a device other than mrkit0, whose key
+/// table is not reachable, the range check of the safe API's `MemoryRegion::remote`).
 pub(super) fn per_message(ctx: &Context, pd: u32, n: u64) -> PerMessage {
+    let dev = ctx.provider();
     let slab = match alloc(1 << 20, false) {
         Some(b) => Arc::new(b),
         None => return pm_failed(n, 0.0, Some("allocation failed".into())),
@@ -133,21 +138,25 @@ pub(super) fn per_message(ctx: &Context, pd: u32, n: u64) -> PerMessage {
         let Some(mem) = UserMemory::owned_range(slab.clone(), off, 4096) else {
             return pm_failed(n, 0.0, Some("slab too small".into()));
         };
-        match ctx.reg_mr_va(
+        let iova = slab.addr() + off;
+        match dev.reg_mr(
             pd,
             mem,
+            iova,
             AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE,
         ) {
             Ok(mr) => {
-                let _ = ctx.dereg_mr(mr.lkey);
+                let _ = dev.dereg_mr(mr.lkey);
             }
             Err(e) => return pm_failed(n, 0.0, Some(e.to_string())),
         }
     }
     let per = t.elapsed().as_nanos() as f64 / n as f64;
-    let big = match ctx.reg_mr_va(
+    let addr = slab.addr();
+    let big = match dev.reg_mr(
         pd,
         UserMemory::owned(slab),
+        addr,
         AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE,
     ) {
         Ok(m) => m,
@@ -157,29 +166,35 @@ pub(super) fn per_message(ctx: &Context, pd: u32, n: u64) -> PerMessage {
     let mut ok = 0u64;
     for i in 0..n {
         let off = (i % 256) * 4096;
-        if ctx
-            .check_access(
-                big.rkey,
-                pd,
-                AccessFlags::REMOTE_WRITE,
-                big.iova + off,
-                4096,
-                KeyUse::Remote,
-                0,
-            )
-            .is_ok()
-        {
+        let fits = match ctx.soft() {
+            Some(soft) => soft
+                .check_access(
+                    big.rkey,
+                    pd,
+                    AccessFlags::REMOTE_WRITE,
+                    big.iova + off,
+                    4096,
+                    KeyUse::Remote,
+                    0,
+                )
+                .is_ok(),
+            // The range check a sender does against the remote MR's (iova, length).
+            None => std::hint::black_box(big.iova)
+                .checked_add(off + 4096)
+                .is_some_and(|end| end <= big.iova + big.length),
+        };
+        if fits {
             ok += 1;
         }
     }
     let reused = t.elapsed().as_nanos() as f64 / n as f64;
-    let _ = ctx.dereg_mr(big.lkey);
+    let _ = dev.dereg_mr(big.lkey);
     PerMessage {
         messages: n,
         per_message_reg_ns: per,
         reused_mr_ns: reused,
         error: (ok != n).then(|| format!("{} of {n} accesses refused", n - ok)),
-        pool_ns: pool_per_message(n),
+        pool_ns: pool_per_message(ctx, n),
         copy_ns: copy_cost(n),
     }
 }

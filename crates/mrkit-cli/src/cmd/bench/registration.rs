@@ -4,9 +4,9 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use mrkit::{AccessFlags, Buffer, BufferOptions};
+use mrkit::{AccessFlags, Buffer, BufferOptions, Context};
 use mrkit_soft::mem::pin::{self, PinPath};
-use mrkit_soft::{Context, UserMemory};
+use mrkit_soft::UserMemory;
 
 pub(super) fn median(v: &mut [u64]) -> u64 {
     if v.is_empty() {
@@ -57,7 +57,9 @@ pub(super) fn alloc(size: u64, thp: bool) -> Option<Buffer> {
     .ok()
 }
 
+/// Median reg and dereg of `buf` on any device, through the provider (the generic API).
 pub(super) fn reg_point(ctx: &Context, pd: u32, buf: &Arc<Buffer>, thp: bool) -> Point {
+    let dev = ctx.provider();
     let size = buf.len() as u64;
     let mut regs = Vec::new();
     let mut deregs = Vec::new();
@@ -66,13 +68,13 @@ pub(super) fn reg_point(ctx: &Context, pd: u32, buf: &Arc<Buffer>, thp: bool) ->
         // The MR holds a reference to the buffer until it is deregistered.
         let mem = UserMemory::owned(buf.clone());
         let t = Instant::now();
-        let r = ctx.reg_mr_va(pd, mem, AccessFlags::LOCAL_WRITE);
+        let r = dev.reg_mr(pd, mem, buf.addr(), AccessFlags::LOCAL_WRITE);
         let reg = t.elapsed().as_nanos() as u64;
         match r {
             Ok(mr) => {
                 info = (mr.page_size, mr.entries);
                 let t = Instant::now();
-                let _ = ctx.dereg_mr(mr.lkey);
+                let _ = dev.dereg_mr(mr.lkey);
                 deregs.push(t.elapsed().as_nanos() as u64);
                 regs.push(reg);
             }
