@@ -37,7 +37,7 @@ pub enum Shape {
     },
 }
 
-/// Invalidation source besides explicit [`RegCache::invalidate`].
+/// Invalidation source besides explicit [`RegCache::invalidate`](super::RegCache::invalidate).
 ///
 /// The default, [`MonitorMode::Userfaultfd`], is what makes the safe entry points sound for
 /// borrowed memory: a cached registration outlives the borrow it was made from, and the
@@ -61,12 +61,12 @@ pub enum Shape {
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MonitorMode {
-    /// userfaultfd events (UNMAP, REMOVE, REMAP). [`RegCache::new`] fails loudly when
+    /// userfaultfd events (UNMAP, REMOVE, REMAP). [`RegCache::new`](super::RegCache::new) fails loudly when
     /// userfaultfd is unavailable.
     Userfaultfd,
     /// Only explicit invalidation: the application has promised (through the `unsafe`
     /// [`MonitorMode::explicit_only`], the only way to make the token) to call
-    /// [`RegCache::invalidate`] before it unmaps or `MADV_DONTNEED`s cached memory.
+    /// [`RegCache::invalidate`](super::RegCache::invalidate) before it unmaps or `MADV_DONTNEED`s cached memory.
     ExplicitOnly(ExplicitInvalidation),
 }
 
@@ -101,13 +101,13 @@ pub struct CacheConfig {
     pub max_bytes: u64,
     /// Largest single MR (clamped to the device's `max_mr_size`).
     pub max_chunk: u64,
-    /// Idle time after which [`RegCache::scan_idle`] releases an entry.
+    /// Idle time after which [`RegCache::scan_idle`](super::RegCache::scan_idle) releases an entry.
     pub idle_timeout: Duration,
     /// Invalidation source.
     pub monitor: MonitorMode,
     /// Capacity of the pending-invalidation set (ranges; coalescing when full).
     pub pending_capacity: usize,
-    /// Opt-in bounce path for [`RegCache::get_or_bounce_raw`].
+    /// Opt-in bounce path for [`RegCache::get_or_bounce_raw`](super::RegCache::get_or_bounce_raw).
     pub bounce: Option<MrPool>,
 }
 

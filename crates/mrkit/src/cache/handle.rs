@@ -16,8 +16,8 @@ use crate::{AccessFlags, Errno, Error, Result};
 /// A counted reference to a registration. While it lives the MR stays registered (even if
 /// its range is invalidated meanwhile: it is then deregistered at the last drop).
 ///
-/// What [`RegCache::get_raw`] returns; the safe paths wrap one in [`RegOwned`], [`RegRef`]
-/// or [`RegMut`]. Its [`Registered`] offsets run over [`range`](Self::range).
+/// What [`RegCache::get_raw`](super::RegCache::get_raw) returns; the safe paths wrap one in [`RegOwned`], [`RegRef`]
+/// or [`RegMut`]. Its [`Registered`](crate::Registered) offsets run over [`range`](Self::range).
 ///
 /// ```
 /// use mrkit::cache::{CacheConfig, RegCache};
@@ -82,7 +82,7 @@ impl RegHandle {
     }
     /// SGEs covering `[addr, addr+len)` (absolute addresses; split at piece boundaries and at
     /// 4 GiB - 1 per SGE). `None` when the range is not inside the registration. (The
-    /// [`Registered::sges`] of a handle takes offsets from [`range`](Self::range)'s start.)
+    /// [`Registered::sges`](crate::Registered::sges) of a handle takes offsets from [`range`](Self::range)'s start.)
     pub fn sges_at(&self, addr: u64, len: u64) -> Option<Vec<LocalSlice>> {
         self.split(addr, len, |a, l, p| LocalSlice {
             addr: a,
@@ -175,8 +175,8 @@ pub(super) fn borrowed_rights_error(access: AccessFlags, what: &str) -> Error {
     Error::new(Errno::EINVAL, msg)
 }
 
-/// A registration over memory the cache co-owns ([`RegCache::get_owned`]). Offsets in
-/// [`Registered::sges`] and [`RegOwned::remote`] run over the range it was asked for.
+/// A registration over memory the cache co-owns ([`RegCache::get_owned`](super::RegCache::get_owned)). Offsets in
+/// [`Registered::sges`](crate::Registered::sges) and [`RegOwned::remote`] run over the range it was asked for.
 ///
 /// ```
 /// use std::sync::Arc;
@@ -261,7 +261,7 @@ impl<M: OwnedMemory> RegOwned<M> {
     }
 }
 
-/// A registration of borrowed bytes the device only reads ([`RegCache::get_ref`]).
+/// A registration of borrowed bytes the device only reads ([`RegCache::get_ref`](super::RegCache::get_ref)).
 ///
 /// ```
 /// # use mrkit::cache::{CacheConfig, RegCache};
@@ -280,7 +280,7 @@ pub struct RegRef<'a> {
 }
 
 impl<'a> RegRef<'a> {
-    /// lkey of the registration at the first byte (the SGEs of [`Registered::sges`] carry
+    /// lkey of the registration at the first byte (the SGEs of [`Registered::sges`](crate::Registered::sges) carry
     /// the right key for every byte).
     pub fn lkey(&self) -> u32 {
         self.h.lkey_for(self.mem.as_ptr() as u64).unwrap_or(0)
@@ -299,7 +299,7 @@ impl<'a> RegRef<'a> {
     }
 }
 
-/// A registration of exclusively borrowed bytes the device may write ([`RegCache::get_mut`]).
+/// A registration of exclusively borrowed bytes the device may write ([`RegCache::get_mut`](super::RegCache::get_mut)).
 ///
 /// ```
 /// # use mrkit::cache::{CacheConfig, RegCache};
@@ -319,7 +319,7 @@ pub struct RegMut<'a> {
 }
 
 impl RegMut<'_> {
-    /// lkey of the registration at the first byte (the SGEs of [`Registered::sges`] carry
+    /// lkey of the registration at the first byte (the SGEs of [`Registered::sges`](crate::Registered::sges) carry
     /// the right key for every byte).
     pub fn lkey(&self) -> u32 {
         self.h.lkey_for(self.mem.as_ptr() as u64).unwrap_or(0)

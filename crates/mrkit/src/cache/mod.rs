@@ -12,7 +12,7 @@
 //!
 //! | path | memory | rights | valid while |
 //! |---|---|---|---|
-//! | [`RegCache::get_owned`] | `&Arc<M>`, `M:` [`OwnedMemory`] (e.g. [`Buffer`](crate::Buffer), `Vec<u8>`) | any | the handle lives; **with remote rights the entry co-owns `M`** until it is deregistered |
+//! | [`RegCache::get_owned`] | `&Arc<M>`, `M:` [`OwnedMemory`](mrkit_soft::OwnedMemory) (e.g. [`Buffer`](crate::Buffer), `Vec<u8>`) | any | the handle lives; **with remote rights the entry co-owns `M`** until it is deregistered |
 //! | [`RegCache::get_ref`] | `&'a [u8]` | local, device reads | `'a` (the handle borrows) |
 //! | [`RegCache::get_mut`] | `&'a mut [u8]` | local, device may write | `'a` (the handle borrows exclusively) |
 //! | `unsafe` [`RegCache::get_raw`] | an address | any | the caller promises (see its `# Safety`) |
@@ -20,9 +20,9 @@
 //! * **What a handle guarantees**: while it lives, its keys stay registered and translate to
 //!   the pages mapped at the time of the lookup (never to an earlier mapping at the same
 //!   address), even if the range is invalidated meanwhile (it is then deregistered at the
-//!   last drop). Every handle implements [`Registered`] (and [`DeviceWritable`] where the
+//!   last drop). Every handle implements [`Registered`](crate::Registered) (and [`DeviceWritable`](crate::DeviceWritable) where the
 //!   device may write: owned, `&mut`-borrowed, raw), so a work request can carry it; its
-//!   [`Registered::sges`] cover its own bytes only, one SGE per MR they span.
+//!   [`Registered::sges`](crate::Registered::sges) cover its own bytes only, one SGE per MR they span.
 //! * **Remote rights** (`REMOTE_READ`, `REMOTE_WRITE`, `REMOTE_ATOMIC`, `MW_BIND`, the flush
 //!   rights) outlive every handle: a peer that got the rkey can use it for as long as the
 //!   entry is cached, at any time. Only memory the cache itself keeps alive can back that:
@@ -156,7 +156,7 @@
 //!   coalescing.
 //! * **Fallbacks**: on ENOMEM (max_mr, translation capacity, memlock) evict every idle entry
 //!   and retry; a widened shape that fails is retried with the page-rounded request; then an
-//!   opt-in bounce path through an [`MrPool`] ([`RegCache::get_or_bounce_raw`]). Each counted.
+//!   opt-in bounce path through an [`MrPool`](crate::pool::MrPool) ([`RegCache::get_or_bounce_raw`]). Each counted.
 //!
 //! ## fork
 //!

@@ -63,8 +63,8 @@ impl RegCache {
     /// # Safety
     ///
     /// The registration may cover more than the requested bytes: the whole pages around them,
-    /// with [`Shape::Merge`] the neighbouring raw registrations of the same kind (rights are
-    /// the union), with [`Shape::WholeAllocation`] the whole mapping; [`RegHandle::range`]
+    /// with [`Shape::Merge`](super::Shape::Merge) the neighbouring raw registrations of the same kind (rights are
+    /// the union), with [`Shape::WholeAllocation`](super::Shape::WholeAllocation) the whole mapping; [`RegHandle::range`]
     /// says which. For all of those bytes the caller guarantees:
     ///
     /// * they stay mapped, and are not freed or reused for data the device must not touch,
@@ -111,7 +111,7 @@ impl RegCache {
     }
 
     /// Like [`get_raw`](Self::get_raw), but when the memory cannot be registered (device
-    /// limits after eviction) and a bounce pool is configured ([`CacheConfig::bounce`]),
+    /// limits after eviction) and a bounce pool is configured ([`CacheConfig::bounce`](super::CacheConfig::bounce)),
     /// return pool slots to copy through instead.
     ///
     /// # Safety

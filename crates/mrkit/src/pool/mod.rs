@@ -12,7 +12,7 @@
 //! * **Two kinds of slot, one protocol.** A [`Slot`] borrows its pool (cheapest; it cannot
 //!   outlive the [`MrPool`] handle it came from). An [`OwnedSlot`] is `'static`: it may outlive
 //!   every handle, and the pool's memory stays until the last slot returns. Both implement
-//!   [`Registered`] and [`DeviceWritable`], so a work request posted through
+//!   [`Registered`](crate::Registered) and [`DeviceWritable`](crate::DeviceWritable), so a work request posted through
 //!   [`QueuePair`](crate::QueuePair) takes either by value and its completion hands it back:
 //!   the slot cannot be touched, freed or reused while the device may write it, because the
 //!   queue pair owns it until then (and destroys its QP before freeing what it still holds).

@@ -192,7 +192,7 @@ macro_rules! slot_api {
                 }
             }
 
-            #[doc = "What a peer needs to reach `range` of this slot (offsets into the slot): the exposure's rkey while the slot is exposed ([`Slot::expose`]), else the chunk's rkey when the chunks have remote rights ([`PoolConfig::access`]). EINVAL when the range leaves the slot or the slot has no remote rights."]
+            #[doc = "What a peer needs to reach `range` of this slot (offsets into the slot): the exposure's rkey while the slot is exposed ([`Slot::expose`]), else the chunk's rkey when the chunks have remote rights ([`PoolConfig::access`](super::PoolConfig::access)). EINVAL when the range leaves the slot or the slot has no remote rights."]
             #[doc = ""]
             #[doc = "```"]
             #[doc = "use mrkit::AccessFlags as A;"]
@@ -210,7 +210,7 @@ macro_rules! slot_api {
                 self.pool().remote(&self.core, range)
             }
 
-            #[doc = "Make this slot reachable by peers with `access` (remote rights that [`PoolConfig::remote`] allows), through a memory window bound over exactly this slot: the returned descriptor's rkey reaches no other byte of the chunk. A previous exposure of the slot ends first. The exposure ends with [`Slot::unexpose`] or when the slot is freed; its rkey then stops working (a peer using it gets `REM_ACCESS_ERR`). EINVAL for rights the pool does not allow; the errno of `ibv_alloc_mw` (ENOMEM at `max_mw`) or of the bind otherwise."]
+            #[doc = "Make this slot reachable by peers with `access` (remote rights that [`PoolConfig::remote`](super::PoolConfig::remote) allows), through a memory window bound over exactly this slot: the returned descriptor's rkey reaches no other byte of the chunk. A previous exposure of the slot ends first. The exposure ends with [`Slot::unexpose`] or when the slot is freed; its rkey then stops working (a peer using it gets `REM_ACCESS_ERR`). EINVAL for rights the pool does not allow; the errno of `ibv_alloc_mw` (ENOMEM at `max_mw`) or of the bind otherwise."]
             #[doc = ""]
             #[doc = "```"]
             #[doc = "use mrkit::AccessFlags as A;"]
@@ -317,7 +317,7 @@ macro_rules! slot_api {
     };
 }
 
-/// A slot borrowed from an [`MrPool`] handle: read and write its bytes, build SGEs, post it
+/// A slot borrowed from an [`MrPool`](crate::pool::MrPool) handle: read and write its bytes, build SGEs, post it
 /// by value through a [`QueuePair`](crate::QueuePair) (which hands it back with the
 /// completion), expose it to a peer. Dropping it returns it to the pool.
 ///
@@ -371,7 +371,7 @@ impl Drop for Slot<'_> {
 
 slot_api!(Slot<'_>, "alloc");
 
-/// A slot that may outlive every [`MrPool`] handle (see [`MrPool::alloc_owned`]): the same
+/// A slot that may outlive every [`MrPool`](crate::pool::MrPool) handle (see [`MrPool::alloc_owned`](crate::pool::MrPool::alloc_owned)): the same
 /// operations as [`Slot`], `'static`, `Send` and `Sync`. Dropping it frees the slot; the last
 /// slot of a pool whose handles are gone frees the pool.
 ///
