@@ -304,6 +304,36 @@ pub struct MrPool {
     h: Arc<Handle>,
 }
 
+/// `EINVAL` for a configuration no pool can have: a slot size that is not a power of two from
+/// 64 to 2^31, remote rights other than READ/WRITE/ATOMIC, or remote writes without
+/// `LOCAL_WRITE` on the chunks.
+fn check_config(cfg: &PoolConfig) -> Result<()> {
+    if !cfg.slot_size.is_power_of_two() || cfg.slot_size < 64 || cfg.slot_size > 1 << 31 {
+        return Err(einval(format!(
+            "slot_size {} must be a power of two from 64 to 2^31",
+            cfg.slot_size
+        )));
+    }
+    if !REMOTE_RIGHTS.contains(cfg.remote) {
+        return Err(einval(format!(
+            "PoolConfig::remote {:?} may only hold REMOTE_READ, REMOTE_WRITE and REMOTE_ATOMIC",
+            cfg.remote
+        )));
+    }
+    if cfg
+        .remote
+        .intersects(AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_ATOMIC)
+        && !cfg.access.contains(AccessFlags::LOCAL_WRITE)
+    {
+        return Err(einval(
+            "slots exposed with REMOTE_WRITE or REMOTE_ATOMIC need LOCAL_WRITE in \
+             PoolConfig::access (as ibv_bind_mw requires of the MR)"
+                .to_string(),
+        ));
+    }
+    Ok(())
+}
+
 fn enomem(msg: String) -> Error {
     Error::new(Errno::ENOMEM, msg)
 }
@@ -330,29 +360,7 @@ impl MrPool {
     /// assert_eq!(MrPool::new(&pd, bad).unwrap_err().errno(), mrkit::Errno::EINVAL);
     /// ```
     pub fn new(pd: &ProtectionDomain, cfg: PoolConfig) -> Result<MrPool> {
-        if !cfg.slot_size.is_power_of_two() || cfg.slot_size < 64 || cfg.slot_size > 1 << 31 {
-            return Err(einval(format!(
-                "slot_size {} must be a power of two from 64 to 2^31",
-                cfg.slot_size
-            )));
-        }
-        if !REMOTE_RIGHTS.contains(cfg.remote) {
-            return Err(einval(format!(
-                "PoolConfig::remote {:?} may only hold REMOTE_READ, REMOTE_WRITE and REMOTE_ATOMIC",
-                cfg.remote
-            )));
-        }
-        if cfg
-            .remote
-            .intersects(AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_ATOMIC)
-            && !cfg.access.contains(AccessFlags::LOCAL_WRITE)
-        {
-            return Err(einval(
-                "slots exposed with REMOTE_WRITE or REMOTE_ATOMIC need LOCAL_WRITE in \
-                 PoolConfig::access (as ibv_bind_mw requires of the MR)"
-                    .to_string(),
-            ));
-        }
+        check_config(&cfg)?;
         let max_mr = pd.context().query_device().max_mr_size;
         let chunk =
             (cfg.chunk_size as u64).min(max_mr) / cfg.slot_size as u64 * cfg.slot_size as u64;
