@@ -261,10 +261,11 @@ struct Magazine {
 
 impl Drop for Magazine {
     fn drop(&mut self) {
-        // Thread exit (or dead-pool cleanup): hand cached slots back to the shared stack.
-        if let Some(p) = self.pool.upgrade() {
-            p.free.push_many(&self.slots);
-        }
+        // Thread exit (or dead-pool cleanup): hand cached slots back to the shared stack, through
+        // the keepalive (not an upgrade of `pool`: a reference taken here while the pool is
+        // being released would make this thread, at its exit, the one that frees the memory,
+        // after the thread that settled has already moved on).
+        self.life.with_keep(|p| p.free.push_many(&self.slots));
     }
 }
 
