@@ -21,7 +21,7 @@
 //! assert!(ok, "host B has a route to host A over the veth pair");
 //! ```
 
-#![deny(unsafe_code)]
+#![forbid(unsafe_code)]
 
 use std::process::{Command, Stdio};
 
@@ -58,10 +58,8 @@ impl Netns {
     /// `tag` keeps the names of different test binaries apart: the namespaces are
     /// `mrk{tag}-a-<pid>` / `mrk{tag}-b-<pid>`, the veth ends `mk{tag}a<pid>` / `mk{tag}b<pid>`
     /// (interface names have at most 15 bytes: keep `tag` short).
-    #[allow(unsafe_code)] // geteuid: the crate's only unsafe call
     pub fn for_test(test: &str, tag: &str) -> Option<Netns> {
-        // SAFETY: geteuid has no preconditions.
-        if unsafe { libc::geteuid() } != 0 || !sh(&["ip", "-V"]) {
+        if !rustix::process::geteuid().is_root() || !sh(&["ip", "-V"]) {
             skip(test, "needs root and iproute2");
             return None;
         }

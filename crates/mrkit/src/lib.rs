@@ -22,12 +22,17 @@
 //! assert_eq!(err.errno(), mrkit::Errno::EINVAL);
 //! ```
 
+#![deny(unsafe_code)]
+
+#[allow(unsafe_code)] // the mapping behind a `Buffer`
 pub mod buffer;
 pub mod cache;
 pub mod pool;
 pub mod provider;
+#[allow(unsafe_code)] // `qp::registered`: the `unsafe trait`s `Registered` / `DeviceWritable`
 pub mod qp;
 pub mod stat_export;
+#[allow(unsafe_code)] // `register_raw`, and the buffer an MR owns
 mod verbs;
 
 pub use buffer::{Buffer, BufferOptions};

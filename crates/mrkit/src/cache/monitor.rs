@@ -69,7 +69,8 @@
 //! never frees memory in its loop (buffers are reused). Pending queues are bounded and
 //! coalescing ([`Pending`]).
 //!
-//! This is the only module of the cache with `unsafe`: raw syscalls and ioctls.
+//! Its `unsafe` is raw syscalls and ioctls; the cache's other modules with `unsafe` are `lease`
+//! (entry memory behind raw pointers) and `raw` (the unsafe entry points and `Registered` impls).
 
 use std::collections::BTreeMap;
 use std::io;

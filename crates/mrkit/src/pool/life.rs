@@ -160,6 +160,14 @@ impl<K> Life<K> {
         }
     }
 
+    /// Run `f` on the keepalive while the pool is not released, under the state lock (so the
+    /// keepalive cannot be released meanwhile); `None` once it has been. Unlike upgrading a
+    /// weak reference this takes no reference of its own: the pool's memory still goes in
+    /// the thread that settles, never later in this one.
+    pub fn with_keep<R>(&self, f: impl FnOnce(&K) -> R) -> Option<R> {
+        self.state.lock().keep.as_ref().map(f)
+    }
+
     /// Hand over the pool's keepalive (once, before the first slot).
     pub fn arm(&self, keep: K) {
         self.state.lock().keep = Some(keep);

@@ -1,0 +1,344 @@
+//! The handle types a lookup returns: [`RegHandle`] (a counted reference to an entry) and
+//! the safe wrappers [`RegOwned`], [`RegRef`], [`RegMut`].
+
+use std::ops::Range;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use mrkit_soft::OwnedMemory;
+
+use super::entry::{Entry, Piece, REMOTE_RIGHTS};
+use super::lease::Handle;
+use crate::qp::registered::check_range;
+use crate::verbs::{LocalSlice, RemoteSlice};
+use crate::{AccessFlags, Errno, Error, Result};
+
+/// A counted reference to a registration. While it lives the MR stays registered (even if
+/// its range is invalidated meanwhile: it is then deregistered at the last drop).
+///
+/// What [`RegCache::get_raw`](super::RegCache::get_raw) returns; the safe paths wrap one in [`RegOwned`], [`RegRef`]
+/// or [`RegMut`]. Its [`Registered`](crate::Registered) offsets run over [`range`](Self::range).
+///
+/// ```
+/// use mrkit::cache::{CacheConfig, RegCache};
+/// use mrkit::{AccessFlags, Context, Registered};
+/// let pd = Context::open_default().unwrap().alloc_pd().unwrap();
+/// let cache = RegCache::new(&pd, CacheConfig::default()).unwrap();
+/// let v = vec![0u8; 4096];
+/// let a = v.as_ptr() as u64;
+/// // SAFETY: `v` outlives the handle; local rights only.
+/// let h = unsafe { cache.get_raw(a, 4096, AccessFlags::LOCAL_WRITE) }.unwrap();
+/// let (start, end) = h.range(); // page-rounded
+/// assert!(start <= a && a + 4096 <= end && h.access().contains(AccessFlags::LOCAL_WRITE));
+/// assert_eq!(h.lkey_for(a), Some(h.lkey()));
+/// assert_eq!(h.sges_at(a, 4096).unwrap()[0].addr, a);
+/// assert_eq!(h.len(), end - start);
+/// assert!(h.is_cached());
+/// cache.invalidate(a, 4096);
+/// assert!(!h.is_cached()); // still registered until `h` is dropped
+/// ```
+#[derive(Debug)]
+pub struct RegHandle {
+    pub(super) h: Handle<Entry>,
+}
+
+impl RegHandle {
+    #[inline]
+    pub(super) fn e(&self) -> &Entry {
+        self.h.entry()
+    }
+    /// The MRs, in address order (one unless the range was split).
+    pub fn pieces(&self) -> &[Piece] {
+        self.e().ready().map(Vec::as_slice).unwrap_or(&[])
+    }
+    /// Registered range (may be larger than requested: page rounding, merging).
+    pub fn range(&self) -> (u64, u64) {
+        (self.e().start, self.e().end)
+    }
+    /// Rights of the registration (a superset of the requested ones).
+    pub fn access(&self) -> AccessFlags {
+        self.e().access
+    }
+    /// lkey of the piece holding `addr`.
+    pub fn lkey_for(&self, addr: u64) -> Option<u32> {
+        self.piece_for(addr).map(|p| p.lkey)
+    }
+    /// rkey of the piece holding `addr`.
+    pub fn rkey_for(&self, addr: u64) -> Option<u32> {
+        self.piece_for(addr).map(|p| p.rkey)
+    }
+    pub(super) fn piece_for(&self, addr: u64) -> Option<&Piece> {
+        self.pieces()
+            .iter()
+            .find(|p| addr >= p.addr && addr - p.addr < p.len)
+    }
+    /// lkey (first piece).
+    pub fn lkey(&self) -> u32 {
+        self.pieces().first().map(|p| p.lkey).unwrap_or(0)
+    }
+    /// rkey (first piece).
+    pub fn rkey(&self) -> u32 {
+        self.pieces().first().map(|p| p.rkey).unwrap_or(0)
+    }
+    /// SGEs covering `[addr, addr+len)` (absolute addresses; split at piece boundaries and at
+    /// 4 GiB - 1 per SGE). `None` when the range is not inside the registration. (The
+    /// [`Registered::sges`](crate::Registered::sges) of a handle takes offsets from [`range`](Self::range)'s start.)
+    pub fn sges_at(&self, addr: u64, len: u64) -> Option<Vec<LocalSlice>> {
+        self.split(addr, len, |a, l, p| LocalSlice {
+            addr: a,
+            len: l as u32,
+            lkey: p.lkey,
+        })
+    }
+    /// Remote descriptors covering `[addr, addr+len)` (absolute addresses).
+    pub fn remotes_at(&self, addr: u64, len: u64) -> Option<Vec<RemoteSlice>> {
+        self.split(addr, len, |a, l, p| RemoteSlice {
+            addr: a,
+            len: l,
+            rkey: p.rkey,
+        })
+    }
+    pub(super) fn split<T>(
+        &self,
+        addr: u64,
+        len: u64,
+        f: impl Fn(u64, u64, &Piece) -> T,
+    ) -> Option<Vec<T>> {
+        let end = addr.checked_add(len)?;
+        if addr < self.e().start || end > self.e().end {
+            return None;
+        }
+        let mut out = Vec::new();
+        let mut a = addr;
+        while a < end {
+            let p = self.piece_for(a)?;
+            let l = (p.addr + p.len).min(end) - a;
+            let l = l.min(u64::from(u32::MAX));
+            out.push(f(a, l, p));
+            a += l;
+        }
+        Some(out)
+    }
+    /// Whether the registration is still in the cache (false after invalidation/eviction,
+    /// or for an uncached registration).
+    pub fn is_cached(&self) -> bool {
+        self.e().cached.load(Ordering::Acquire) && !self.e().is_dead()
+    }
+}
+
+impl Clone for RegHandle {
+    fn clone(&self) -> Self {
+        // Same lease: a live handle keeps its count above 0 throughout.
+        RegHandle { h: self.h.clone() }
+    }
+}
+
+// Dropping the `Handle` gives its count back; the last release of a dead entry deregisters
+// it (see [`lease`]).
+
+impl RegHandle {
+    /// Append the SGEs of `len` bytes at absolute `addr` to `out` (EINVAL, `out` unchanged,
+    /// when they are not inside the registration).
+    pub(super) fn push_sges(&self, addr: u64, len: u64, out: &mut Vec<LocalSlice>) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        match self.sges_at(addr, len) {
+            Some(v) => {
+                out.extend(v);
+                Ok(())
+            }
+            None => Err(Error::new(
+                Errno::EINVAL,
+                format!("{len} bytes at {addr:#x} are not inside the cached registration"),
+            )),
+        }
+    }
+}
+
+/// The error of a borrowed lookup asking for rights a borrow cannot back.
+#[cold]
+pub(super) fn borrowed_rights_error(access: AccessFlags, what: &str) -> Error {
+    let msg = if access.intersects(REMOTE_RIGHTS) {
+        format!(
+            "{what} cannot grant remote rights ({access:?}): the cached registration, and the \
+             rkey a peer holds, outlive the borrow, so a peer could reach the memory after it \
+             is freed or while it is borrowed immutably; register memory peers may reach \
+             through RegCache::get_owned (the cache then keeps it alive)"
+        )
+    } else {
+        format!(
+            "{what} cannot let the device write ({access:?}): use RegCache::get_mut with an \
+             exclusive borrow"
+        )
+    };
+    Error::new(Errno::EINVAL, msg)
+}
+
+/// A registration over memory the cache co-owns ([`RegCache::get_owned`](super::RegCache::get_owned)). Offsets in
+/// [`Registered::sges`](crate::Registered::sges) and [`RegOwned::remote`] run over the range it was asked for.
+///
+/// ```
+/// use std::sync::Arc;
+/// use mrkit::cache::{CacheConfig, RegCache};
+/// use mrkit::{AccessFlags, Buffer, Context, Registered};
+/// let pd = Context::open_default().unwrap().alloc_pd().unwrap();
+/// let cache = RegCache::new(&pd, CacheConfig::default()).unwrap();
+/// let buf = Arc::new(Buffer::new(8192).unwrap());
+/// let acc = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ;
+/// let h = cache.get_owned(&buf, 4096..8192, acc).unwrap();
+/// assert_eq!(h.len(), 4096);
+/// let r = h.remote(0..4096).unwrap();
+/// assert_eq!((r.addr, r.len, r.rkey), (buf.addr() + 4096, 4096, h.rkey()));
+/// ```
+#[derive(Debug)]
+pub struct RegOwned<M> {
+    pub(super) h: RegHandle,
+    pub(super) mem: Arc<M>,
+    pub(super) addr: u64,
+    pub(super) len: u64,
+}
+
+impl<M> Clone for RegOwned<M> {
+    fn clone(&self) -> Self {
+        RegOwned {
+            h: self.h.clone(),
+            mem: self.mem.clone(),
+            addr: self.addr,
+            len: self.len,
+        }
+    }
+}
+
+impl<M: OwnedMemory> RegOwned<M> {
+    /// The memory (shared with the caller and, with remote rights, the cached entry).
+    pub fn memory(&self) -> &Arc<M> {
+        &self.mem
+    }
+    /// lkey of the registration (of its first MR when it was split).
+    pub fn lkey(&self) -> u32 {
+        self.h.lkey_for(self.addr).unwrap_or(0)
+    }
+    /// rkey of the registration (of its first MR when it was split).
+    pub fn rkey(&self) -> u32 {
+        self.h.rkey_for(self.addr).unwrap_or(0)
+    }
+    /// Rights of the registration (a superset of the requested ones).
+    pub fn access(&self) -> AccessFlags {
+        self.h.access()
+    }
+    /// What a peer needs to reach `range` (offsets into the memory): `EINVAL` outside it or
+    /// when the range spans two MRs (a registration split above `max_chunk`; see
+    /// [`remotes`](Self::remotes)).
+    pub fn remote(&self, range: Range<u64>) -> Result<RemoteSlice> {
+        let mut v = self.remotes(range.clone())?;
+        match v.len() {
+            1 => Ok(v.remove(0)),
+            0 => Ok(RemoteSlice {
+                addr: self.addr + range.start,
+                len: 0,
+                rkey: self.rkey(),
+            }),
+            n => Err(Error::new(
+                Errno::EINVAL,
+                format!("the range spans {n} memory regions: use RegOwned::remotes"),
+            )),
+        }
+    }
+    /// Remote descriptors for `range`, one per MR it spans.
+    pub fn remotes(&self, range: Range<u64>) -> Result<Vec<RemoteSlice>> {
+        let (off, len) = check_range(&range, self.len, "cache handle")?;
+        if len == 0 {
+            return Ok(Vec::new());
+        }
+        self.h
+            .remotes_at(self.addr + off, len)
+            .ok_or_else(|| Error::new(Errno::EINVAL, "range outside the registration"))
+    }
+    /// Whether the registration is still cached (see [`RegHandle::is_cached`]).
+    pub fn is_cached(&self) -> bool {
+        self.h.is_cached()
+    }
+}
+
+/// A registration of borrowed bytes the device only reads ([`RegCache::get_ref`](super::RegCache::get_ref)).
+///
+/// ```
+/// # use mrkit::cache::{CacheConfig, RegCache};
+/// # use mrkit::{AccessFlags, Context};
+/// # let pd = Context::open_default().unwrap().alloc_pd().unwrap();
+/// # let cache = RegCache::new(&pd, CacheConfig::default()).unwrap();
+/// let msg = String::from("hello");
+/// let h = cache.get_ref(msg.as_bytes(), AccessFlags::empty()).unwrap();
+/// assert_eq!(h.as_slice(), b"hello");
+/// assert!(h.lkey() != 0 && h.is_cached() && !h.access().contains(AccessFlags::REMOTE_READ));
+/// ```
+#[derive(Debug, Clone)]
+pub struct RegRef<'a> {
+    pub(super) h: RegHandle,
+    pub(super) mem: &'a [u8],
+}
+
+impl<'a> RegRef<'a> {
+    /// lkey of the registration at the first byte (the SGEs of [`Registered::sges`](crate::Registered::sges) carry
+    /// the right key for every byte).
+    pub fn lkey(&self) -> u32 {
+        self.h.lkey_for(self.mem.as_ptr() as u64).unwrap_or(0)
+    }
+    /// The borrowed bytes.
+    pub fn as_slice(&self) -> &'a [u8] {
+        self.mem
+    }
+    /// Rights of the registration (a superset of the requested ones).
+    pub fn access(&self) -> AccessFlags {
+        self.h.access()
+    }
+    /// Whether the registration is still cached (see [`RegHandle::is_cached`]).
+    pub fn is_cached(&self) -> bool {
+        self.h.is_cached()
+    }
+}
+
+/// A registration of exclusively borrowed bytes the device may write ([`RegCache::get_mut`](super::RegCache::get_mut)).
+///
+/// ```
+/// # use mrkit::cache::{CacheConfig, RegCache};
+/// # use mrkit::{AccessFlags, Context};
+/// # let pd = Context::open_default().unwrap().alloc_pd().unwrap();
+/// # let cache = RegCache::new(&pd, CacheConfig::default()).unwrap();
+/// let mut block = vec![0u8; 4096];
+/// let mut h = cache.get_mut(&mut block, AccessFlags::LOCAL_WRITE).unwrap();
+/// h.as_mut_slice()[0] = 9;
+/// assert_eq!(h.as_slice()[0], 9);
+/// assert!(h.access().contains(AccessFlags::LOCAL_WRITE) && h.lkey() != 0 && h.is_cached());
+/// ```
+#[derive(Debug)]
+pub struct RegMut<'a> {
+    pub(super) h: RegHandle,
+    pub(super) mem: &'a mut [u8],
+}
+
+impl RegMut<'_> {
+    /// lkey of the registration at the first byte (the SGEs of [`Registered::sges`](crate::Registered::sges) carry
+    /// the right key for every byte).
+    pub fn lkey(&self) -> u32 {
+        self.h.lkey_for(self.mem.as_ptr() as u64).unwrap_or(0)
+    }
+    /// The borrowed bytes (not while a work request holds the handle: it is moved or
+    /// borrowed by it).
+    pub fn as_slice(&self) -> &[u8] {
+        self.mem
+    }
+    /// The borrowed bytes, mutably.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        self.mem
+    }
+    /// Rights of the registration (a superset of the requested ones).
+    pub fn access(&self) -> AccessFlags {
+        self.h.access()
+    }
+    /// Whether the registration is still cached (see [`RegHandle::is_cached`]).
+    pub fn is_cached(&self) -> bool {
+        self.h.is_cached()
+    }
+}
