@@ -4,7 +4,6 @@
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
-
 use crate::error::Errno;
 use crate::mem::pin::PinPath;
 

@@ -6,10 +6,10 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{all, pair_with, reg, Host};
+use mrkit_soft::counters::{self as hw, Hw};
 use mrkit_soft::cq::{Wc, WcStatus};
 use mrkit_soft::driver::loopback::drive_until_idle;
 use mrkit_soft::qp::{SendWr, WrOpcode};
-use mrkit_soft::counters::{self as hw, Hw};
 use mrkit_soft::wire::{wire_len, Opcode};
 
 fn poll_one(h: &Host, other: &Host) -> Wc {

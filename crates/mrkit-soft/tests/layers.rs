@@ -29,7 +29,17 @@ const LAYERS: &[(&str, &[&str])] = &[
     ),
     (
         "memory core",
-        &["memcore", "pd", "mr", "mw", "odp", "user_mem", "copy", "probes", "reg_timing"],
+        &[
+            "memcore",
+            "pd",
+            "mr",
+            "mw",
+            "odp",
+            "user_mem",
+            "copy",
+            "probes",
+            "reg_timing",
+        ],
     ),
     ("engines", &["pkt", "cq", "srq", "qp", "counters"]),
     ("link", &["net"]),

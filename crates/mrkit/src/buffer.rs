@@ -1,8 +1,8 @@
 //! Page-aligned buffers from `mmap`, optionally backed by transparent huge pages or made
 //! read-only: the memory you register.
 //!
-//! This is one of the two audited `unsafe` modules of the crate (the other is raw
-//! registration): it owns an anonymous mapping and hands out slices of it.
+//! One of the few modules of the crate allowed `unsafe` (`docs/architecture.md` lists them):
+//! it owns an anonymous mapping and hands out slices of it.
 
 use std::ptr::NonNull;
 

@@ -29,7 +29,6 @@ pub mod buffer;
 pub mod cache;
 pub mod pool;
 pub mod provider;
-#[allow(unsafe_code)] // `qp::registered`: the `unsafe trait`s `Registered` / `DeviceWritable`
 pub mod qp;
 pub mod stat_export;
 #[allow(unsafe_code)] // `register_raw`, and the buffer an MR owns

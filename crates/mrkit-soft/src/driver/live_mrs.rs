@@ -47,7 +47,9 @@ pub fn live(limit: usize) -> (Vec<LiveMr>, usize) {
         let mut keys = dev.core.mrs.keys();
         keys.sort_unstable();
         for k in keys {
-            let Some(g) = dev.core.mrs.get(k) else { continue };
+            let Some(g) = dev.core.mrs.get(k) else {
+                continue;
+            };
             total += 1;
             if out.len() < limit {
                 out.push(LiveMr {

@@ -233,7 +233,9 @@ fn flush_runs(stats: &NetStats, port: &UdpPort, runs: &[Run], buf: &[u8]) {
     };
     crate::counters::tx_datagrams(
         sent,
-        runs.iter().map(|r| super::udp::datagram_count(&msg(r))).sum(),
+        runs.iter()
+            .map(|r| super::udp::datagram_count(&msg(r)))
+            .sum(),
         runs.iter().map(|r| r.len as u64).sum(),
         err.is_some(),
     );

@@ -154,9 +154,12 @@
 //! ```
 
 #[cfg(feature = "tokio")]
+#[allow(unsafe_code)] // registering the completion channel's descriptor with tokio
 mod async_io;
+#[allow(unsafe_code)] // `unsafe impl Registered for Owned`
 mod completion;
 pub mod endpoint;
+#[allow(unsafe_code)] // the `unsafe trait`s `Registered` / `DeviceWritable` and their impls
 pub mod registered;
 pub mod tcp;
 
