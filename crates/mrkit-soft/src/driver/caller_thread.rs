@@ -34,8 +34,10 @@ impl Context {
         q: &Arc<QpObject>,
         g: parking_lot::MutexGuard<'_, crate::qp::QpInner>,
     ) {
+        let delivering = super::delivery::Delivering::start(q);
         let pkts = q.run_locked(self, Instant::now(), g);
         self.deliver_pkts(pkts, None);
+        drop(delivering);
     }
 
     /// Progress-on-poll: called by `poll_cq` when the CQ was empty. Returns whether any QP ran.

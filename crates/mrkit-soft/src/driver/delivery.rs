@@ -2,10 +2,54 @@
 //! and a packet the link could not gather back to its QP as a notice.
 #![forbid(unsafe_code)]
 
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
 use super::{loopback, Context, DeviceInner};
 use crate::net::udp::{self, UdpPort};
 use crate::pkt::{recycle, Pkt};
-use crate::qp::Notice;
+use crate::qp::{Notice, QpObject};
+
+/// Longest wait of `destroy_qp` or the exit handler for runs still handing packets to the
+/// link (a hand-over takes microseconds; the bound only matters if a driver thread is stuck).
+pub(crate) const DELIVERY_WAIT: Duration = Duration::from_millis(200);
+
+/// One run of `qp` whose packets are on their way to the link: counted in
+/// `QpObject::delivering` from its creation (before or under the QP lock, so before the run
+/// pushes any completion) until it is dropped, after the packets were delivered.
+pub(crate) struct Delivering<'a>(&'a QpObject);
+
+impl<'a> Delivering<'a> {
+    pub(crate) fn start(qp: &'a QpObject) -> Delivering<'a> {
+        // Relaxed: the QP lock the run takes next (or holds) orders this before its
+        // completions; a waiter reads the count after taking that lock itself.
+        qp.delivering.fetch_add(1, Ordering::Relaxed);
+        Delivering(qp)
+    }
+}
+
+impl Drop for Delivering<'_> {
+    fn drop(&mut self) {
+        // Release: the packets were handed to the link before a waiter sees the decrement.
+        self.0.delivering.fetch_sub(1, Ordering::Release);
+    }
+}
+
+/// Wait (yielding, at most `bound`) until no run of `qp` is still delivering packets.
+pub(crate) fn wait_delivered(qp: &QpObject, bound: Duration) {
+    let deadline = Instant::now() + bound;
+    // Acquire: pairs with the Release of `Delivering::drop`.
+    while qp.delivering.load(Ordering::Acquire) != 0 {
+        if Instant::now() >= deadline {
+            tracing::warn!(
+                qpn = qp.qpn,
+                "a run is still delivering packets after {bound:?}"
+            );
+            return;
+        }
+        std::thread::yield_now();
+    }
+}
 
 /// Send packets: over the in-process loopback link, or as RoCEv2 datagrams over UDP when the
 /// packet names an IP destination.

@@ -45,13 +45,20 @@ pub(crate) fn detach(node: u64) {
     }
 }
 
-/// Send the ACKs every open device of this process holds back (`crate::driver::at_exit`).
+/// Send the ACKs every open device of this process holds back, after the runs still handing
+/// packets to the link are done (`crate::driver::at_exit`).
 pub(crate) fn flush_held_acks_of_every_device() {
     let devices: Vec<Arc<DeviceInner>> = match nodes().read().as_ref() {
         Some(m) => m.values().filter_map(|w| w.upgrade()).collect(),
         None => return,
     };
     for dev in devices {
+        // Runs that pushed a completion may still be handing their packets (an ACK the
+        // application's last completion implies) to the link: let them finish first.
+        let qps: Vec<Arc<crate::qp::QpObject>> = dev.dp.qps.read().values().cloned().collect();
+        for q in qps {
+            super::delivery::wait_delivered(&q, super::delivery::DELIVERY_WAIT);
+        }
         dev.flush_held_acks();
     }
 }

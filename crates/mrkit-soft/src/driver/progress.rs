@@ -702,13 +702,16 @@ impl Context {
             if i >= received {
                 q.scheduled.store(false, Ordering::Release); // taken off the run queue
             }
+            let delivering = super::delivery::Delivering::start(&q);
             let pkts = q.run(self, now);
             self.deliver_pkts(pkts, hold.filter(|_| q.delay_acks.load(Ordering::Relaxed)));
+            drop(delivering);
         }
         for (at, qpn) in due {
             let Some(q) = dp.qp_object(qpn) else {
                 continue; // destroyed since
             };
+            let delivering = super::delivery::Delivering::start(&q);
             let Some(pkts) = q.run_timer(self, at, now) else {
                 continue; // a stale entry: the QP registered another since
             };
@@ -716,6 +719,7 @@ impl Context {
                 work += 1;
             }
             self.deliver_pkts(pkts, hold.filter(|_| q.delay_acks.load(Ordering::Relaxed)));
+            drop(delivering);
         }
         if app {
             self.flush_acks(Some(now));

@@ -200,6 +200,7 @@ impl Context {
             scheduled: AtomicBool::new(false),
             delay_acks: AtomicBool::new(true),
             destroyed: AtomicBool::new(false),
+            delivering: std::sync::atomic::AtomicU32::new(0),
             inner: Mutex::new(QpInner {
                 attr,
                 state: QpState::Reset,
@@ -245,6 +246,9 @@ impl Context {
             // the same number has its own `timer_at`).
         }
         q.inbox.clear();
+        // A run that finished before the lock above may still be handing its packets (the
+        // ACK of the message whose completion the application just saw) to the link.
+        super::delivery::wait_delivered(&q, super::delivery::DELIVERY_WAIT);
         q.send_cq.users.fetch_sub(1, Ordering::AcqRel);
         q.recv_cq.users.fetch_sub(1, Ordering::AcqRel);
         if let Some(s) = &q.srq {

@@ -286,6 +286,15 @@ pub(crate) struct QpObject {
     /// Set by `destroy_qp` once the QP is out of the table (the per-thread last-used cache
     /// checks it, `last_used.rs`). Guards nothing else.
     pub destroyed: AtomicBool,
+    /// Runs of this QP whose packets are not yet with the link: raised before a run takes the
+    /// QP lock (or while it holds it), lowered once its packets are delivered
+    /// (`driver::delivery::Delivering`). A run pushes its completions before the driver hands
+    /// its packets to the link, so an application can see a receive completion while the ACK
+    /// of that message is still in a driver thread's hands; `destroy_qp` and the exit handler
+    /// wait for this count to fall to zero, so the ACK a ConnectX would already have sent
+    /// leaves before the QP (or the process) goes. Release on the decrement, Acquire on the
+    /// waiters' loads: the packets were handed over before the waiter goes on.
+    pub delivering: std::sync::atomic::AtomicU32,
     pub inner: Mutex<QpInner>,
 }
 
