@@ -826,7 +826,7 @@ pub fn explain(errno: Errno, p: &Params, cfg: &DeviceConfig, sys: &SysInfo) -> V
     explain_on(errno, p, cfg, sys, None)
 }
 
-/// [`explain`] for device `other` (not mrkit0) whose limits `cfg` carries: the limits are
+/// `explain` for device `other` (not mrkit0) whose limits `cfg` carries: the limits are
 /// then quoted as read from that device, not from mrkit0's configuration.
 pub fn explain_on(
     errno: Errno,
