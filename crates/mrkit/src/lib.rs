@@ -27,6 +27,7 @@ pub mod cache;
 pub mod pool;
 pub mod provider;
 pub mod qp;
+pub mod rdma_core;
 pub mod stat_export;
 mod verbs;
 
@@ -46,5 +47,6 @@ pub use qp::{
     WcStatus, WorkCompletion,
 };
 pub use verbs::{
-    Context, LocalSlice, MemoryRegion, MemoryWindow, ProtectionDomain, RawMemoryRegion, RemoteSlice,
+    Context, DeviceEntry, LocalSlice, MemoryRegion, MemoryWindow, ProtectionDomain,
+    RawMemoryRegion, RemoteSlice, DEVICE_ENV, EMBEDDED_PROVIDER,
 };

@@ -1,8 +1,11 @@
 //! `#[repr(C)]` mirrors of rdma-core v44's `<infiniband/verbs.h>` structures (x86-64/aarch64
-//! LP64), for what the library fills or reads. Field names follow the C headers. Checked
-//! against the system headers by `tests/layout.rs` (a C program printing `offsetof`/`sizeof`)
-//! and against `docs/cabi.md` Appendix A by the compile-time assertions at the end of this file.
+//! LP64): the one set of C ABI definitions of the project. The drop-in `libibverbs.so.1`
+//! (`mrkit-ibverbs`) fills them; `mrkit`'s rdma-core provider reads them from the system's
+//! library. Field names follow the C headers. Checked against the system headers by
+//! `mrkit-ibverbs`' `tests/layout.rs` (a C program printing `offsetof`/`sizeof`) and against
+//! `docs/cabi.md` Appendix A by the compile-time assertions in this file.
 #![allow(non_camel_case_types, non_upper_case_globals, non_snake_case)]
+#![forbid(unsafe_code)]
 
 use std::ffi::{c_char, c_int, c_uint, c_void};
 
