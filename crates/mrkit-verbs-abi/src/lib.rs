@@ -928,6 +928,19 @@ pub struct ibv_send_wr {
     pub bind_mw: [u64; 6],
 }
 
+/// `struct ibv_mw_bind` (48 bytes), the argument of `ibv_bind_mw` (`ops.bind_mw`): `wr_id`,
+/// `send_flags`, then `struct ibv_mw_bind_info {mr, addr, length, mw_access_flags}` inline.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct ibv_mw_bind {
+    pub wr_id: u64,
+    pub send_flags: u32,
+    pub mr: *mut ibv_mr,
+    pub addr: u64,
+    pub length: u64,
+    pub mw_access_flags: u32,
+}
+
 /// `struct ibv_recv_wr` (32 bytes).
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
@@ -1025,6 +1038,9 @@ const _: () = {
     assert!(offset_of!(ibv_send_wr, qp_type) == 72);
     assert!(offset_of!(ibv_send_wr, bind_mw) == 80);
     assert!(size_of::<ibv_recv_wr>() == 32);
+    assert!(size_of::<ibv_mw_bind>() == 48);
+    assert!(offset_of!(ibv_mw_bind, mr) == 16);
+    assert!(offset_of!(ibv_mw_bind, mw_access_flags) == 40);
     assert!(size_of::<ibv_wc>() == 48);
     assert!(offset_of!(ibv_wc, pkey_index) == 40);
     assert!(offset_of!(ibv_wc, dlid_path_bits) == 45);

@@ -560,3 +560,38 @@ fn cache_on_both_providers() {
         assert!(ctx.provider().query_mr(lkey).is_ok(), "{provider}");
     }
 }
+
+/// Pool slots exposed through type-1 windows: on rdma-core the provider binds them with
+/// `ibv_bind_mw` on a QP of its own; a peer READs through the window's rkey, and the rkey dies
+/// with the exposure.
+#[test]
+fn pool_windows_on_both_providers() {
+    for (provider, ctx) in both() {
+        let pd = ctx.alloc_pd().unwrap();
+        let cfg = PoolConfig {
+            chunk_size: 64 << 10,
+            remote: A::REMOTE_READ,
+            ..PoolConfig::default()
+        };
+        let pool = MrPool::new(&pd, cfg).unwrap();
+        let mut s = pool.alloc().unwrap();
+        s.as_mut_slice().fill(0x3c);
+        let r = s.expose(A::REMOTE_READ).unwrap();
+        assert_eq!((r.addr, r.len), (s.addr(), 4096), "{provider}");
+        assert_ne!(r.rkey, pool.chunks()[0].2, "{provider}");
+        let q1: QueuePair = QueuePair::new(&pd, QpCap::default()).unwrap();
+        let q2: QueuePair = QueuePair::new(&pd, QpCap::default()).unwrap();
+        QueuePair::connect(&q1, &q2, A::REMOTE_READ).unwrap();
+        let mut dst = mr(&pd, 4096, 0);
+        let wc = q1.read(&mut dst, 0..4096, r).unwrap();
+        assert_eq!(wc.status, WcStatus::Success, "{provider}");
+        assert!(dst.as_slice().iter().all(|&b| b == 0x3c), "{provider}");
+        s.unexpose();
+        let wc = q1.read(&mut dst, 0..8, r).unwrap();
+        assert_eq!(
+            wc.status,
+            WcStatus::RemAccessErr,
+            "{provider}: a dead window's rkey"
+        );
+    }
+}

@@ -29,7 +29,7 @@ use std::time::Duration;
 
 use mrkit_soft::cq::{WcOpcode, WcStatus};
 use mrkit_soft::mr::{MrKind, ReregFlags};
-use mrkit_soft::mw::MwInfo;
+use mrkit_soft::mw::{BindInfo, MwInfo};
 use mrkit_soft::qp::{attr_mask, send_flags};
 use mrkit_soft::{AccessFlags, DeviceAttr, Errno, Error, MrInfo, MwType, Result, UserMemory};
 use mrkit_verbs_abi::*;
@@ -214,6 +214,8 @@ pub struct RdmaCoreProvider {
     next_channel: AtomicU32,
     cqs: RwLock<HashMap<u32, Ptr<ibv_cq>>>,
     qps: RwLock<HashMap<u32, Ptr<ibv_qp>>>,
+    /// Per PD: the (CQ, QP) that executes type-1 window binds for [`Provider::bind_mw`].
+    bind_qps: Mutex<HashMap<u32, (u32, u32)>>,
 }
 
 impl std::fmt::Debug for RdmaCoreProvider {
@@ -312,6 +314,7 @@ impl RdmaCoreProvider {
             next_channel: AtomicU32::new(1),
             cqs: RwLock::new(HashMap::new()),
             qps: RwLock::new(HashMap::new()),
+            bind_qps: Mutex::new(HashMap::new()),
         };
         p.attr = p.fetch_attr()?;
         Ok(p)
@@ -495,6 +498,106 @@ impl RdmaCoreProvider {
             },
         );
         info
+    }
+}
+
+impl RdmaCoreProvider {
+    /// The QP of `pd` that executes binds: an RC QP connected to itself (RTS), created on
+    /// first use. A type-1 window is bound by `ibv_bind_mw` on a QP of the window's PD, which
+    /// posts the bind on that QP's send queue; mrkit0 binds directly.
+    fn bind_qp(&self, pd: u32) -> Result<(u32, u32)> {
+        let cq = self.create_cq(4, None)?;
+        let made = self.create_qp(QpInitAttr {
+            pd,
+            send_cq: cq,
+            recv_cq: cq,
+            cap: QpCap {
+                max_send_wr: 4,
+                max_recv_wr: 1,
+                max_send_sge: 1,
+                max_recv_sge: 1,
+                max_inline_data: 0,
+            },
+            sq_sig_all: false,
+        });
+        let qpn = match made {
+            Ok((qpn, _)) => qpn,
+            Err(e) => {
+                let _ = self.destroy_cq(cq);
+                return Err(e);
+            }
+        };
+        let up = || -> Result<()> {
+            use mrkit_soft::qp::QpState;
+            let init = QpAttr {
+                qp_state: QpState::Init as u32,
+                port_num: 1,
+                ..QpAttr::default()
+            };
+            self.modify_qp(
+                qpn,
+                &init,
+                attr_mask::STATE
+                    | attr_mask::PKEY_INDEX
+                    | attr_mask::PORT
+                    | attr_mask::ACCESS_FLAGS,
+            )?;
+            let rtr = QpAttr {
+                qp_state: QpState::Rtr as u32,
+                ah_attr: self.local_av()?,
+                path_mtu: 3,
+                dest_qp_num: qpn,
+                rq_psn: 0,
+                max_dest_rd_atomic: 1,
+                min_rnr_timer: 12,
+                ..QpAttr::default()
+            };
+            self.modify_qp(
+                qpn,
+                &rtr,
+                attr_mask::STATE
+                    | attr_mask::AV
+                    | attr_mask::PATH_MTU
+                    | attr_mask::DEST_QPN
+                    | attr_mask::RQ_PSN
+                    | attr_mask::MAX_DEST_RD_ATOMIC
+                    | attr_mask::MIN_RNR_TIMER,
+            )?;
+            let rts = QpAttr {
+                qp_state: QpState::Rts as u32,
+                timeout: 14,
+                retry_cnt: 7,
+                rnr_retry: 7,
+                sq_psn: 0,
+                max_rd_atomic: 1,
+                ..QpAttr::default()
+            };
+            self.modify_qp(
+                qpn,
+                &rts,
+                attr_mask::STATE
+                    | attr_mask::TIMEOUT
+                    | attr_mask::RETRY_CNT
+                    | attr_mask::RNR_RETRY
+                    | attr_mask::SQ_PSN
+                    | attr_mask::MAX_QP_RD_ATOMIC,
+            )
+        };
+        if let Err(e) = up() {
+            let _ = self.destroy_qp(qpn);
+            let _ = self.destroy_cq(cq);
+            return Err(e);
+        }
+        Ok((cq, qpn))
+    }
+
+    /// Destroy `pd`'s bind QP, if it has one.
+    fn drop_bind_qp(&self, g: &mut HashMap<u32, (u32, u32)>, pd: u32) {
+        if let Some((cq, qpn)) = g.remove(&pd) {
+            if let Err(e) = self.destroy_qp(qpn).and_then(|()| self.destroy_cq(cq)) {
+                tracing::warn!(error = %e, "could not destroy a window-bind QP");
+            }
+        }
     }
 }
 
@@ -738,6 +841,7 @@ impl Provider for RdmaCoreProvider {
         Ok(h)
     }
     fn dealloc_pd(&self, pd: u32) -> Result<()> {
+        self.drop_bind_qp(&mut self.bind_qps.lock(), pd);
         let mut g = self.pds.lock();
         let p = *g
             .get(&pd)
@@ -940,6 +1044,87 @@ impl Provider for RdmaCoreProvider {
             pd: rec.pd,
             bound: None,
         })
+    }
+    fn bind_mw(
+        &self,
+        qp_pd: u32,
+        _qp_num: u32,
+        rkey: u32,
+        _new_key: u8,
+        info: BindInfo,
+    ) -> Result<u32> {
+        // A type-1 bind through `ibv_bind_mw` on the PD's own bind QP, waited for. The new
+        // key is the library's (`ibv_inc_rkey`), not `_new_key`: libibverbs picks it.
+        let mw = self
+            .mw_by_rkey(rkey)
+            .ok_or_else(|| Error::new(Errno::EINVAL, format!("no memory window {rkey:#x}")))?;
+        let mr = if info.length == 0 {
+            std::ptr::null_mut()
+        } else {
+            self.mrs
+                .lock()
+                .get(&info.mr_lkey)
+                .map(|r| r.mr.0)
+                .ok_or_else(|| {
+                    Error::new(
+                        Errno::EINVAL,
+                        format!("no memory region {:#x}", info.mr_lkey),
+                    )
+                })?
+        };
+        // SAFETY: open context; its ops table as the header's inline ibv_bind_mw.
+        let Some(op) = (unsafe { (*self.ctx.0).ops.bind_mw }) else {
+            return Err(unsupported("ibv_bind_mw"));
+        };
+        let mut g = self.bind_qps.lock();
+        let (cq, qpn) = match g.get(&qp_pd) {
+            Some(&v) => v,
+            None => {
+                let v = self.bind_qp(qp_pd)?;
+                g.insert(qp_pd, v);
+                v
+            }
+        };
+        let qp = self.qp(qpn)?;
+        let mut bind = ibv_mw_bind {
+            wr_id: u64::from(rkey),
+            send_flags: send_flags::SIGNALED,
+            mr,
+            addr: info.addr,
+            length: info.length,
+            mw_access_flags: info.access.bits(),
+        };
+        // SAFETY: live QP, window and MR (or NULL to unbind); `bind` valid for the call.
+        let r = unsafe { op(qp.0.cast(), mw.0, (&mut bind as *mut ibv_mw_bind).cast()) };
+        if r != 0 {
+            return Err(ret_error("ibv_bind_mw", r));
+        }
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let mut wcs = Vec::with_capacity(1);
+        while wcs.is_empty() {
+            self.poll_cq(cq, &mut wcs, 1)?;
+            if wcs.is_empty() {
+                if std::time::Instant::now() >= deadline {
+                    // The QP's state is unknown now: start over with a fresh one next time.
+                    self.drop_bind_qp(&mut g, qp_pd);
+                    return Err(Error::new(
+                        Errno::ETIMEDOUT,
+                        "the window bind did not complete within 10 s",
+                    ));
+                }
+                std::thread::yield_now();
+            }
+        }
+        if wcs[0].status != WcStatus::Success {
+            // A failed bind moved the QP to ERR.
+            self.drop_bind_qp(&mut g, qp_pd);
+            return Err(Error::new(
+                Errno::EINVAL,
+                format!("the window bind failed: {}", wcs[0].status.name()),
+            ));
+        }
+        // SAFETY: a live window; the library set its new rkey when the bind was posted.
+        Ok(unsafe { (*mw.0).rkey })
     }
     fn create_comp_channel(&self) -> Result<u32> {
         // SAFETY: open context.
