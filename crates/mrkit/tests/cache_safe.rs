@@ -468,7 +468,7 @@ fn cache_handles_post_through_queue_pairs() {
     let q1 = QueuePair::new(&pd, QpCap::default()).unwrap();
     let q2 = QueuePair::new(&pd, QpCap::default()).unwrap();
     QueuePair::connect(&q1, &q2, A::REMOTE_WRITE | A::REMOTE_READ).unwrap();
-    let mut dst = pd
+    let dst = pd
         .register(
             Buffer::new(8192).unwrap(),
             RW | A::REMOTE_WRITE | A::REMOTE_READ,

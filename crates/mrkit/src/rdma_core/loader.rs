@@ -34,10 +34,10 @@ macro_rules! verbs {
                 Ok(Verbs {
                     $($field: {
                         let name = concat!(stringify!($field), "\0");
-                        // SAFETY: the type is the v44 prototype of the symbol of that name;
-                        // the pointer is copied out and stays valid because the library is
-                        // never unloaded (it is leaked in `load`).
                         let sym: libloading::Symbol<unsafe extern "C" fn($($arg),*) -> $ret> =
+                            // SAFETY: the type is the v44 prototype of the symbol of that
+                            // name; the pointer is copied out and stays valid because the
+                            // library is never unloaded (it is leaked in `load`).
                             unsafe { lib.get(name.as_bytes()) }
                                 .map_err(|e| format!("symbol {}: {e}", stringify!($field)))?;
                         *sym

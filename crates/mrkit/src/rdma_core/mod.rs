@@ -1491,11 +1491,11 @@ impl Provider for RdmaCoreProvider {
             cw.push(ibv_recv_wr {
                 wr_id: w.wr_id,
                 next: std::ptr::null_mut(),
-                // SAFETY: `off + n <= sges.len()` (the SGEs are laid out in order).
+                // In bounds: `off + n <= sges.len()` (the SGEs are laid out in order).
                 sg_list: if n == 0 {
                     std::ptr::null_mut()
                 } else {
-                    unsafe { sges.as_mut_ptr().add(off) }
+                    sges.as_mut_ptr().wrapping_add(off)
                 },
                 num_sge: n as c_int,
             });
