@@ -197,13 +197,15 @@ impl Context {
             }
             Some(EMBEDDED_PROVIDER) => return Err(no_such_device(name)),
             Some(crate::rdma_core::PROVIDER) | None => {}
-            Some(other) => return Err(Error::new(
-                Errno::ENODEV,
-                format!(
+            Some(other) => {
+                return Err(Error::new(
+                    Errno::ENODEV,
+                    format!(
                     "unknown provider {other:?} in {name:?} (providers: {EMBEDDED_PROVIDER}, {})",
                     crate::rdma_core::PROVIDER
                 ),
-            )),
+                ))
+            }
         }
         let lib = match crate::rdma_core::library() {
             Ok(lib) => lib,

@@ -89,6 +89,13 @@ impl std::fmt::Debug for Library {
     }
 }
 
+impl Library {
+    /// What was opened (the path, or the soname the dynamic loader searched for).
+    pub fn path(&self) -> &str {
+        &self.path
+    }
+}
+
 /// The library [`LIB_ENV`] names, else [`DEFAULT_LIB`].
 pub fn configured_path() -> String {
     std::env::var(LIB_ENV)
