@@ -11,12 +11,18 @@ fn no_rdma_core_is_one_clear_error_and_mrkit0_works() {
     std::env::remove_var(mrkit::DEVICE_ENV);
 
     let devs = Context::devices().unwrap();
-    assert_eq!(devs.iter().map(|d| d.qualified()).collect::<Vec<_>>(), ["mrkit:mrkit0"]);
+    assert_eq!(
+        devs.iter().map(|d| d.qualified()).collect::<Vec<_>>(),
+        ["mrkit:mrkit0"]
+    );
 
     let e = Context::open_by_name("rdma-core:mrkit0").unwrap_err();
     assert_eq!(e.errno(), Errno::ENODEV);
     let msg = e.to_string();
-    assert!(msg.contains("rdma-core is not available") && msg.contains(missing), "{msg}");
+    assert!(
+        msg.contains("rdma-core is not available") && msg.contains(missing),
+        "{msg}"
+    );
     assert!(msg.contains(mrkit::rdma_core::LIB_ENV), "{msg}");
     // A plain name that rdma-core would have to offer: the list of what there is.
     let e = Context::open_by_name("mlx5_0").unwrap_err();
@@ -35,7 +41,9 @@ fn no_rdma_core_is_one_clear_error_and_mrkit0_works() {
     // mrkit0 as before.
     let ctx = Context::open_by_name("mrkit0").unwrap();
     let pd = ctx.alloc_pd().unwrap();
-    let mr = pd.register(Buffer::new(4096).unwrap(), A::LOCAL_WRITE).unwrap();
+    let mr = pd
+        .register(Buffer::new(4096).unwrap(), A::LOCAL_WRITE)
+        .unwrap();
     assert_eq!(mr.info().length, 4096);
     assert!(Context::open_default().unwrap().soft().is_some());
 }

@@ -22,11 +22,20 @@ fn devices_and_names_with_the_drop_in_as_rdma_core() {
 
     // A plain name offered by both providers is the embedded device.
     assert!(Context::open_by_name("mrkit0").unwrap().soft().is_some());
-    assert!(Context::open_by_name("mrkit:mrkit0").unwrap().soft().is_some());
+    assert!(Context::open_by_name("mrkit:mrkit0")
+        .unwrap()
+        .soft()
+        .is_some());
     let rc = Context::open_by_name("rdma-core:mrkit0").unwrap();
     assert!(rc.soft().is_none());
     assert_eq!(rc.name(), "mrkit0");
-    assert_eq!(rc.query_device().max_mr, Context::open_by_name("mrkit0").unwrap().query_device().max_mr);
+    assert_eq!(
+        rc.query_device().max_mr,
+        Context::open_by_name("mrkit0")
+            .unwrap()
+            .query_device()
+            .max_mr
+    );
 
     for bad in ["mlx5_0", "rdma-core:mlx5_0", "mrkit:mlx5_0"] {
         let e = Context::open_by_name(bad).unwrap_err();
@@ -48,7 +57,10 @@ fn devices_and_names_with_the_drop_in_as_rdma_core() {
     assert!(d.soft().is_none());
     let pd = d.alloc_pd().unwrap();
     let mr = pd
-        .register(mrkit::Buffer::new(4096).unwrap(), mrkit::AccessFlags::LOCAL_WRITE)
+        .register(
+            mrkit::Buffer::new(4096).unwrap(),
+            mrkit::AccessFlags::LOCAL_WRITE,
+        )
         .unwrap();
     assert_eq!(mr.info().length, 4096);
     std::env::set_var(mrkit::DEVICE_ENV, "nothing0");
