@@ -139,8 +139,9 @@ impl Context {
 
     /// Every device this process can open: the embedded `mrkit0` first, then each device of
     /// the system's rdma-core (`libibverbs.so.1`, or the library `MRKIT_RDMA_CORE_LIB`
-    /// names). Without rdma-core the list has `mrkit0` only (why is logged at debug level;
-    /// opening an rdma-core device then gives the reason).
+    /// names). Without rdma-core, or when it cannot list its devices, the list has `mrkit0`
+    /// only (why is logged at debug level; opening an rdma-core device then gives the
+    /// reason). A kernel without RDMA support is an empty rdma-core list.
     ///
     /// ```
     /// let devs = mrkit::Context::devices().unwrap();
@@ -154,19 +155,13 @@ impl Context {
             node_guid: Some(embedded.node_guid),
             transport: Some("InfiniBand (RoCEv2 over UDP)".to_string()),
         }];
-        match crate::rdma_core::library() {
-            Ok(lib) => {
-                out.extend(
-                    crate::rdma_core::devices(lib)?
-                        .into_iter()
-                        .map(|d| DeviceEntry {
-                            name: d.name,
-                            provider: crate::rdma_core::PROVIDER.to_string(),
-                            node_guid: Some(d.node_guid),
-                            transport: Some(transport_name(d.transport_type).to_string()),
-                        }),
-                )
-            }
+        match crate::rdma_core::library().and_then(crate::rdma_core::devices) {
+            Ok(list) => out.extend(list.into_iter().map(|d| DeviceEntry {
+                name: d.name,
+                provider: crate::rdma_core::PROVIDER.to_string(),
+                node_guid: Some(d.node_guid),
+                transport: Some(transport_name(d.transport_type).to_string()),
+            })),
             Err(e) => tracing::debug!(error = %e, "no rdma-core devices"),
         }
         Ok(out)

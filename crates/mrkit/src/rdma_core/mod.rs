@@ -74,7 +74,12 @@ pub fn devices(lib: &'static Library) -> Result<Vec<RdmaCoreDevice>> {
     // SAFETY: a valid out-pointer; the list is freed below.
     let list = unsafe { (v.ibv_get_device_list)(&mut n) };
     if list.is_null() {
-        return Err(os_error("ibv_get_device_list"));
+        return match std::io::Error::last_os_error().raw_os_error() {
+            // rdma-core's answer when the kernel has no RDMA support (no ib_uverbs, no
+            // /sys/class/infiniband): no devices, not a failure.
+            Some(libc::ENOSYS) => Ok(Vec::new()),
+            _ => Err(os_error("ibv_get_device_list")),
+        };
     }
     let mut out = Vec::new();
     for i in 0..usize::try_from(n).unwrap_or(0) {
@@ -284,6 +289,17 @@ impl RdmaCoreProvider {
         // SAFETY: a valid out-pointer; the list is freed below.
         let list = unsafe { (v.ibv_get_device_list)(&mut n) };
         if list.is_null() {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::ENOSYS) {
+                return Err(Error::new(
+                    Errno::ENODEV,
+                    format!(
+                        "{} has no device {name:?}: the kernel has no RDMA support \
+                         (ibv_get_device_list: {e}); load ib_uverbs and the NIC's driver",
+                        lib.path
+                    ),
+                ));
+            }
             return Err(os_error("ibv_get_device_list"));
         }
         let mut found = None;
@@ -763,9 +779,12 @@ const STACK_SGES: usize = 8;
 impl RdmaCoreProvider {
     /// Translate `w` into `c` (its gather list in `sges`, which must not move until posted).
     fn send_wr_to_c(&self, w: &SendWr, c: &mut ibv_send_wr, sges: &mut [ibv_sge]) -> Result<()> {
-        let inline = w.flags & send_flags::INLINE != 0 && !w.inline_data.is_empty();
-        let n = if inline {
-            // INLINE: the library copies the bytes at post time from the gather list.
+        let inline = w.flags & send_flags::INLINE != 0;
+        let n = if inline && w.inline_data.is_empty() {
+            0 // an empty inline message: the gather list is ignored, as on mrkit0
+        } else if inline {
+            // INLINE: the message is `inline_data` (the gather list is ignored); the library
+            // copies the bytes at post time from the gather list it is given.
             sges[0] = ibv_sge {
                 addr: w.inline_data.as_ptr() as u64,
                 length: u32::try_from(w.inline_data.len())
@@ -790,7 +809,7 @@ impl RdmaCoreProvider {
         } else {
             sges.as_mut_ptr()
         };
-        c.num_sge = n as c_int;
+        c.num_sge = c_int::try_from(n).map_err(|_| Error::new(Errno::EINVAL, "too many SGEs"))?;
         c.opcode = w.opcode as u32;
         c.send_flags = w.flags;
         c.imm_data = match w.opcode {
@@ -1535,8 +1554,12 @@ impl Provider for RdmaCoreProvider {
             .collect();
         let mut cw: Vec<ibv_recv_wr> = Vec::with_capacity(wrs.len());
         let mut off = 0;
-        for w in wrs {
+        for (i, w) in wrs.iter().enumerate() {
             let n = w.sg_list.len();
+            let num_sge = c_int::try_from(n).map_err(|_| PostError {
+                bad_wr: i,
+                error: Error::new(Errno::EINVAL, "too many SGEs"),
+            })?;
             cw.push(ibv_recv_wr {
                 wr_id: w.wr_id,
                 next: std::ptr::null_mut(),
@@ -1546,7 +1569,7 @@ impl Provider for RdmaCoreProvider {
                 } else {
                     sges.as_mut_ptr().wrapping_add(off)
                 },
-                num_sge: n as c_int,
+                num_sge,
             });
             off += n;
         }
