@@ -342,7 +342,9 @@ impl RdmaCoreProvider {
             lib,
             name: name.to_string(),
             ctx: Ptr(ctx),
-            attr: DeviceAttr::default_for_rdma_core(),
+            // Replaced just below; built first so that a failed query drops `p`, which closes
+            // the device.
+            attr: mrkit_soft::DeviceConfig::rxe().attr().clone(),
             pds: Mutex::new(HandleMap::default()),
             mrs: Mutex::new(HandleMap::default()),
             mws: Mutex::new(HandleMap::default()),
@@ -658,15 +660,6 @@ impl RdmaCoreProvider {
     }
 }
 
-trait DefaultForRdmaCore {
-    fn default_for_rdma_core() -> Self;
-}
-impl DefaultForRdmaCore for DeviceAttr {
-    fn default_for_rdma_core() -> Self {
-        mrkit_soft::DeviceConfig::rxe().attr().clone()
-    }
-}
-
 fn wc_status(s: u32) -> WcStatus {
     use WcStatus::*;
     match s {
@@ -695,6 +688,9 @@ fn wc_status(s: u32) -> WcStatus {
     }
 }
 
+/// `enum ibv_wc_opcode` → [`WcOpcode`]. Opcodes `WcOpcode` has no name for (TSO, FLUSH,
+/// ATOMIC_WRITE, driver-private) read as `Send`; RC work requests of this API never produce
+/// them.
 fn wc_opcode(o: u32) -> WcOpcode {
     use WcOpcode::*;
     match o {
