@@ -34,7 +34,8 @@
 #![deny(unsafe_code)]
 #![warn(clippy::undocumented_unsafe_blocks, clippy::missing_safety_doc)]
 
-pub mod abi;
+/// The v44 ABI definitions, shared with `mrkit`'s rdma-core provider (crate `mrkit-verbs-abi`).
+pub use mrkit_verbs_abi as abi;
 #[allow(unsafe_code)]
 mod ah;
 #[allow(unsafe_code)]

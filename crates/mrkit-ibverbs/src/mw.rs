@@ -51,18 +51,6 @@ pub(crate) unsafe extern "C" fn op_dealloc_mw(mw: *mut ibv_mw) -> c_int {
     unsafe { release_boxed(mw, |w| (w.context, w.handle), |s, h| s.dealloc_mw(h)) }
 }
 
-/// `struct ibv_mw_bind` (48 bytes): `wr_id`, `send_flags`, `bind_info {mr, addr, length,
-/// mw_access_flags}`.
-#[repr(C)]
-struct ibv_mw_bind {
-    wr_id: u64,
-    send_flags: u32,
-    mr: *mut ibv_mr,
-    addr: u64,
-    length: u64,
-    mw_access_flags: u32,
-}
-
 /// `ops.bind_mw(qp, mw, mw_bind)` (`ibv_bind_mw`, type-1 windows): posts a BIND_MW WR with
 /// the next rkey (`ibv_inc_rkey`) and updates `mw->rkey` when the post succeeds.
 ///

@@ -32,6 +32,10 @@ pub enum Errno {
     ETIMEDOUT,
     /// Address not available (99).
     EADDRNOTAVAIL,
+    /// I/O error (5): a device failure an rdma-core provider reports.
+    EIO,
+    /// No such device (19): a device name that matches nothing, or rdma-core not loadable.
+    ENODEV,
 }
 
 impl Errno {
@@ -54,6 +58,8 @@ impl Errno {
             Errno::EOPNOTSUPP => 95,
             Errno::ETIMEDOUT => 110,
             Errno::EADDRNOTAVAIL => 99,
+            Errno::EIO => 5,
+            Errno::ENODEV => 19,
         }
     }
 
@@ -76,6 +82,8 @@ impl Errno {
             Errno::EOPNOTSUPP => "EOPNOTSUPP",
             Errno::ETIMEDOUT => "ETIMEDOUT",
             Errno::EADDRNOTAVAIL => "EADDRNOTAVAIL",
+            Errno::EIO => "EIO",
+            Errno::ENODEV => "ENODEV",
         }
     }
 

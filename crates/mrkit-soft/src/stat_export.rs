@@ -543,9 +543,10 @@ pub fn install_with(opts: ExportOptions) -> io::Result<PathBuf> {
             return Ok(stat_path(&e.opts.dir, std::process::id()));
         }
     }
+    let pid = std::process::id();
+    claim_process(pid)?;
     let dir = prepare_dir(&opts.dir, opts.share)?;
     remove_dead(&dir);
-    let pid = std::process::id();
     // The request file exists from the start so that readers of other users (share mode) only
     // need write permission on it, not on the directory.
     create_req(&dir, pid, opts.share)?;
@@ -563,6 +564,46 @@ pub fn install_with(opts: ExportOptions) -> io::Result<PathBuf> {
         .spawn(move || run(e))?;
     tracing::debug!(dir = %opts.dir.display(), share = opts.share, "stat export installed");
     Ok(stat_path(&opts.dir, pid))
+}
+
+/// The process-wide claim on `<pid>.stat` (the pid it was made for, and the socket bound to
+/// the claim's name): see [`claim_process`].
+static CLAIM: Mutex<Option<(u32, OwnedFd)>> = Mutex::new(None);
+
+/// Claim this process's statistics files for this copy of the device. A process can hold two
+/// copies of this code with separate statics (a program on the `mrkit` crate that also loads
+/// the drop-in `libibverbs.so.1`, e.g. through mrkit's rdma-core provider); both would write
+/// `<pid>.stat`, each with its own counters. The claim is the abstract Unix socket name
+/// `mrkit-stat/<pid>`, which the kernel gives to one socket at a time: the first copy to
+/// export binds it and keeps it; another copy gets `AlreadyExists` and does not export. The
+/// name goes away with the socket (at the latest when the process ends); a forked child (a new
+/// pid) claims its own name. Idempotent within a copy.
+fn claim_process(pid: u32) -> io::Result<()> {
+    let mut g = CLAIM.lock().unwrap_or_else(|e| e.into_inner());
+    if matches!(&*g, Some((p, _)) if *p == pid) {
+        return Ok(());
+    }
+    let sock = rustix::net::socket_with(
+        rustix::net::AddressFamily::UNIX,
+        rustix::net::SocketType::DGRAM,
+        rustix::net::SocketFlags::CLOEXEC,
+        None,
+    )?;
+    let name =
+        rustix::net::SocketAddrUnix::new_abstract_name(format!("mrkit-stat/{pid}").as_bytes())?;
+    match rustix::net::bind(&sock, &name) {
+        Ok(()) => {
+            // Replaces (closes) a claim inherited from the parent of a forked child.
+            *g = Some((pid, sock));
+            Ok(())
+        }
+        Err(rustix::io::Errno::ADDRINUSE) => Err(io::Error::new(
+            io::ErrorKind::AlreadyExists,
+            "another copy of mrkit0 in this process exports its statistics (the embedded \
+             device and the drop-in libibverbs.so.1 loaded together); this copy does not",
+        )),
+        Err(e) => Err(e.into()),
+    }
 }
 
 /// Stop the exporter thread and remove this process's files (call at a clean exit).

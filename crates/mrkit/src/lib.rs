@@ -4,6 +4,9 @@
 //! ([`mrkit_soft`]) is the default provider: no NIC, no kernel module, no root.
 //!
 //! * [`Context::open`] opens `mrkit0`; [`Context::alloc_pd`] gives a [`ProtectionDomain`].
+//! * [`Context::devices`] and [`Context::open_by_name`] also reach the devices of the system's
+//!   rdma-core (`libibverbs.so.1`, loaded at run time: [`rdma_core`]); `MRKIT_DEVICE` picks the
+//!   device [`Context::open_default`] opens. Everything below works on either provider.
 //! * [`ProtectionDomain::register`] registers a [`Buffer`] it then *owns*: the buffer cannot be
 //!   freed or reused while registered, and dropping the [`MemoryRegion`] deregisters first.
 //! * [`ProtectionDomain::register_raw`] is the `unsafe` escape hatch for memory you manage.
@@ -30,6 +33,7 @@ pub mod cache;
 pub mod pool;
 pub mod provider;
 pub mod qp;
+pub mod rdma_core;
 pub mod stat_export;
 #[allow(unsafe_code)] // `register_raw`, and the buffer an MR owns
 mod verbs;
@@ -50,5 +54,6 @@ pub use qp::{
     WcStatus, WorkCompletion,
 };
 pub use verbs::{
-    Context, LocalSlice, MemoryRegion, MemoryWindow, ProtectionDomain, RawMemoryRegion, RemoteSlice,
+    Context, DeviceEntry, LocalSlice, MemoryRegion, MemoryWindow, ProtectionDomain,
+    RawMemoryRegion, RemoteSlice, DEVICE_ENV, EMBEDDED_PROVIDER,
 };

@@ -26,6 +26,65 @@ fn auto_export() {
     }
 }
 
+/// The provider name of the embedded device in qualified names (`mrkit:mrkit0`).
+pub const EMBEDDED_PROVIDER: &str = "mrkit";
+
+/// Environment variable naming the device [`Context::open_default`] opens (a name as
+/// [`Context::open_by_name`] takes it).
+pub const DEVICE_ENV: &str = "MRKIT_DEVICE";
+
+/// A device [`Context::devices`] lists.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceEntry {
+    /// Device name (`mrkit0`, `mlx5_0`).
+    pub name: String,
+    /// Provider: `"mrkit"` (the embedded device) or `"rdma-core"`.
+    pub provider: String,
+    /// Node GUID (host order), where known.
+    pub node_guid: Option<u64>,
+    /// Transport, where known (`InfiniBand`, `iWARP`, ...; RoCE devices report InfiniBand).
+    pub transport: Option<String>,
+}
+
+impl DeviceEntry {
+    /// `provider:name`, which [`Context::open_by_name`] opens exactly.
+    ///
+    /// ```
+    /// let d = &mrkit::Context::devices().unwrap()[0];
+    /// assert_eq!(d.qualified(), format!("{}:{}", d.provider, d.name));
+    /// ```
+    pub fn qualified(&self) -> String {
+        format!("{}:{}", self.provider, self.name)
+    }
+}
+
+fn transport_name(t: i32) -> &'static str {
+    match t {
+        0 => "InfiniBand",
+        1 => "iWARP",
+        2 => "usNIC",
+        3 => "usNIC UDP",
+        4 => "unspecified",
+        _ => "unknown",
+    }
+}
+
+/// ENODEV for `name`, listing the devices there are.
+fn no_such_device(name: &str) -> Error {
+    let list = Context::devices()
+        .map(|d| {
+            d.iter()
+                .map(DeviceEntry::qualified)
+                .collect::<Vec<_>>()
+                .join(", ")
+        })
+        .unwrap_or_else(|e| format!("(cannot list: {e})"));
+    Error::new(
+        Errno::ENODEV,
+        format!("no device {name:?}; the devices there are: {list}"),
+    )
+}
+
 /// An opened device (`ibv_context`).
 ///
 /// ```
@@ -56,18 +115,104 @@ impl Context {
         }
     }
 
-    /// Open `mrkit0` with the default limits overlaid by `MRKIT_*` environment variables.
-    /// Starts the statistics exporter as [`Context::open`] does.
+    /// Open the default device: the one `MRKIT_DEVICE` names ([`Context::open_by_name`]),
+    /// else `mrkit0` with the default limits overlaid by `MRKIT_*` environment variables.
+    /// Opening `mrkit0` starts the statistics exporter as [`Context::open`] does.
     ///
     /// ```
     /// let ctx = mrkit::Context::open_default().unwrap(); // MRKIT_MAX_MR=... etc. apply
     /// assert_eq!(ctx.name(), "mrkit0");
     /// ```
     pub fn open_default() -> Result<Context> {
+        match std::env::var(DEVICE_ENV) {
+            Ok(name) if !name.trim().is_empty() => Context::open_by_name(name.trim()),
+            _ => Context::open_embedded(),
+        }
+    }
+
+    fn open_embedded() -> Result<Context> {
         auto_export();
         Ok(Context {
             provider: Arc::new(mrkit_soft::Context::open_from_env()?),
         })
+    }
+
+    /// Every device this process can open: the embedded `mrkit0` first, then each device of
+    /// the system's rdma-core (`libibverbs.so.1`, or the library `MRKIT_RDMA_CORE_LIB`
+    /// names). Without rdma-core, or when it cannot list its devices, the list has `mrkit0`
+    /// only (why is logged at debug level; opening an rdma-core device then gives the
+    /// reason). A kernel without RDMA support is an empty rdma-core list.
+    ///
+    /// ```
+    /// let devs = mrkit::Context::devices().unwrap();
+    /// assert_eq!(devs[0].qualified(), "mrkit:mrkit0");
+    /// ```
+    pub fn devices() -> Result<Vec<DeviceEntry>> {
+        let embedded = DeviceConfig::rxe().attr().clone();
+        let mut out = vec![DeviceEntry {
+            name: mrkit_soft::DEVICE_NAME.to_string(),
+            provider: EMBEDDED_PROVIDER.to_string(),
+            node_guid: Some(embedded.node_guid),
+            transport: Some("InfiniBand (RoCEv2 over UDP)".to_string()),
+        }];
+        match crate::rdma_core::library().and_then(crate::rdma_core::devices) {
+            Ok(list) => out.extend(list.into_iter().map(|d| DeviceEntry {
+                name: d.name,
+                provider: crate::rdma_core::PROVIDER.to_string(),
+                node_guid: Some(d.node_guid),
+                transport: Some(transport_name(d.transport_type).to_string()),
+            })),
+            Err(e) => tracing::debug!(error = %e, "no rdma-core devices"),
+        }
+        Ok(out)
+    }
+
+    /// Open a device by name: `mrkit0` (the embedded device, with the `MRKIT_*` limits of
+    /// [`Context::open_default`]), an rdma-core device's name (`mlx5_0`), or a name qualified
+    /// by its provider (`mrkit:mrkit0`, `rdma-core:mrkit0`) when two providers offer the same
+    /// name: a plain name offered by both means the embedded device. ENODEV, listing the
+    /// devices there are, for a name that matches nothing; ENODEV saying why when rdma-core
+    /// cannot be loaded for a name that must come from it.
+    ///
+    /// ```
+    /// let ctx = mrkit::Context::open_by_name("mrkit:mrkit0").unwrap();
+    /// assert_eq!(ctx.name(), "mrkit0");
+    /// let err = mrkit::Context::open_by_name("no-such-device").unwrap_err();
+    /// assert_eq!(err.errno(), mrkit::Errno::ENODEV);
+    /// assert!(err.to_string().contains("mrkit:mrkit0"));
+    /// ```
+    pub fn open_by_name(name: &str) -> Result<Context> {
+        let (provider, plain) = match name.split_once(':') {
+            Some((p, n)) => (Some(p), n),
+            None => (None, name),
+        };
+        match provider {
+            Some(EMBEDDED_PROVIDER) | None if plain == mrkit_soft::DEVICE_NAME => {
+                return Context::open_embedded()
+            }
+            Some(EMBEDDED_PROVIDER) => return Err(no_such_device(name)),
+            Some(crate::rdma_core::PROVIDER) | None => {}
+            Some(other) => {
+                return Err(Error::new(
+                    Errno::ENODEV,
+                    format!(
+                    "unknown provider {other:?} in {name:?} (providers: {EMBEDDED_PROVIDER}, {})",
+                    crate::rdma_core::PROVIDER
+                ),
+                ))
+            }
+        }
+        let lib = match crate::rdma_core::library() {
+            Ok(lib) => lib,
+            Err(e) if provider.is_some() => return Err(e),
+            Err(_) => return Err(no_such_device(name)),
+        };
+        let names = crate::rdma_core::devices(lib)?;
+        if !names.iter().any(|d| d.name == plain) {
+            return Err(no_such_device(name));
+        }
+        let p = crate::rdma_core::RdmaCoreProvider::open(lib, plain)?;
+        Ok(Context::from_provider(Arc::new(p)))
     }
 
     /// Wrap any provider.

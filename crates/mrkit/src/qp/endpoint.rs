@@ -559,8 +559,8 @@ impl<B: Registered> QueuePair<B> {
     ///
     /// The path MTU is the smaller of `opts.path_mtu` and `remote.mtu()`; both sides get the
     /// same one when each sends [`QueuePair::endpoint_for`] with its own `opts`. A peer in
-    /// the same process is reached over the loopback link, any other over RoCEv2 at
-    /// `remote.ip()`.
+    /// the same process is reached over the loopback link when this QP is on an mrkit0
+    /// device, any other over RoCEv2 at `remote.ip()`.
     ///
     /// EINVAL when this QP is not in RESET (already connected) or an option is out of range;
     /// any other failure puts the QP back in RESET.
@@ -589,11 +589,13 @@ impl<B: Registered> QueuePair<B> {
                 ),
             ));
         }
-        let path = match remote.loopback_node() {
-            Some(node) => PeerPath::Loopback(node),
-            None => PeerPath::Udp(remote.ip()),
-        };
         let me = device_address(self)?;
+        // The loopback link joins mrkit0 instances only: a QP on a device without one (an
+        // rdma-core device, node 0) reaches even a peer of this process over RoCEv2.
+        let path = match remote.loopback_node() {
+            Some(node) if me.node != 0 => PeerPath::Loopback(node),
+            _ => PeerPath::Udp(remote.ip()),
+        };
         let r = Resolved {
             peer_qpn: remote.qpn,
             peer_psn: remote.psn,

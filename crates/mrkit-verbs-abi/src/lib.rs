@@ -1,8 +1,11 @@
 //! `#[repr(C)]` mirrors of rdma-core v44's `<infiniband/verbs.h>` structures (x86-64/aarch64
-//! LP64), for what the library fills or reads. Field names follow the C headers. Checked
-//! against the system headers by `tests/layout.rs` (a C program printing `offsetof`/`sizeof`)
-//! and against `docs/cabi.md` Appendix A by the compile-time assertions at the end of this file.
+//! LP64): the one set of C ABI definitions of the project. The drop-in `libibverbs.so.1`
+//! (`mrkit-ibverbs`) fills them; `mrkit`'s rdma-core provider reads them from the system's
+//! library. Field names follow the C headers. Checked against the system headers by
+//! `mrkit-ibverbs`' `tests/layout.rs` (a C program printing `offsetof`/`sizeof`) and against
+//! `docs/cabi.md` Appendix A by the compile-time assertions in this file.
 #![allow(non_camel_case_types, non_upper_case_globals, non_snake_case)]
+#![forbid(unsafe_code)]
 
 use std::ffi::{c_char, c_int, c_uint, c_void};
 
@@ -925,6 +928,19 @@ pub struct ibv_send_wr {
     pub bind_mw: [u64; 6],
 }
 
+/// `struct ibv_mw_bind` (48 bytes), the argument of `ibv_bind_mw` (`ops.bind_mw`): `wr_id`,
+/// `send_flags`, then `struct ibv_mw_bind_info {mr, addr, length, mw_access_flags}` inline.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct ibv_mw_bind {
+    pub wr_id: u64,
+    pub send_flags: u32,
+    pub mr: *mut ibv_mr,
+    pub addr: u64,
+    pub length: u64,
+    pub mw_access_flags: u32,
+}
+
 /// `struct ibv_recv_wr` (32 bytes).
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
@@ -1022,6 +1038,9 @@ const _: () = {
     assert!(offset_of!(ibv_send_wr, qp_type) == 72);
     assert!(offset_of!(ibv_send_wr, bind_mw) == 80);
     assert!(size_of::<ibv_recv_wr>() == 32);
+    assert!(size_of::<ibv_mw_bind>() == 48);
+    assert!(offset_of!(ibv_mw_bind, mr) == 16);
+    assert!(offset_of!(ibv_mw_bind, mw_access_flags) == 40);
     assert!(size_of::<ibv_wc>() == 48);
     assert!(offset_of!(ibv_wc, pkey_index) == 40);
     assert!(offset_of!(ibv_wc, dlid_path_bits) == 45);

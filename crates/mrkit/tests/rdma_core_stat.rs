@@ -1,0 +1,49 @@
+//! Two copies of the device in one process (the embedded mrkit0 and the one inside the
+//! drop-in library loaded by the rdma-core provider) share one statistics file name,
+//! `<pid>.stat`: exactly one of them may export it. One test: it sets the environment first.
+mod providers_util;
+
+use std::time::Duration;
+
+use mrkit::{AccessFlags as A, Buffer, Context};
+
+#[test]
+fn one_exporter_per_process_with_two_device_copies() {
+    let dir = std::env::temp_dir().join(format!("mrkit-rdma-core-stat-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    // Set before any thread of this binary reads the environment (the only test here).
+    std::env::set_var("MRKIT_STAT_DIR", &dir);
+    std::env::set_var("MRKIT_STAT_INTERVAL_MS", "10");
+    std::env::remove_var("MRKIT_STAT");
+    mrkit::stat_export::register_source("copy", || serde_json::json!("native"));
+
+    let native = Context::open(mrkit::DeviceConfig::rxe()); // starts the native exporter
+    let pd = native.alloc_pd().unwrap();
+    let _mrs: Vec<_> = (0..3)
+        .map(|_| {
+            pd.register(Buffer::new(4096).unwrap(), A::LOCAL_WRITE)
+                .unwrap()
+        })
+        .collect();
+    let rc = providers_util::rdma_core(); // the drop-in's copy opens its device
+    let rpd = rc.alloc_pd().unwrap();
+    let _rmrs: Vec<_> = (0..5)
+        .map(|_| {
+            rpd.register(Buffer::new(4096).unwrap(), A::LOCAL_WRITE)
+                .unwrap()
+        })
+        .collect();
+
+    let pid = std::process::id();
+    for i in 0..20 {
+        let (v, fresh) =
+            mrkit::stat_export::request_and_read(&dir, pid, Duration::from_secs(10)).unwrap();
+        assert!(fresh, "read {i}: no fresh snapshot");
+        // Every snapshot is the native copy's (its registered source is there), never the
+        // other copy's overwriting it.
+        assert_eq!(v["sources"]["copy"], "native", "read {i}: {v}");
+        std::thread::sleep(Duration::from_millis(15));
+    }
+    mrkit::stat_export::shutdown();
+    let _ = std::fs::remove_dir_all(&dir);
+}
