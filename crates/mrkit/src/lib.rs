@@ -33,6 +33,7 @@ pub mod cache;
 pub mod pool;
 pub mod provider;
 pub mod qp;
+#[allow(unsafe_code)] // calls into the C ABI of the loaded libibverbs
 pub mod rdma_core;
 pub mod stat_export;
 #[allow(unsafe_code)] // `register_raw`, and the buffer an MR owns
