@@ -59,7 +59,7 @@ fn pool(pd: &mrkit::ProtectionDomain) -> Result<MrPool> {
     Ok(MrPool::new(pd, cfg)?)
 }
 
-fn server(addr: &str) -> Result<()> {
+pub fn server(addr: &str) -> Result<()> {
     let pd = Context::open_default()?.alloc_pd()?;
     let pool = pool(&pd)?;
     let listener = Listener::bind(addr)?;
@@ -76,7 +76,7 @@ fn server(addr: &str) -> Result<()> {
     }
 }
 
-fn client(addr: &str, words: &[&str]) -> Result<Vec<String>> {
+pub fn client(addr: &str, words: &[&str]) -> Result<Vec<String>> {
     let pd = Context::open_default()?.alloc_pd()?;
     let pool = pool(&pd)?;
     let conn = tcp::connect(addr, &pd, QpCap::default(), &HandshakeOpts::default())?;
