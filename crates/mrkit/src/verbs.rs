@@ -847,6 +847,16 @@ pub struct RemoteSlice {
 impl RemoteSlice {
     /// The sub-range `range` (offsets from this slice's first byte), same rkey. `EINVAL` when
     /// the range is reversed, runs past [`RemoteSlice::len`], or the address would overflow.
+    ///
+    /// ```
+    /// use mrkit::{Errno, RemoteSlice};
+    /// let table = RemoteSlice { addr: 0x1000, len: 4096, rkey: 7 };
+    /// let entry = table.slice(256..320).unwrap(); // READ only the entry the key hashes to
+    /// assert_eq!(entry, RemoteSlice { addr: 0x1100, len: 64, rkey: 7 });
+    /// assert_eq!(table.slice(4000..4097).unwrap_err().errno(), Errno::EINVAL);
+    /// let top = RemoteSlice { addr: u64::MAX - 1, len: 8, rkey: 7 };
+    /// assert_eq!(top.slice(4..6).unwrap_err().errno(), Errno::EINVAL); // overflow-safe
+    /// ```
     pub fn slice(&self, range: Range<u64>) -> Result<RemoteSlice> {
         let (start, len) = crate::qp::registered::check_range(&range, self.len, "remote slice")?;
         let addr = self
@@ -860,7 +870,16 @@ impl RemoteSlice {
         })
     }
 
-    /// Everything from byte `off` on (`off == len` gives an empty slice).
+    /// Everything from byte `off` on (`off == len` gives an empty slice; `EINVAL` past it).
+    ///
+    /// ```
+    /// use mrkit::RemoteSlice;
+    /// let record = RemoteSlice { addr: 0x1000, len: 100, rkey: 7 };
+    /// let body = record.offset(16).unwrap(); // skip a 16-byte header
+    /// assert_eq!((body.addr, body.len, body.rkey), (0x1010, 84, 7));
+    /// assert_eq!(record.offset(100).unwrap().len, 0);
+    /// assert!(record.offset(101).is_err());
+    /// ```
     pub fn offset(&self, off: u64) -> Result<RemoteSlice> {
         self.slice(off..self.len)
     }

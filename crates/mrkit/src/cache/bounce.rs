@@ -49,15 +49,64 @@ pub struct BounceBuffer {
 }
 
 impl BounceBuffer {
-    /// Bytes covered.
+    /// Bytes covered: the length the lookup asked for (the slots behind it may hold more).
+    ///
+    /// ```
+    /// # use mrkit::cache::{CacheConfig, Registration, RegCache};
+    /// # use mrkit::pool::{MrPool, PoolConfig};
+    /// # use mrkit::{AccessFlags as A, Buffer, Context, DeviceConfig};
+    /// # let pd = Context::open(DeviceConfig::rxe().max_mr(2)).alloc_pd().unwrap();
+    /// # let pool = MrPool::new(&pd, PoolConfig { chunk_size: 64 << 10, max_chunks: 1, thp: false, ..PoolConfig::default() }).unwrap();
+    /// # let cache = RegCache::new(&pd, CacheConfig { bounce: Some(pool), ..Default::default() }).unwrap();
+    /// # let _last_mr = pd.register(Buffer::new(4096).unwrap(), A::LOCAL_WRITE).unwrap(); // the device is full
+    /// let msg = b"hello".to_vec();
+    /// // SAFETY: `msg` outlives the bounce buffer; local rights only.
+    /// let r = unsafe { cache.get_or_bounce_raw(msg.as_ptr() as u64, 5, A::empty()) }.unwrap();
+    /// let Registration::Bounce(bb) = r else { panic!("the device has no MR left") };
+    /// assert_eq!(bb.len(), 5);
+    /// ```
     pub fn len(&self) -> u64 {
         self.len
     }
     /// True when empty.
+    ///
+    /// ```
+    /// # use mrkit::cache::{CacheConfig, Registration, RegCache};
+    /// # use mrkit::pool::{MrPool, PoolConfig};
+    /// # use mrkit::{AccessFlags as A, Buffer, Context, DeviceConfig};
+    /// # let pd = Context::open(DeviceConfig::rxe().max_mr(2)).alloc_pd().unwrap();
+    /// # let pool = MrPool::new(&pd, PoolConfig { chunk_size: 64 << 10, max_chunks: 1, thp: false, ..PoolConfig::default() }).unwrap();
+    /// # let cache = RegCache::new(&pd, CacheConfig { bounce: Some(pool), ..Default::default() }).unwrap();
+    /// # let _last_mr = pd.register(Buffer::new(4096).unwrap(), A::LOCAL_WRITE).unwrap(); // the device is full
+    /// let msg = b"hello".to_vec();
+    /// // SAFETY: `msg` outlives the bounce buffer; local rights only.
+    /// let r = unsafe { cache.get_or_bounce_raw(msg.as_ptr() as u64, 5, A::empty()) }.unwrap();
+    /// let Registration::Bounce(bb) = r else { panic!("the device has no MR left") };
+    /// assert!(!bb.is_empty());
+    /// ```
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
-    /// Copy `src` into the bounce slots (before a send/write).
+    /// Copy `src` into the bounce slots (before a send/write). Bytes past the slots'
+    /// capacity (at least [`len`](Self::len)) are not copied.
+    ///
+    /// ```
+    /// # use mrkit::cache::{CacheConfig, Registration, RegCache};
+    /// # use mrkit::pool::{MrPool, PoolConfig};
+    /// # use mrkit::{AccessFlags as A, Buffer, Context, DeviceConfig};
+    /// # let pd = Context::open(DeviceConfig::rxe().max_mr(2)).alloc_pd().unwrap();
+    /// # let pool = MrPool::new(&pd, PoolConfig { chunk_size: 64 << 10, max_chunks: 1, thp: false, ..PoolConfig::default() }).unwrap();
+    /// # let cache = RegCache::new(&pd, CacheConfig { bounce: Some(pool), ..Default::default() }).unwrap();
+    /// # let _last_mr = pd.register(Buffer::new(4096).unwrap(), A::LOCAL_WRITE).unwrap(); // the device is full
+    /// let msg = b"hello".to_vec();
+    /// // SAFETY: `msg` outlives the bounce buffer; local rights only.
+    /// let r = unsafe { cache.get_or_bounce_raw(msg.as_ptr() as u64, 5, A::empty()) }.unwrap();
+    /// let Registration::Bounce(mut bb) = r else { panic!("the device has no MR left") };
+    /// bb.copy_in(&msg); // then post `bb` where `msg` would have gone
+    /// let mut sent = [0u8; 5];
+    /// bb.copy_out(&mut sent);
+    /// assert_eq!(&sent, b"hello");
+    /// ```
     pub fn copy_in(&mut self, src: &[u8]) {
         let mut off = 0;
         for s in &mut self.slots {
@@ -66,7 +115,26 @@ impl BounceBuffer {
             off += n;
         }
     }
-    /// Copy the bounce slots out to `dst` (after a receive/read).
+    /// Copy the bounce slots out to `dst` (after a receive/read). Copies
+    /// `dst.len()` bytes, at most the slots' capacity (at least [`len`](Self::len)).
+    ///
+    /// ```
+    /// # use mrkit::cache::{CacheConfig, Registration, RegCache};
+    /// # use mrkit::pool::{MrPool, PoolConfig};
+    /// # use mrkit::{AccessFlags as A, Buffer, Context, DeviceConfig};
+    /// # let pd = Context::open(DeviceConfig::rxe().max_mr(2)).alloc_pd().unwrap();
+    /// # let pool = MrPool::new(&pd, PoolConfig { chunk_size: 64 << 10, max_chunks: 1, thp: false, ..PoolConfig::default() }).unwrap();
+    /// # let cache = RegCache::new(&pd, CacheConfig { bounce: Some(pool), ..Default::default() }).unwrap();
+    /// # let _last_mr = pd.register(Buffer::new(4096).unwrap(), A::LOCAL_WRITE).unwrap(); // the device is full
+    /// let msg = b"hello".to_vec();
+    /// // SAFETY: `msg` outlives the bounce buffer; local rights only.
+    /// let r = unsafe { cache.get_or_bounce_raw(msg.as_ptr() as u64, 5, A::empty()) }.unwrap();
+    /// let Registration::Bounce(mut bb) = r else { panic!("the device has no MR left") };
+    /// # bb.copy_in(&msg); // stands in for an RDMA READ or a receive into `bb`
+    /// let mut landed = vec![0u8; 5];
+    /// bb.copy_out(&mut landed);
+    /// assert_eq!(landed, msg);
+    /// ```
     pub fn copy_out(&self, dst: &mut [u8]) {
         let mut off = 0;
         for s in &self.slots {

@@ -155,6 +155,22 @@ impl RegCache {
 
     /// Evict every idle entry now, and detach from the userfaultfd monitor every page range
     /// no cache uses any more (kept attached to make later misses cheap; see the module docs).
+    /// Returns how many entries it evicted; entries with a live handle stay.
+    ///
+    /// ```
+    /// use mrkit::cache::{CacheConfig, RegCache};
+    /// use mrkit::{AccessFlags as A, Buffer, Context, DeviceConfig};
+    /// let pd = Context::open(DeviceConfig::rxe()).alloc_pd().unwrap();
+    /// let cache = RegCache::new(&pd, CacheConfig::default()).unwrap();
+    /// let (a, b) = (Buffer::new(4096).unwrap(), Buffer::new(4096).unwrap());
+    /// let in_use = cache.get_ref(a.as_slice(), A::empty()).unwrap();
+    /// drop(cache.get_ref(b.as_slice(), A::empty()).unwrap());
+    /// assert_eq!(cache.flush_idle(), 1); // `b`'s entry; `a`'s has a handle
+    /// assert_eq!(cache.len(), 1);
+    /// drop(in_use);
+    /// assert_eq!(cache.flush_idle(), 1);
+    /// assert!(cache.is_empty());
+    /// ```
     pub fn flush_idle(&self) -> usize {
         let n = self.evict_idle(usize::MAX, None);
         if let Some(m) = self.inner.shared.monitor {

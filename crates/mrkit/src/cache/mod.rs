@@ -211,6 +211,17 @@ pub mod test_support {
 
         /// `UFFDIO_REGISTER` calls the process-wide monitor made so far (`None` when
         /// userfaultfd is unavailable).
+        ///
+        /// ```
+        /// use mrkit::cache::{test_support::monitor, CacheConfig, RegCache};
+        /// use mrkit::{AccessFlags, Buffer, Context, DeviceConfig};
+        /// let pd = Context::open(DeviceConfig::rxe()).alloc_pd().unwrap();
+        /// let cache = RegCache::new(&pd, CacheConfig::default()).unwrap(); // starts the monitor
+        /// let before = monitor::registrations().unwrap();
+        /// let buf = Buffer::new(4096).unwrap();
+        /// drop(cache.get_ref(buf.as_slice(), AccessFlags::empty()).unwrap()); // attaches `buf`
+        /// assert!(monitor::registrations().unwrap() > before);
+        /// ```
         pub fn registrations() -> Option<u64> {
             crate::cache::monitor::global()
                 .ok()
@@ -219,6 +230,23 @@ pub mod test_support {
 
         /// Events (unmap, remove, remap) the monitor has read so far (`None` when userfaultfd
         /// is unavailable).
+        ///
+        /// ```
+        /// use std::time::{Duration, Instant};
+        /// use mrkit::cache::{test_support::monitor, CacheConfig, RegCache};
+        /// use mrkit::{AccessFlags, Buffer, Context, DeviceConfig};
+        /// let pd = Context::open(DeviceConfig::rxe()).alloc_pd().unwrap();
+        /// let cache = RegCache::new(&pd, CacheConfig::default()).unwrap();
+        /// let buf = Buffer::new(4096).unwrap();
+        /// drop(cache.get_ref(buf.as_slice(), AccessFlags::empty()).unwrap());
+        /// let before = monitor::events().unwrap();
+        /// drop(buf); // munmap: an UNMAP event
+        /// let end = Instant::now() + Duration::from_secs(10);
+        /// while monitor::events().unwrap() == before && Instant::now() < end {
+        ///     std::thread::sleep(Duration::from_millis(1));
+        /// }
+        /// assert!(monitor::events().unwrap() > before);
+        /// ```
         pub fn events() -> Option<u64> {
             crate::cache::monitor::global().ok().map(|m| m.events())
         }
@@ -352,21 +380,72 @@ impl RegCache {
 
     /// Process-unique id of this cache (as in the `"cache"` section of
     /// [`stat_export::snapshot`](crate::stat_export::snapshot)).
+    ///
+    /// ```
+    /// # use mrkit::cache::{CacheConfig, RegCache};
+    /// # use mrkit::{AccessFlags as A, Buffer, Context, DeviceConfig};
+    /// # let pd = Context::open(DeviceConfig::rxe()).alloc_pd().unwrap();
+    /// # let cache = RegCache::new(&pd, CacheConfig::default()).unwrap();
+    /// let other = RegCache::new(&pd, CacheConfig::default()).unwrap();
+    /// assert_ne!(cache.id(), other.id());
+    /// let snap = mrkit::stat_export::snapshot();
+    /// let caches = snap["sources"]["cache"]["caches"].as_array().unwrap();
+    /// assert!(caches.iter().any(|c| c["id"] == cache.id()));
+    /// ```
     pub fn id(&self) -> u64 {
         self.inner.id
     }
 
-    /// Entries in the index.
+    /// Entries in the index (registrations the cache keeps, in use or idle).
+    ///
+    /// ```
+    /// # use mrkit::cache::{CacheConfig, RegCache};
+    /// # use mrkit::{AccessFlags as A, Buffer, Context, DeviceConfig};
+    /// # let pd = Context::open(DeviceConfig::rxe()).alloc_pd().unwrap();
+    /// # let cache = RegCache::new(&pd, CacheConfig::default()).unwrap();
+    /// let (a, b) = (Buffer::new(4096).unwrap(), Buffer::new(4096).unwrap());
+    /// drop(cache.get_ref(a.as_slice(), A::empty()).unwrap());
+    /// drop(cache.get_ref(b.as_slice(), A::empty()).unwrap());
+    /// drop(cache.get_ref(a.as_slice(), A::empty()).unwrap()); // a hit: no new entry
+    /// assert_eq!(cache.len(), 2);
+    /// ```
     pub fn len(&self) -> usize {
         self.inner.index.read().len()
     }
 
     /// True when no entry is cached.
+    ///
+    /// ```
+    /// # use mrkit::cache::{CacheConfig, RegCache};
+    /// # use mrkit::{AccessFlags as A, Buffer, Context, DeviceConfig};
+    /// # let pd = Context::open(DeviceConfig::rxe()).alloc_pd().unwrap();
+    /// # let cache = RegCache::new(&pd, CacheConfig::default()).unwrap();
+    /// assert!(cache.is_empty());
+    /// let buf = Buffer::new(4096).unwrap();
+    /// drop(cache.get_ref(buf.as_slice(), A::empty()).unwrap());
+    /// assert!(!cache.is_empty()); // the entry outlives the handle
+    /// cache.invalidate(buf.addr(), 4096);
+    /// assert!(cache.is_empty());
+    /// ```
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
-    /// `(start, end, access, users)` of every cached entry (debug dump).
+    /// `(start, end, access, users)` of every cached entry (debug dump; `users` counts live
+    /// handles).
+    ///
+    /// ```
+    /// # use mrkit::cache::{CacheConfig, RegCache};
+    /// # use mrkit::{AccessFlags as A, Buffer, Context, DeviceConfig};
+    /// # let pd = Context::open(DeviceConfig::rxe()).alloc_pd().unwrap();
+    /// # let cache = RegCache::new(&pd, CacheConfig::default()).unwrap();
+    /// let mut buf = Buffer::new(4096).unwrap();
+    /// let addr = buf.addr();
+    /// let h = cache.get_mut(buf.as_mut_slice(), A::LOCAL_WRITE).unwrap();
+    /// assert_eq!(cache.entries(), vec![(addr, addr + 4096, A::LOCAL_WRITE, 1)]);
+    /// drop(h);
+    /// assert_eq!(cache.entries()[0].3, 0); // idle
+    /// ```
     pub fn entries(&self) -> Vec<(u64, u64, AccessFlags, u64)> {
         self.inner
             .index
@@ -376,7 +455,16 @@ impl RegCache {
             .collect()
     }
 
-    /// Whether a userfaultfd monitor feeds this cache.
+    /// Whether a userfaultfd monitor feeds this cache ([`MonitorMode`]).
+    ///
+    /// ```
+    /// use mrkit::cache::{CacheConfig, MonitorMode, RegCache};
+    /// let pd = mrkit::Context::open(mrkit::DeviceConfig::rxe()).alloc_pd().unwrap();
+    /// assert!(RegCache::new(&pd, CacheConfig::default()).unwrap().is_monitored());
+    /// // SAFETY: this program caches nothing, so it frees no cached memory.
+    /// let explicit = CacheConfig { monitor: unsafe { MonitorMode::explicit_only() }, ..Default::default() };
+    /// assert!(!RegCache::new(&pd, explicit).unwrap().is_monitored());
+    /// ```
     pub fn is_monitored(&self) -> bool {
         self.inner.shared.monitor.is_some()
     }

@@ -95,7 +95,21 @@ pub(super) fn inc(c: &AtomicU64) {
 }
 
 impl RegCache {
-    /// Counters.
+    /// A snapshot of the counters ([`CacheStats`]; also the `"cache"` section of
+    /// `mrkit stat`).
+    ///
+    /// ```
+    /// # use mrkit::cache::{CacheConfig, RegCache};
+    /// # use mrkit::{AccessFlags as A, Buffer, Context, DeviceConfig};
+    /// # let pd = Context::open(DeviceConfig::rxe()).alloc_pd().unwrap();
+    /// # let cache = RegCache::new(&pd, CacheConfig::default()).unwrap();
+    /// let buf = Buffer::new(4096).unwrap();
+    /// drop(cache.get_ref(buf.as_slice(), A::empty()).unwrap()); // a miss: registers
+    /// drop(cache.get_ref(buf.as_slice(), A::empty()).unwrap()); // a hit
+    /// let s = cache.stats();
+    /// assert_eq!((s.misses, s.hits, s.registrations), (1, 1, 1));
+    /// assert_eq!((s.entries, s.bytes_registered), (1, 4096));
+    /// ```
     pub fn stats(&self) -> CacheStats {
         let c = &self.inner.shared.c;
         let l = |a: &AtomicU64| a.load(Ordering::Relaxed);

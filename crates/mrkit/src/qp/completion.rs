@@ -158,7 +158,28 @@ impl From<Vec<Owned>> for Owned {
 pub struct Ticket(pub(crate) u64);
 
 impl Ticket {
-    /// The `wr_id` of the completion.
+    /// The `wr_id` of the completion: the key to match completions, which may come in any
+    /// order across queues, to what the application posted.
+    ///
+    /// ```
+    /// # use mrkit::{AccessFlags as A, Buffer, Context, QpCap, QueuePair};
+    /// # use std::collections::HashMap;
+    /// # let pd = Context::open(mrkit::DeviceConfig::rxe()).alloc_pd().unwrap();
+    /// # let (q1, q2) = (QueuePair::new(&pd, QpCap::default()).unwrap(), QueuePair::new(&pd, QpCap::default()).unwrap());
+    /// # QueuePair::connect(&q1, &q2, A::REMOTE_WRITE).unwrap();
+    /// # let dst = pd.register(Buffer::new(128).unwrap(), A::LOCAL_WRITE | A::REMOTE_WRITE).unwrap();
+    /// let mut pending = HashMap::new();
+    /// for (i, block) in ["first", "second"].into_iter().enumerate() {
+    ///     let src = pd.register(Buffer::new(64).unwrap(), A::LOCAL_WRITE).unwrap();
+    ///     let at = dst.remote(i as u64 * 64..(i as u64 + 1) * 64).unwrap();
+    ///     let t = q1.post_write(src, 0..64, at).unwrap();
+    ///     pending.insert(t.wr_id(), block);
+    /// }
+    /// for c in q1.wait_all(std::time::Duration::from_secs(10)).unwrap() {
+    ///     assert!(pending.remove(&c.wr_id()).is_some());
+    /// }
+    /// assert!(pending.is_empty());
+    /// ```
     pub fn wr_id(self) -> u64 {
         self.0
     }
@@ -322,6 +343,22 @@ pub struct WcError {
 
 impl WcError {
     /// `Ok(wc)` for a successful completion, else the error.
+    ///
+    /// ```
+    /// use mrkit::qp::WcError;
+    /// # use mrkit::{AccessFlags as A, Buffer, Context, QpCap, QueuePair, WcStatus};
+    /// # let pd = Context::open(mrkit::DeviceConfig::rxe()).alloc_pd().unwrap();
+    /// # let (q1, q2) = (QueuePair::new(&pd, QpCap::default()).unwrap(), QueuePair::new(&pd, QpCap::default()).unwrap());
+    /// # QueuePair::connect(&q1, &q2, A::REMOTE_WRITE).unwrap();
+    /// # let dst = pd.register(Buffer::new(64).unwrap(), A::LOCAL_WRITE | A::REMOTE_WRITE).unwrap();
+    /// # let src = pd.register(Buffer::new(64).unwrap(), A::LOCAL_WRITE).unwrap();
+    /// let good = dst.remote(0..64).unwrap();
+    /// assert!(WcError::check(q1.write(&src, 0..64, good).unwrap()).is_ok());
+    /// // A wrong rkey: the peer refuses the WRITE, and the completion says so.
+    /// let bad = mrkit::RemoteSlice { rkey: good.rkey ^ 1, ..good };
+    /// let err = WcError::check(q1.write(&src, 0..64, bad).unwrap()).unwrap_err();
+    /// assert_eq!(err.wc.status, WcStatus::RemAccessErr);
+    /// ```
     pub fn check(wc: WorkCompletion) -> std::result::Result<WorkCompletion, WcError> {
         match wc.status {
             WcStatus::Success => Ok(wc),

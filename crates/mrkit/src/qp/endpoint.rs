@@ -86,6 +86,12 @@ impl Mtu {
     }
 
     /// The `IBV_MTU_*` value.
+    ///
+    /// ```
+    /// use mrkit::Mtu;
+    /// assert_eq!(Mtu::B1024.ibv(), 3); // IBV_MTU_1024
+    /// assert_eq!(Mtu::from_ibv(Mtu::B4096.ibv()).unwrap(), Mtu::B4096);
+    /// ```
     pub fn ibv(self) -> u8 {
         self as u8
     }
@@ -270,6 +276,18 @@ impl Endpoint {
     /// the drop-in libibverbs, given its QP number, PSN and GID). EINVAL for a QP number
     /// outside 2..=0xFFFFFE, a PSN over 24 bits, or an address a peer cannot be reached at
     /// (unspecified, multicast, broadcast).
+    ///
+    /// ```
+    /// use mrkit::{Endpoint, Errno, Mtu};
+    /// // What `ibv_rc_pingpong` on the peer printed: QP number, PSN, GID.
+    /// let peer = Endpoint::new(0x11, 0x1234, "192.0.2.7".parse().unwrap(), Mtu::B1024).unwrap();
+    /// assert_eq!((peer.qp_num(), peer.psn(), peer.mtu()), (0x11, 0x1234, Mtu::B1024));
+    /// let ip = "192.0.2.7".parse().unwrap();
+    /// assert_eq!(Endpoint::new(1, 0, ip, Mtu::B1024).unwrap_err().errno(), Errno::EINVAL); // QP1
+    /// assert_eq!(Endpoint::new(0x11, 1 << 24, ip, Mtu::B1024).unwrap_err().errno(), Errno::EINVAL);
+    /// let any = "0.0.0.0".parse().unwrap();
+    /// assert_eq!(Endpoint::new(0x11, 0, any, Mtu::B1024).unwrap_err().errno(), Errno::EINVAL);
+    /// ```
     pub fn new(qpn: u32, psn: u32, ip: IpAddr, mtu: Mtu) -> Result<Endpoint> {
         Endpoint::checked(Endpoint {
             qpn,
@@ -302,21 +320,56 @@ impl Endpoint {
     }
 
     /// The QP number.
+    ///
+    /// ```
+    /// # use mrkit::{Context, DeviceConfig, QueuePair};
+    /// # let pd = Context::open(DeviceConfig::rxe()).alloc_pd().unwrap();
+    /// # let q = QueuePair::new(&pd, Default::default()).unwrap();
+    /// assert_eq!(q.endpoint().unwrap().qp_num(), q.qp_num());
+    /// ```
     pub fn qp_num(&self) -> u32 {
         self.qpn
     }
 
     /// The first PSN of the QP's send queue (the peer's receive PSN).
+    ///
+    /// ```
+    /// # use mrkit::{Context, DeviceConfig, QueuePair};
+    /// # let pd = Context::open(DeviceConfig::rxe()).alloc_pd().unwrap();
+    /// # let q = QueuePair::new(&pd, Default::default()).unwrap();
+    /// let opts = mrkit::ConnectOpts { psn: Some(0x42), ..Default::default() };
+    /// assert_eq!(q.endpoint_for(&opts).unwrap().psn(), 0x42);
+    /// assert!(q.endpoint().unwrap().psn() <= 0xFF_FFFF); // default: 24 bits, per QP
+    /// ```
     pub fn psn(&self) -> u32 {
         self.psn
     }
 
     /// The GID (16 bytes, network order).
+    ///
+    /// ```
+    /// use std::net::Ipv6Addr;
+    /// use mrkit::{Endpoint, Mtu};
+    /// let ep = Endpoint::new(0x11, 0, "192.0.2.7".parse().unwrap(), Mtu::B1024).unwrap();
+    /// let mapped: Ipv6Addr = "::ffff:192.0.2.7".parse().unwrap(); // IPv4-mapped
+    /// assert_eq!(ep.gid(), mapped.octets());
+    /// ```
     pub fn gid(&self) -> [u8; 16] {
         self.gid
     }
 
-    /// The GID as the IP address of the device's RoCEv2 link.
+    /// The GID as the IP address of the device's RoCEv2 link (IPv4 for an IPv4-mapped GID).
+    ///
+    /// ```
+    /// use mrkit::{Endpoint, Mtu};
+    /// let ep = Endpoint::new(0x11, 0, "192.0.2.7".parse().unwrap(), Mtu::B1024).unwrap();
+    /// assert_eq!(ep.ip().to_string(), "192.0.2.7");
+    /// # use mrkit::{Context, DeviceConfig, QueuePair};
+    /// # let pd = Context::open(DeviceConfig::rxe()).alloc_pd().unwrap();
+    /// let q = QueuePair::new(&pd, Default::default()).unwrap();
+    /// // mrkit0 binds a 127.x.y.z address of its own unless told another one.
+    /// assert!(q.endpoint().unwrap().ip().is_loopback());
+    /// ```
     pub fn ip(&self) -> IpAddr {
         match Ipv6Addr::from(self.gid).to_ipv4_mapped() {
             Some(v4) => IpAddr::V4(v4),
@@ -325,16 +378,38 @@ impl Endpoint {
     }
 
     /// The largest path MTU this side accepts.
+    ///
+    /// ```
+    /// # use mrkit::{Context, DeviceConfig, QueuePair};
+    /// # let pd = Context::open(DeviceConfig::rxe()).alloc_pd().unwrap();
+    /// # let q = QueuePair::new(&pd, Default::default()).unwrap();
+    /// let opts = mrkit::ConnectOpts { path_mtu: mrkit::Mtu::B1024, ..Default::default() };
+    /// assert_eq!(q.endpoint_for(&opts).unwrap().mtu(), mrkit::Mtu::B1024);
+    /// ```
     pub fn mtu(&self) -> Mtu {
         self.mtu
     }
 
     /// The same endpoint with another first PSN (EINVAL over 24 bits).
+    ///
+    /// ```
+    /// use mrkit::{Endpoint, Mtu};
+    /// let ep = Endpoint::new(0x11, 0, "192.0.2.7".parse().unwrap(), Mtu::B1024).unwrap();
+    /// assert_eq!(ep.with_psn(0x99).unwrap().psn(), 0x99);
+    /// assert_eq!(ep.with_psn(1 << 24).unwrap_err().errno(), mrkit::Errno::EINVAL);
+    /// ```
     pub fn with_psn(self, psn: u32) -> Result<Endpoint> {
         Endpoint::checked(Endpoint { psn, ..self })
     }
 
-    /// The same endpoint with a path MTU of at most `mtu`.
+    /// The same endpoint with a path MTU of at most `mtu` (never raises it).
+    ///
+    /// ```
+    /// use mrkit::{Endpoint, Mtu};
+    /// let ep = Endpoint::new(0x11, 0, "192.0.2.7".parse().unwrap(), Mtu::B2048).unwrap();
+    /// assert_eq!(ep.with_mtu(Mtu::B1024).mtu(), Mtu::B1024);
+    /// assert_eq!(ep.with_mtu(Mtu::B4096).mtu(), Mtu::B2048);
+    /// ```
     pub fn with_mtu(self, mtu: Mtu) -> Endpoint {
         Endpoint {
             mtu: self.mtu.min(mtu),
@@ -343,6 +418,14 @@ impl Endpoint {
     }
 
     /// The fixed, versioned binary form (see the table above).
+    ///
+    /// ```
+    /// use mrkit::{Endpoint, Mtu};
+    /// let ep = Endpoint::new(0x11, 0x1234, "192.0.2.7".parse().unwrap(), Mtu::B1024).unwrap();
+    /// let b = ep.to_bytes();
+    /// assert_eq!((b.len(), &b[0..4], b[4], b[5]), (Endpoint::LEN, &b"MRKE"[..], 1, 3));
+    /// assert_eq!(b[8..12], 0x11u32.to_be_bytes()); // QP number, big-endian
+    /// ```
     pub fn to_bytes(&self) -> [u8; Endpoint::LEN] {
         let mut b = [0u8; Endpoint::LEN];
         b[0..4].copy_from_slice(&MAGIC);
@@ -358,6 +441,16 @@ impl Endpoint {
 
     /// Parse the binary form. EINVAL for a wrong length, magic or version, a nonzero
     /// reserved byte, or a field out of range; never panics.
+    ///
+    /// ```
+    /// use mrkit::{Endpoint, Errno, Mtu};
+    /// let ep = Endpoint::new(0x11, 0x1234, "192.0.2.7".parse().unwrap(), Mtu::B1024).unwrap();
+    /// let mut b = ep.to_bytes();
+    /// assert_eq!(Endpoint::from_bytes(&b).unwrap(), ep);
+    /// b[6] = 1; // a reserved byte
+    /// assert_eq!(Endpoint::from_bytes(&b).unwrap_err().errno(), Errno::EINVAL);
+    /// assert_eq!(Endpoint::from_bytes(b"MRKE").unwrap_err().errno(), Errno::EINVAL);
+    /// ```
     pub fn from_bytes(b: &[u8]) -> Result<Endpoint> {
         let bad = |what: String| Err(Error::new(Errno::EINVAL, what));
         let Ok(b) = <&[u8; Endpoint::LEN]>::try_from(b) else {
@@ -515,6 +608,15 @@ impl<B: Registered> QueuePair<B> {
     /// This QP's endpoint with the default options: [`QueuePair::endpoint_for`] with
     /// [`ConnectOpts::default`]. Binds the device's RoCEv2 link if it is not yet bound
     /// (`MRKIT_ADDR`, see the [module docs](crate::qp::endpoint)).
+    ///
+    /// ```
+    /// # use mrkit::{Context, DeviceConfig, QueuePair};
+    /// # let pd = Context::open(DeviceConfig::rxe()).alloc_pd().unwrap();
+    /// # let q = QueuePair::new(&pd, Default::default()).unwrap();
+    /// let ep = q.endpoint().unwrap(); // send this to the peer
+    /// assert_eq!((ep.qp_num(), ep.mtu()), (q.qp_num(), mrkit::Mtu::B4096));
+    /// assert_eq!(q.endpoint().unwrap(), ep); // stable until the QP is gone
+    /// ```
     pub fn endpoint(&self) -> Result<Endpoint> {
         self.endpoint_for(&ConnectOpts::default())
     }
@@ -524,6 +626,18 @@ impl<B: Registered> QueuePair<B> {
     ///
     /// EADDRNOTAVAIL when the device's link is bound to an address no peer can reach (a
     /// wildcard `MRKIT_ADDR` such as `0.0.0.0`) or cannot be bound.
+    ///
+    /// ```
+    /// use mrkit::{ConnectOpts, Mtu};
+    /// # use mrkit::{Context, DeviceConfig, QueuePair};
+    /// # let pd = Context::open(DeviceConfig::rxe()).alloc_pd().unwrap();
+    /// # let q = QueuePair::new(&pd, Default::default()).unwrap();
+    /// let opts = ConnectOpts { path_mtu: Mtu::B1024, psn: Some(7), ..Default::default() };
+    /// let ep = q.endpoint_for(&opts).unwrap(); // the endpoint `connect_to(.., &opts)` matches
+    /// assert_eq!((ep.mtu(), ep.psn()), (Mtu::B1024, 7));
+    /// let bad = ConnectOpts { psn: Some(1 << 24), ..Default::default() };
+    /// assert_eq!(q.endpoint_for(&bad).unwrap_err().errno(), mrkit::Errno::EINVAL);
+    /// ```
     pub fn endpoint_for(&self, opts: &ConnectOpts) -> Result<Endpoint> {
         opts.check()?;
         let a = device_address(self)?;
@@ -630,6 +744,17 @@ impl RemoteSlice {
 
     /// Parse [`RemoteSlice::to_bytes`]: EINVAL for a wrong length or a range that wraps
     /// around the address space.
+    ///
+    /// ```
+    /// use mrkit::{Errno, RemoteSlice};
+    /// // As received from a peer: address 0x1000, 64 bytes, rkey 7.
+    /// let mut wire = [0u8; RemoteSlice::LEN];
+    /// wire[0..8].copy_from_slice(&0x1000u64.to_be_bytes());
+    /// wire[8..16].copy_from_slice(&64u64.to_be_bytes());
+    /// wire[16..20].copy_from_slice(&7u32.to_be_bytes());
+    /// assert_eq!(RemoteSlice::from_bytes(&wire).unwrap(), RemoteSlice { addr: 0x1000, len: 64, rkey: 7 });
+    /// assert_eq!(RemoteSlice::from_bytes(&wire[..19]).unwrap_err().errno(), Errno::EINVAL);
+    /// ```
     pub fn from_bytes(b: &[u8]) -> Result<RemoteSlice> {
         let Ok(b) = <&[u8; RemoteSlice::LEN]>::try_from(b) else {
             return Err(Error::new(

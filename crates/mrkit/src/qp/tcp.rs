@@ -161,6 +161,16 @@ pub enum ConnectError {
 
 impl ConnectError {
     /// Whether the deadline passed.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use mrkit::tcp::{HandshakeOpts, Listener};
+    /// let pd = mrkit::Context::open(mrkit::DeviceConfig::rxe()).alloc_pd().unwrap();
+    /// let listener = Listener::bind("127.0.0.1:0").unwrap();
+    /// let opts = HandshakeOpts { accept_timeout: Some(Duration::from_millis(10)), ..Default::default() };
+    /// let err = listener.accept(&pd, Default::default(), &opts).unwrap_err(); // no client came
+    /// assert!(err.is_timeout());
+    /// ```
     pub fn is_timeout(&self) -> bool {
         matches!(self, ConnectError::TimedOut { .. })
     }
@@ -174,6 +184,14 @@ pub struct Listener {
 
 impl Listener {
     /// Listen on `addr` (port 0: any free port, see [`Listener::local_addr`]).
+    ///
+    /// ```
+    /// use mrkit::tcp::Listener;
+    /// let listener = Listener::bind("127.0.0.1:0").unwrap();
+    /// let taken = listener.local_addr().unwrap();
+    /// let again = Listener::bind(taken).unwrap_err(); // one listener per address
+    /// assert_eq!(again.kind(), std::io::ErrorKind::AddrInUse);
+    /// ```
     pub fn bind(addr: impl ToSocketAddrs) -> io::Result<Listener> {
         let inner = TcpListener::bind(addr)?;
         // Non-blocking, so accept can wait with a deadline (poll) instead of forever.
@@ -181,7 +199,13 @@ impl Listener {
         Ok(Listener { inner })
     }
 
-    /// The address clients connect to.
+    /// The address clients connect to (with the port the system chose for port 0).
+    ///
+    /// ```
+    /// let listener = mrkit::tcp::Listener::bind("127.0.0.1:0").unwrap();
+    /// let addr = listener.local_addr().unwrap(); // give this to the clients
+    /// assert!(addr.ip().is_loopback() && addr.port() != 0);
+    /// ```
     pub fn local_addr(&self) -> io::Result<SocketAddr> {
         self.inner.local_addr()
     }
@@ -275,6 +299,28 @@ impl Listener {
 ///
 /// A host name in `addr` is resolved first by the system resolver, whose time the deadline
 /// does not bound; pass a socket address to avoid it.
+///
+/// A client that READs a value the server offers: the server, another process, listens on
+/// port 7471 and sends as private data the [`RemoteSlice`](crate::RemoteSlice) it lets the
+/// client read (the module example runs both sides in one process).
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use mrkit::tcp::{self, HandshakeOpts};
+/// use mrkit::{AccessFlags, Buffer, Context, QpCap, RemoteSlice, WcError};
+///
+/// fn main() -> Result<(), Box<dyn std::error::Error>> {
+///     // `open_default`: `MRKIT_ADDR` names this host's address on the link to the server.
+///     let pd = Context::open_default()?.alloc_pd()?;
+///     let opts = HandshakeOpts { timeout: Duration::from_secs(5), ..Default::default() };
+///     let conn = tcp::connect("127.0.0.1:7471", &pd, QpCap::default(), &opts)?;
+///     let value = RemoteSlice::from_bytes(&conn.private_data)?;
+///     let mut dst = pd.register(Buffer::new(value.len as usize)?, AccessFlags::LOCAL_WRITE)?;
+///     WcError::check(conn.qp.read(&mut dst, 0..value.len, value)?)?;
+///     println!("{} bytes from {}: {:?}", value.len, conn.peer, dst.as_slice());
+///     Ok(())
+/// }
+/// ```
 pub fn connect(
     addr: impl ToSocketAddrs,
     pd: &ProtectionDomain,
