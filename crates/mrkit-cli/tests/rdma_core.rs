@@ -196,3 +196,20 @@ fn unknown_name_lists_both_providers() {
     let o = run_ok(mrkit_at(dir.path(), "127.0.91.9").args(["devinfo", "--list"]));
     assert!(text(&o).contains("rdma-core:mrkit0"), "{}", text(&o));
 }
+
+/// `perf` measures mrkit0's own transport: on an rdma-core device it refuses with a sentence
+/// (status 1) after the name resolved.
+#[test]
+fn perf_refuses_rdma_core_with_a_sentence() {
+    let dir = drop_in_dir();
+    let o = mrkit_at(dir.path(), "127.0.91.10")
+        .args(["perf", "--server", "--device", "rdma-core:mrkit0"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("is not the embedded mrkit0") && err.contains("ib_write_bw"),
+        "{err}"
+    );
+}

@@ -77,7 +77,7 @@ impl Selected {
         // Resolve first, so an unknown name or a missing rdma-core gives its own reason.
         let _ctx = self.open(verb)?;
         eprintln!(
-            "mrkit {verb}: `{}` is not mrkit0: this verb measures mrkit0's own transport and \
+            "mrkit {verb}: `{}` is not the embedded mrkit0: this verb measures mrkit0's own transport and \
              registration paths and does not run on other devices yet (use perftest's \
              ib_write_bw/ib_write_lat on a real NIC)",
             self.name
