@@ -2,7 +2,6 @@
 #![forbid(unsafe_code)]
 
 mod cmd;
-mod device_select;
 
 use std::process::ExitCode;
 

@@ -29,6 +29,7 @@ const ENV_VARS: &[&str] = &[
     "MRKIT_STAT_SHARE",
     "MRKIT_STAT_INTERVAL_MS",
     "MRKIT_LOG",
+    "MRKIT_RDMA_CORE_LIB",
 ];
 
 /// `mrkit` with a clean MRKIT_* environment.
@@ -346,16 +347,22 @@ fn device_selection_errors_exit_1_and_list() {
         let err = String::from_utf8_lossy(&o.stderr);
         assert_eq!(o.status.code(), Some(1), "{args:?}: {err}");
         assert!(
-            err.contains("no RDMA device named `mlx5_9`") && err.contains("mrkit0"),
+            err.contains("no device \"mlx5_9\"") && err.contains("mrkit:mrkit0"),
             "{args:?}: {err}"
         );
     }
     let o = run(mrkit().arg("devinfo").env("MRKIT_DEVICE", "nonesuch"));
     assert_eq!(o.status.code(), Some(1));
     // rdma-core missing: exit 1 with the reason.
-    let o = run(mrkit().args(["devinfo", "--device", "rdma-core:mrkit0"]));
+    let o = run(mrkit()
+        .args(["devinfo", "--device", "rdma-core:mrkit0"])
+        .env("MRKIT_RDMA_CORE_LIB", "/nonexistent/libibverbs.so.1"));
     assert_eq!(o.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&o.stderr).contains("rdma-core"));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("rdma-core is not available") && err.contains("/nonexistent/libibverbs.so.1"),
+        "{err}"
+    );
     // MRKIT_DEVICE=mrkit0 and --device mrkit:mrkit0 are the embedded device.
     run_ok(mrkit().arg("devinfo").env("MRKIT_DEVICE", "mrkit0"));
     run_ok(mrkit().args(["devinfo", "--device", "mrkit:mrkit0"]));

@@ -30,11 +30,6 @@ use crate::abi::{ibv_async_event, ibv_context, verbs_context};
 use crate::events::{EventQueue, Router};
 use crate::ffi::{guard, set_errno};
 
-/// Vendor id reported: not zero (pyverbs checks), not Mellanox/EFA/Chelsio/Intel (rxe's value),
-/// so perftest stays on the classic `ibv_post_send` path and the mlx5/EFA tests of rdma-core
-/// skip.
-const VENDOR_ID: u32 = 0x00ff_ffff;
-
 const CTX_MAGIC: u64 = 0x6d72_6b69_7463_7478; // "mrkitctx"
 
 /// An open device: `verbs_context` (ending in the `ibv_context`) followed by our state.
@@ -181,10 +176,9 @@ fn release_soft_context() {
 }
 
 fn new_soft_context() -> Result<mrkit_soft::Context, String> {
+    // The device's own vendor_id is rxe's 0xFFFFFF (not zero, as pyverbs checks; no vendor
+    // whose provider code paths perftest or rdma-core's tests would take).
     let mut cfg = mrkit_soft::DeviceConfig::from_env()?;
-    if cfg.attr().vendor_id == 0 {
-        cfg = cfg.with_attr(|a| a.vendor_id = VENDOR_ID);
-    }
     if crate::fork::fork_protection_requested() {
         cfg = cfg.dontfork(true);
     }

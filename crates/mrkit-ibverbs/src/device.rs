@@ -90,7 +90,7 @@ fn active_mtu(m: &MrkitContext) -> u32 {
     if ip.is_loopback() {
         return IBV_MTU_4096;
     }
-    match netdev_mtu(ip) {
+    match mrkit_soft::sockio::netdev_mtu(ip) {
         Some(mtu) => ib_mtu_enum(mtu.saturating_sub(80)),
         None => IBV_MTU_1024,
     }
@@ -104,64 +104,6 @@ pub(crate) fn ib_mtu_enum(bytes: u32) -> u32 {
         1024.. => IBV_MTU_1024,
         512.. => 2,
         _ => 1,
-    }
-}
-
-/// MTU of the interface holding `ip` (getifaddrs + `/sys/class/net/<if>/mtu`).
-fn netdev_mtu(ip: std::net::IpAddr) -> Option<u32> {
-    let mut ifap: *mut libc::ifaddrs = std::ptr::null_mut();
-    // SAFETY: getifaddrs fills ifap on success; freed with freeifaddrs below.
-    if unsafe { libc::getifaddrs(&mut ifap) } != 0 {
-        return None;
-    }
-    let mut name = None;
-    let mut p = ifap;
-    while !p.is_null() {
-        // SAFETY: p is an element of the list getifaddrs returned.
-        let ifa = unsafe { &*p };
-        if !ifa.ifa_addr.is_null() {
-            // SAFETY: ifa_addr points to a sockaddr of the family it names.
-            let a = unsafe { sockaddr_ip(ifa.ifa_addr) };
-            if a == Some(ip) {
-                // SAFETY: ifa_name is a NUL-terminated string.
-                name = Some(
-                    unsafe { std::ffi::CStr::from_ptr(ifa.ifa_name) }
-                        .to_string_lossy()
-                        .into_owned(),
-                );
-                break;
-            }
-        }
-        p = ifa.ifa_next;
-    }
-    // SAFETY: the list from getifaddrs, freed once.
-    unsafe { libc::freeifaddrs(ifap) };
-    let name = name?;
-    std::fs::read_to_string(format!("/sys/class/net/{name}/mtu"))
-        .ok()?
-        .trim()
-        .parse()
-        .ok()
-}
-
-/// # Safety
-/// `sa` points to a valid sockaddr.
-unsafe fn sockaddr_ip(sa: *const libc::sockaddr) -> Option<std::net::IpAddr> {
-    // SAFETY: caller contract; the family tells the real type.
-    unsafe {
-        match i32::from((*sa).sa_family) {
-            libc::AF_INET => {
-                let s = &*sa.cast::<libc::sockaddr_in>();
-                Some(std::net::IpAddr::from(
-                    u32::from_be(s.sin_addr.s_addr).to_be_bytes(),
-                ))
-            }
-            libc::AF_INET6 => {
-                let s = &*sa.cast::<libc::sockaddr_in6>();
-                Some(std::net::IpAddr::from(s.sin6_addr.s6_addr))
-            }
-            _ => None,
-        }
     }
 }
 

@@ -78,7 +78,7 @@ pub mod cap_flags {
     /// IBV_DEVICE_UD_AV_PORT_ENFORCE
     pub const UD_AV_PORT_ENFORCE: u64 = 1 << 6;
     /// IBV_DEVICE_PORT_ACTIVE_EVENT
-    pub const PORT_ACTIVE_EVENT: u64 = 1 << 14;
+    pub const PORT_ACTIVE_EVENT: u64 = 1 << 10;
     /// IBV_DEVICE_SYS_IMAGE_GUID
     pub const SYS_IMAGE_GUID: u64 = 1 << 11;
     /// IBV_DEVICE_RC_RNR_NAK_GEN
@@ -108,7 +108,7 @@ pub struct DeviceAttr {
     pub max_mr_size: u64,
     /// Supported page sizes (bit n = 2^n bytes).
     pub page_size_cap: u64,
-    /// IEEE OUI of the vendor (not Mellanox, so tools stay on the generic path).
+    /// IEEE OUI of the vendor (0xFFFFFF as rxe: no vendor, so tools stay on the generic path).
     pub vendor_id: u32,
     /// Vendor part id (0: generic).
     pub vendor_part_id: u32,
@@ -286,7 +286,9 @@ impl DeviceConfig {
             sys_image_guid: 0x02c0_ffee_0000_0001,
             max_mr_size: u64::MAX,
             page_size_cap: 0xffff_f000,
-            vendor_id: 0x00_0000, // no OUI: keeps perftest on the generic verbs path
+            // rxe's RXE_VENDOR_ID: not zero (pyverbs' test_device checks), not Mellanox, EFA,
+            // Chelsio or Intel, so perftest stays on the generic verbs path.
+            vendor_id: 0x00ff_ffff,
             vendor_part_id: 0,
             hw_ver: 0,
             max_qp: 1_048_560,
@@ -691,6 +693,18 @@ impl ProgressPolicy {
 
 #[cfg(test)]
 mod tests {
+    /// The `IBV_DEVICE_*` bits as rdma-core's `enum ibv_device_cap_flags` numbers them
+    /// (PORT_ACTIVE_EVENT is bit 10; bit 14 is N_NOTIFY_CQ, which this device does not set).
+    #[test]
+    fn cap_flag_bits_match_verbs_h() {
+        use super::cap_flags::*;
+        assert_eq!(PORT_ACTIVE_EVENT, 1 << 10);
+        assert_eq!(SYS_IMAGE_GUID, 1 << 11);
+        let caps = super::DeviceConfig::rxe().attr().device_cap_flags;
+        assert_ne!(caps & (1 << 10), 0, "PORT_ACTIVE_EVENT set");
+        assert_eq!(caps & (1 << 14), 0, "N_NOTIFY_CQ is not claimed");
+    }
+
     use super::*;
 
     #[test]

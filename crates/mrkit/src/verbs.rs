@@ -246,6 +246,17 @@ impl Context {
         self.provider.query_device()
     }
 
+    /// `ibv_query_port`: the attributes of port `port` (numbered from 1); EINVAL for a port
+    /// the device does not have, EOPNOTSUPP from a provider without the verb.
+    ///
+    /// ```
+    /// let ctx = mrkit::Context::open(mrkit::DeviceConfig::rxe());
+    /// assert_eq!(ctx.query_port(1).unwrap().state, 4); // IBV_PORT_ACTIVE
+    /// ```
+    pub fn query_port(&self, port: u8) -> Result<crate::provider::PortAttr> {
+        self.provider.query_port(port)
+    }
+
     /// The provider (for services that need raw handles).
     ///
     /// ```

@@ -2,8 +2,10 @@
 
 use mrkit::{Context, Errno};
 
-use crate::device_select::{self, DEFAULT_DEVICE, DEVICE_ENV};
 use crate::exit;
+
+/// The device opened when neither `--device` nor `MRKIT_DEVICE` names one.
+const DEFAULT_DEVICE: &str = mrkit_soft::DEVICE_NAME;
 
 /// The device a verb runs on: `--device`, else `$MRKIT_DEVICE`, else `mrkit0`.
 #[derive(Debug, Clone)]
@@ -16,7 +18,11 @@ impl Selected {
     pub fn new(flag: Option<String>) -> Selected {
         let name = flag
             .filter(|s| !s.is_empty())
-            .or_else(|| std::env::var(DEVICE_ENV).ok().filter(|s| !s.is_empty()))
+            .or_else(|| {
+                std::env::var(mrkit::DEVICE_ENV)
+                    .ok()
+                    .filter(|s| !s.is_empty())
+            })
             .unwrap_or_else(|| DEFAULT_DEVICE.to_string());
         Selected { name }
     }
@@ -36,16 +42,20 @@ impl Selected {
         self.name.split_once(':').map_or(&self.name, |(_, d)| d)
     }
 
-    /// Whether this names the embedded `mrkit0` (plain `mrkit0` prefers it, `mrkit:mrkit0`).
+    /// Whether this names the embedded `mrkit0` (plain `mrkit0` prefers it, `mrkit:mrkit0`),
+    /// as [`Context::open_by_name`] resolves names.
     pub fn is_embedded(&self) -> bool {
-        self.device() == mrkit_soft::DEVICE_NAME && self.provider().map_or(true, |p| p == "mrkit")
+        self.device() == mrkit_soft::DEVICE_NAME
+            && self
+                .provider()
+                .map_or(true, |p| p == mrkit::EMBEDDED_PROVIDER)
     }
 
     /// Open it; on failure print `mrkit VERB: reason` and return the exit status: 2 for a
     /// malformed `MRKIT_*` environment of the embedded device, 1 for everything else (an
     /// unknown name, whose message lists the devices; rdma-core missing, with the reason).
     pub fn open(&self, verb: &str) -> Result<Context, u8> {
-        match device_select::open_by_name(&self.name) {
+        match Context::open_by_name(&self.name) {
             Ok(c) => Ok(c),
             Err(e) => {
                 eprintln!("mrkit {verb}: {e}");
@@ -67,7 +77,7 @@ impl Selected {
         // Resolve first, so an unknown name or a missing rdma-core gives its own reason.
         let _ctx = self.open(verb)?;
         eprintln!(
-            "mrkit {verb}: `{}` is not mrkit0: this verb measures mrkit0's own transport and \
+            "mrkit {verb}: `{}` is not the embedded mrkit0: this verb measures mrkit0's own transport and \
              registration paths and does not run on other devices yet (use perftest's \
              ib_write_bw/ib_write_lat on a real NIC)",
             self.name
@@ -97,7 +107,8 @@ mod tests {
             exit::VERB_FAILED
         );
         assert_eq!(
-            Selected::new(Some("rdma-core:mrkit0".into()))
+            // Whether or not this machine has rdma-core (a missing library or no such device).
+            Selected::new(Some("rdma-core:no-such-device".into()))
                 .open("t")
                 .unwrap_err(),
             exit::VERB_FAILED

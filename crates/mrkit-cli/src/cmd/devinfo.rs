@@ -8,8 +8,8 @@ use mrkit_soft::{DeviceAttr, DeviceConfig, StatusModel};
 use serde_json::{json, Map, Value};
 
 use super::device::Selected;
-use crate::device_select::{self, PortAttr};
 use crate::{exit, outln};
+use mrkit::PortAttr;
 
 #[derive(Args, Debug)]
 #[command(
@@ -245,7 +245,7 @@ impl Info {
     pub fn query(sel: &Selected, ctx: &Context) -> Info {
         let attr = ctx.query_device();
         let ports = (1..=attr.phys_port_cnt)
-            .map(|p| device_select::query_port(ctx, p).map_err(|e| e.to_string()))
+            .map(|p| ctx.query_port(p).map_err(|e| e.to_string()))
             .collect();
         Info {
             name: sel.name().to_string(),
@@ -484,7 +484,7 @@ pub fn text(i: &Info, verbose: bool) -> String {
         caps(&mut o, "xrc_odp_caps", 0, ODP_TRANSPORT);
         let _ = writeln!(o, "\tcompletion_timestamp_mask not supported");
         let _ = writeln!(o, "\tcore clock not supported");
-        let _ = writeln!(o, "\tdevice_cap_flags_ex:\t\t{:#x}", a.device_cap_flags);
+        let _ = writeln!(o, "\tdevice_cap_flags_ex:\t\t0x{:X}", a.device_cap_flags);
         let _ = writeln!(o, "\ttso_caps:\n\t\tmax_tso:\t\t\t0");
         let _ = writeln!(
             o,
@@ -596,7 +596,7 @@ pub fn text(i: &Info, verbose: bool) -> String {
 }
 
 fn list() -> u8 {
-    match device_select::devices() {
+    match Context::devices() {
         Ok(list) => {
             outln!("    {:<16}\t{:<10}\tqualified name", "device", "provider");
             outln!("    {:<16}\t{:<10}\t--------------", "------", "--------");

@@ -36,7 +36,8 @@ use mrkit_verbs_abi::*;
 use parking_lot::{Mutex, RwLock};
 
 use crate::provider::{
-    AddressVector, PostError, Provider, QpAttr, QpCap, QpInitAttr, RecvWr, SendWr, Wc, WrOpcode,
+    AddressVector, PortAttr, PostError, Provider, QpAttr, QpCap, QpInitAttr, RecvWr, SendWr, Wc,
+    WrOpcode,
 };
 
 pub use loader::{configured_path, Library, DEFAULT_LIB, LIB_ENV};
@@ -1608,6 +1609,53 @@ impl Provider for RdmaCoreProvider {
             ));
         }
         Ok(g.raw)
+    }
+    /// verbs.h's inline `ibv_query_port` (`___ibv_query_port`): the context's extended
+    /// `query_port` op with the whole 52-byte `ibv_port_attr` when the library has it, else
+    /// the exported compat symbol `ibv_query_port@IBVERBS_1.1`, which fills only the 48-byte
+    /// prefix of a zeroed struct (then `port_cap_flags2` reads 0).
+    fn query_port(&self, port: u8) -> Result<PortAttr> {
+        let mut a = ibv_port_attr::default();
+        let r = match vctx_op!(self.ctx.0, query_port) {
+            // SAFETY: the header's call: open context, a valid out-pointer of the size passed.
+            Some(op) => unsafe {
+                op(
+                    self.ctx.0,
+                    port,
+                    &mut a,
+                    std::mem::size_of::<ibv_port_attr>(),
+                )
+            },
+            // SAFETY: open context; the compat entry writes at most 48 bytes of our 52.
+            None => unsafe { (self.lib.verbs.ibv_query_port)(self.ctx.0, port, &mut a) },
+        };
+        if r != 0 {
+            return Err(ret_error("ibv_query_port", r));
+        }
+        Ok(PortAttr {
+            state: a.state,
+            max_mtu: a.max_mtu,
+            active_mtu: a.active_mtu,
+            gid_tbl_len: u32::try_from(a.gid_tbl_len).unwrap_or(0),
+            port_cap_flags: a.port_cap_flags,
+            max_msg_sz: a.max_msg_sz,
+            bad_pkey_cntr: a.bad_pkey_cntr,
+            qkey_viol_cntr: a.qkey_viol_cntr,
+            pkey_tbl_len: a.pkey_tbl_len,
+            lid: a.lid,
+            sm_lid: a.sm_lid,
+            lmc: a.lmc,
+            max_vl_num: a.max_vl_num,
+            sm_sl: a.sm_sl,
+            subnet_timeout: a.subnet_timeout,
+            init_type_reply: a.init_type_reply,
+            active_width: a.active_width,
+            active_speed: a.active_speed,
+            phys_state: a.phys_state,
+            link_layer: a.link_layer,
+            flags: a.flags,
+            port_cap_flags2: a.port_cap_flags2,
+        })
     }
 }
 

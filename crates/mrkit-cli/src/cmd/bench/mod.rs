@@ -157,7 +157,7 @@ pub fn run(a: BenchArgs, dev: &super::device::Selected) -> u8 {
     pb.set_message("registration cache: hits by working-set size");
     // The hit sweep and the data path measure mrkit0's own paths.
     let mrkit0_only =
-        || json!({"error": format!("measured on mrkit0 only, not on {}", ctx.name())});
+        || json!({"error": format!("measured on mrkit0 only, not on {}", dev.name())});
     let cache_hits = if !embedded {
         mrkit0_only()
     } else if a.quick {
