@@ -87,7 +87,12 @@ pub(super) fn two_process_light() -> Result<Value, String> {
         .and_then(|l| l.local_addr())
         .map_err(|e| e.to_string())?
         .port();
-    let server_addr = "127.79.0.1";
+    // Addresses of this run alone (two bench runs at once on one host must not collide on
+    // their RoCEv2 ports): 127.79.<pid-derived>.<1 = server, 2.. = clients>.
+    let net = (std::process::id() % 250 + 1) as u8;
+    let server_ip = std::net::Ipv4Addr::new(127, 79, net, 1);
+    let server_addr = server_ip.to_string();
+    let server_addr = server_addr.as_str();
     // Each bandwidth point, two latency runs, the start-up probe and the warm-up.
     let runs = DP_SIZES.len() * 2 + 2 + 2;
     let server = helper_command(&["perf", "--server", "--addr", server_addr, "--port"])?
@@ -105,8 +110,7 @@ pub(super) fn two_process_light() -> Result<Value, String> {
     }
     let _server = Reap(server);
     let end = Instant::now() + std::time::Duration::from_secs(10);
-    while std::net::TcpStream::connect(std::net::SocketAddr::from(([127, 79, 0, 1], port))).is_err()
-    {
+    while std::net::TcpStream::connect(std::net::SocketAddr::from((server_ip, port))).is_err() {
         if Instant::now() > end {
             return Err("perf server did not start".into());
         }
@@ -114,7 +118,7 @@ pub(super) fn two_process_light() -> Result<Value, String> {
     }
     let next = std::cell::Cell::new(2u8);
     let one = |op: Op, size: u64, iters: u32| -> Result<Value, String> {
-        let ip = format!("127.79.0.{}", next.get());
+        let ip = format!("127.79.{net}.{}", next.get());
         next.set(next.get() + 1);
         let r = run_client_with(server_addr, port, Some(&ip), op, size, iters, 32)
             .map_err(|e| format!("{op:?} {size} B: {e:#}"))?;
