@@ -424,7 +424,8 @@ impl<B: Registered> QueuePair<B> {
     /// Bring this QP from RESET to RTS against a peer QP `dest_qpn` reached by `av`, whose
     /// first PSN is `rq_psn`, with this side's first PSN `sq_psn` and `opts` (what the peer
     /// may do here, path MTU, ACK timeout, retries, outstanding READ/atomics each way): the
-    /// three `modify_qp` calls of rc_pingpong / perftest, through the provider.
+    /// three `modify_qp` calls of rc_pingpong / perftest — mrkit-soft's one sequence
+    /// (`mrkit_soft::qp::connect::connect_qp`), run through this QP's provider.
     pub(crate) fn bring_up(
         &self,
         av: AddressVector,
@@ -433,40 +434,36 @@ impl<B: Registered> QueuePair<B> {
         sq_psn: u32,
         opts: &crate::ConnectOpts,
     ) -> Result<()> {
-        let mut at = QpAttr {
-            qp_state: QpState::Init as u32,
-            qp_access_flags: opts.access,
-            port_num: 1,
-            ..QpAttr::default()
+        use mrkit_soft::qp::connect::{connect_qp, ConnectOpts as Attrs, ConnectVerbs, RemoteQp};
+        /// The provider as the connect sequence's verbs.
+        struct Through<'a>(&'a dyn crate::Provider);
+        impl ConnectVerbs for Through<'_> {
+            fn modify_qp(&self, qpn: u32, attr: &QpAttr, mask: u32) -> Result<()> {
+                self.0.modify_qp(qpn, attr, mask)
+            }
+            fn bind_udp_port(&self) -> Result<()> {
+                Ok(()) // the provider's `modify_qp` binds what a GID address needs
+            }
+            fn node_id(&self) -> u64 {
+                self.0.local_av().map_or(0, |av| av.dest_node)
+            }
+        }
+        let remote = RemoteQp {
+            qpn: dest_qpn,
+            psn: rq_psn,
+            ip: av.dgid,
+            node: av.dest_node,
         };
-        self.modify_qp(&at, m::STATE | m::PKEY_INDEX | m::PORT | m::ACCESS_FLAGS)?;
-        at.qp_state = QpState::Rtr as u32;
-        at.ah_attr = av;
-        at.path_mtu = opts.path_mtu.ibv();
-        at.dest_qp_num = dest_qpn;
-        at.rq_psn = rq_psn;
-        at.max_dest_rd_atomic = opts.rd_atomic;
-        at.min_rnr_timer = 1;
-        self.modify_qp(
-            &at,
-            m::STATE
-                | m::AV
-                | m::PATH_MTU
-                | m::DEST_QPN
-                | m::RQ_PSN
-                | m::MAX_DEST_RD_ATOMIC
-                | m::MIN_RNR_TIMER,
-        )?;
-        at.qp_state = QpState::Rts as u32;
-        at.sq_psn = sq_psn;
-        at.timeout = opts.timeout;
-        at.retry_cnt = opts.retry_cnt;
-        at.rnr_retry = opts.rnr_retry;
-        at.max_rd_atomic = opts.rd_atomic;
-        self.modify_qp(
-            &at,
-            m::STATE | m::TIMEOUT | m::RETRY_CNT | m::RNR_RETRY | m::SQ_PSN | m::MAX_QP_RD_ATOMIC,
-        )
+        let attrs = Attrs {
+            access: opts.access,
+            path_mtu: opts.path_mtu.ibv(),
+            sq_psn,
+            timeout: opts.timeout,
+            retry_cnt: opts.retry_cnt,
+            rnr_retry: opts.rnr_retry,
+            rd_atomic: opts.rd_atomic,
+        };
+        connect_qp(&Through(&**self.ctx.provider()), self.qpn, remote, attrs)
     }
 
     /// Connect two QPs of this process (same or different contexts, any provider) and move
