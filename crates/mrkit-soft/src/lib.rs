@@ -50,6 +50,7 @@ pub mod driver;
 pub mod error;
 pub mod events;
 pub mod fault;
+#[cfg(any(test, feature = "testkit"))]
 pub mod fuzz;
 mod last_used;
 #[allow(unsafe_code)] // system calls on raw addresses, the fault-recovering copy
@@ -68,6 +69,8 @@ pub mod srq;
 pub mod stat_export;
 pub mod stats;
 pub mod table;
+#[cfg(any(test, feature = "testkit"))]
+pub mod testkit;
 #[allow(unsafe_code)] // `UserMemory::new`: the registration contract
 pub mod user_mem;
 pub mod wire;
