@@ -1,7 +1,7 @@
 //! Fuzzing the receive path and the responder: arbitrary datagrams go through
 //! [`Pkt::from_wire`](crate::pkt::Pkt::from_wire) into a real RC QP whose registered buffer is
-//! surrounded by canary bytes, and the device makes progress until idle. Whatever the input, the
-//! device must not panic, hang, or write outside the registered range.
+//! surrounded by canary bytes, and its QPs run until idle. Whatever the input, nothing may
+//! panic, hang, or write outside the registered range.
 //!
 //! [`fuzz_completer`] does the same for the other direction: arbitrary responses (ACKs, NAKs,
 //! RNR NAKs, READ responses, atomic ACKs, garbage) and retransmission timeouts reach a requester
@@ -67,6 +67,32 @@ fn rc_node(cq_entries: u32, sq_sig_all: bool) -> (VirtualNode, u32, u32, u32) {
         })
         .expect("qp");
     (node, pd, cq, qp)
+}
+
+/// What a fuzzed node sent, as it would leave on the UDP link to `PEER`: each packet is
+/// serialised (its payload gathered from registered memory) and must parse back, with the
+/// ICRC the receiver checks, to the same headers and payload length (and the right pad). Then it is dropped
+/// (nothing listens at `PEER`).
+fn sent_to_peer(pkts: Vec<Pkt>) {
+    let inputs = IcrcInputs::from_socket_addrs(DST, PEER);
+    for p in pkts {
+        let d = p
+            .to_wire(&inputs)
+            .expect("a packet the QP sends serialises");
+        let back = Pkt::from_wire(&d, DST, PEER, PEER_NODE).expect("and parses back");
+        // The pad count is the serialiser's (a packet in memory does not carry one).
+        let len = p.payload.len();
+        assert_eq!(usize::from(back.bth.pad_count), (4 - len % 4) % 4);
+        let bth = crate::wire::Bth {
+            pad_count: p.bth.pad_count,
+            ..back.bth
+        };
+        assert_eq!(
+            (bth, back.ext, back.payload.len()),
+            (p.bth, p.ext, len),
+            "a sent packet survives the wire"
+        );
+    }
 }
 
 /// Move `qp` to RESET (whatever state an input left it in) and connect it again.
@@ -198,10 +224,9 @@ pub fn fuzz_responder(data: &[u8]) {
         if let Ok(p) = Pkt::from_wire_in_batch(&d, src, dst, h.resp.node_id(), seg, icrc_mode) {
             h.resp.receive(p);
         }
-        // A millisecond per input: what the responder sends goes nowhere (settle panics if
-        // the runs do not converge).
+        // A millisecond per input (settle panics if the runs do not converge).
         h.resp.advance(Duration::from_millis(1));
-        drop(h.resp.settle());
+        sent_to_peer(h.resp.settle());
         let mut wcs = Vec::new();
         while h.resp.poll_cq(h.cq, &mut wcs, 64).unwrap_or(0) > 0 {
             wcs.clear();
@@ -304,10 +329,10 @@ fn req_bring_up(h: &ReqHarness) {
     settle(&h.node);
 }
 
-/// Run the node until idle at its virtual time; what it sends goes to the ghost peer, that
-/// is: nowhere. Panics if the runs do not converge.
+/// Run the node until idle at its virtual time; what it sends goes to the ghost peer
+/// ([`sent_to_peer`]). Panics if the runs do not converge.
 fn settle(node: &VirtualNode) {
-    drop(node.settle());
+    sent_to_peer(node.settle());
 }
 
 thread_local! {

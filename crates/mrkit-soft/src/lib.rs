@@ -16,7 +16,9 @@
 //! * the link: [`net`] (RoCEv2 over UDP);
 //! * the driver: [`driver`] ([`Context`] and its verbs, the progress thread, caller-thread
 //!   execution, the loopback link);
-//! * this facade, which only declares and re-exports.
+//! * this facade, which only declares and re-exports; beside it, with the feature `testkit`,
+//!   the test kit (hosts, connected pairs, the virtual clock that runs the engines without a
+//!   device) and the fuzz bodies that run on it.
 //!
 //! ```
 //! use std::sync::Arc;

@@ -73,10 +73,18 @@ pub fn host_with(ctx: Context, cqe: u32, sig_all: bool) -> Host {
 
 /// A PD, a CQ of `cqe` entries and an RC QP (queue sizes `cap`) on `ctx`.
 pub fn host_with_cap(ctx: Context, cqe: u32, cap: QpCap, sig_all: bool) -> Host {
-    let pd = ctx.alloc_pd().unwrap();
-    let cq = ctx.create_cq(cqe, None).unwrap();
-    let (qp, _) = ctx.create_qp(init_cap(pd, cq, cap, sig_all)).unwrap();
-    Host { ctx, pd, cq, qp }
+    Host::new(ctx, cqe, cap, sig_all).unwrap()
+}
+
+impl Host {
+    /// A PD, a CQ of `cqe` entries and an RC QP (queue sizes `cap`, every send WR signaled
+    /// if `sig_all`) on `ctx`; the first error of the three verbs.
+    pub fn new(ctx: Context, cqe: u32, cap: QpCap, sig_all: bool) -> crate::Result<Host> {
+        let pd = ctx.alloc_pd()?;
+        let cq = ctx.create_cq(cqe, None)?;
+        let (qp, _) = ctx.create_qp(init_cap(pd, cq, cap, sig_all))?;
+        Ok(Host { ctx, pd, cq, qp })
+    }
 }
 
 /// Connect the QPs of `a` and `b` on the loopback link (`rc_connect`).
