@@ -136,7 +136,7 @@ impl DataPath {
 
 impl Context {
     /// Do not start a progress thread: the application drives the device with
-    /// [`Context::progress_once`] (or [`loopback::drive_until_idle`]). Call before creating
+    /// [`Context::progress_once`] (or [`loopback::drive_until_idle`](crate::driver::loopback::drive_until_idle)). Call before creating
     /// the first QP.
     pub fn set_manual_progress(&self) {
         self.dev.dp.manual.store(true, Ordering::Release);
