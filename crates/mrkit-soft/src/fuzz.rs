@@ -1,7 +1,7 @@
 //! Fuzzing the receive path and the responder: arbitrary datagrams go through
 //! [`Pkt::from_wire`](crate::pkt::Pkt::from_wire) into a real RC QP whose registered buffer is
-//! surrounded by canary bytes, and the device makes progress until idle. Whatever the input, the
-//! device must not panic, hang, or write outside the registered range.
+//! surrounded by canary bytes, and its QPs run until idle. Whatever the input, nothing may
+//! panic, hang, or write outside the registered range.
 //!
 //! [`fuzz_completer`] does the same for the other direction: arbitrary responses (ACKs, NAKs,
 //! RNR NAKs, READ responses, atomic ACKs, garbage) and retransmission timeouts reach a requester
@@ -9,21 +9,25 @@
 //! reported twice or out of order, progress must converge, and READ data and atomic results
 //! may only land inside the local buffer.
 //!
-//! The bodies are library functions so that stable-toolchain tests drive them with proptest
-//! and the cargo-fuzz targets `fuzz/fuzz_targets/{responder,completer}.rs` drive them with
-//! libFuzzer.
+//! Both run on the test kit's virtual clock ([`VirtualNode`]): the engines on a bare memory
+//! core, packets handed in and out by hand, time advanced only by the input. An iteration
+//! costs no device open, no progress thread and no socket, and it is deterministic.
+//!
+//! The bodies are library functions (feature `testkit`) so that stable-toolchain tests drive
+//! them with proptest and the cargo-fuzz targets `fuzz/fuzz_targets/{responder,completer}.rs`
+//! drive them with libFuzzer.
 #![forbid(unsafe_code)]
 
 use std::cell::RefCell;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::time::Instant;
+use std::time::Duration;
 
 use crate::access::AccessFlags;
 use crate::device::DeviceConfig;
-use crate::driver::Context;
 use crate::pkt::Pkt;
 use crate::qp::connect::{connect_qp, ConnectOpts, RemoteQp};
 use crate::qp::{QpCap, QpInitAttr, QpState, RecvWr, Sge};
+use crate::testkit::VirtualNode;
 use crate::user_mem::UserMemory;
 use crate::wire::IcrcInputs;
 use std::sync::Arc;
@@ -41,15 +45,19 @@ const DST: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(127, 1, 1, 2)),
 const PAD: usize = 4096;
 const MR_LEN: usize = 16384;
 
-/// A device instance driven by hand (no progress thread) with one PD, one CQ of `cq_entries`
-/// and one RC QP on it for both queues: `(context, pd, cq, qp)`. Shared by the fuzz harnesses
-/// and the in-crate data-path tests.
-pub(crate) fn manual_rc_host(cq_entries: u32, sq_sig_all: bool) -> (Context, u32, u32, u32) {
-    let ctx = Context::open(DeviceConfig::rxe());
-    ctx.set_manual_progress();
-    let pd = ctx.alloc_pd().expect("pd");
-    let cq = ctx.create_cq(cq_entries, None).expect("cq");
-    let (qp, _) = ctx
+/// The fuzzed node's loopback id (what it puts in packets it builds).
+const NODE: u64 = 1;
+/// The node id the responder's peer would have on the loopback link (its replies go to
+/// `PEER` over UDP instead, that is: nowhere).
+const PEER_NODE: u64 = 2;
+
+/// A node on the virtual clock with one PD, one CQ of `cq_entries` and one RC QP on it for
+/// both queues: `(node, pd, cq, qp)`.
+fn rc_node(cq_entries: u32, sq_sig_all: bool) -> (VirtualNode, u32, u32, u32) {
+    let node = VirtualNode::new(DeviceConfig::rxe(), NODE);
+    let pd = node.mem().alloc_pd().expect("pd");
+    let cq = node.create_cq(cq_entries).expect("cq");
+    let qp = node
         .create_qp(QpInitAttr {
             pd,
             send_cq: cq,
@@ -58,11 +66,37 @@ pub(crate) fn manual_rc_host(cq_entries: u32, sq_sig_all: bool) -> (Context, u32
             sq_sig_all,
         })
         .expect("qp");
-    (ctx, pd, cq, qp)
+    (node, pd, cq, qp)
+}
+
+/// What a fuzzed node sent, as it would leave on the UDP link to `PEER`: each packet is
+/// serialised (its payload gathered from registered memory) and must parse back, with the
+/// ICRC the receiver checks, to the same headers and payload length (and the right pad). Then it is dropped
+/// (nothing listens at `PEER`).
+fn sent_to_peer(pkts: Vec<Pkt>) {
+    let inputs = IcrcInputs::from_socket_addrs(DST, PEER);
+    for p in pkts {
+        let d = p
+            .to_wire(&inputs)
+            .expect("a packet the QP sends serialises");
+        let back = Pkt::from_wire(&d, DST, PEER, PEER_NODE).expect("and parses back");
+        // The pad count is the serialiser's (a packet in memory does not carry one).
+        let len = p.payload.len();
+        assert_eq!(usize::from(back.bth.pad_count), (4 - len % 4) % 4);
+        let bth = crate::wire::Bth {
+            pad_count: p.bth.pad_count,
+            ..back.bth
+        };
+        assert_eq!(
+            (bth, back.ext, back.payload.len()),
+            (p.bth, p.ext, len),
+            "a sent packet survives the wire"
+        );
+    }
 }
 
 /// Move `qp` to RESET (whatever state an input left it in) and connect it again.
-fn reconnect(c: &Context, qp: u32, remote: RemoteQp, opts: ConnectOpts) -> crate::Result<()> {
+fn reconnect(c: &VirtualNode, qp: u32, remote: RemoteQp, opts: ConnectOpts) -> crate::Result<()> {
     let reset = crate::qp::QpAttr {
         qp_state: QpState::Reset as u32,
         ..crate::qp::QpAttr::default()
@@ -72,11 +106,9 @@ fn reconnect(c: &Context, qp: u32, remote: RemoteQp, opts: ConnectOpts) -> crate
 }
 
 struct Harness {
-    resp: Context,
-    peer: Context,
+    resp: VirtualNode,
     qp: u32,
-    peer_qp: u32,
-    pd: u32,
+    cq: u32,
     /// `PAD` canary bytes, the registered `MR_LEN` bytes, `PAD` canary bytes.
     mem: Arc<Vec<u8>>,
     lkey: u32,
@@ -84,22 +116,16 @@ struct Harness {
 }
 
 fn bring_up(h: &Harness) {
-    // The responder's peer is at `PEER` (its replies go there over UDP); the peer QP reaches
-    // the responder over the loopback link.
-    for (c, q, pq, node, ip) in [
-        (&h.resp, h.qp, h.peer_qp, h.peer.node_id(), Some(PEER.ip())),
-        (&h.peer, h.peer_qp, h.qp, h.resp.node_id(), None),
-    ] {
-        if c.qp_state(q).ok() == Some(QpState::Rts) {
-            continue;
-        }
+    // The responder's peer is at `PEER`: its replies go there over UDP (in this harness: they
+    // are dropped), and the fuzzed requests come from there.
+    if h.resp.qp_state(h.qp).ok() != Some(QpState::Rts) {
         let remote = RemoteQp {
-            qpn: pq,
+            qpn: PEER_QPN,
             psn: 0,
-            ip,
-            node,
+            ip: Some(PEER.ip()),
+            node: PEER_NODE,
         };
-        let _ = reconnect(c, q, remote, ConnectOpts::default());
+        let _ = reconnect(&h.resp, h.qp, remote, ConnectOpts::default());
     }
     let recv = RecvWr {
         wr_id: 1,
@@ -113,8 +139,7 @@ fn bring_up(h: &Harness) {
 }
 
 fn harness() -> Harness {
-    let (resp, pd, _, qp) = manual_rc_host(4096, false);
-    let (peer, _, _, peer_qp) = manual_rc_host(4096, false);
+    let (resp, pd, cq, qp) = rc_node(4096, false);
     let mut mem = vec![CANARY; PAD + MR_LEN + PAD];
     mem[PAD..PAD + MR_LEN].fill(0);
     // The MR holds the buffer (with its canaries) until it is deregistered.
@@ -124,13 +149,11 @@ fn harness() -> Harness {
         | AccessFlags::REMOTE_WRITE
         | AccessFlags::REMOTE_READ
         | AccessFlags::REMOTE_ATOMIC;
-    let mr = resp.reg_mr_va(pd, range, all).expect("mr");
+    let mr = resp.mem().reg_mr_va(pd, range, all).expect("mr");
     let h = Harness {
         resp,
-        peer,
         qp,
-        peer_qp,
-        pd,
+        cq,
         mem,
         lkey: mr.lkey,
         iova: mr.iova,
@@ -199,78 +222,69 @@ pub fn fuzz_responder(data: &[u8]) {
             let _ = inputs.fill(&mut d);
         }
         if let Ok(p) = Pkt::from_wire_in_batch(&d, src, dst, h.resp.node_id(), seg, icrc_mode) {
-            h.resp.dev.dp.enqueue_packet(p);
+            h.resp.receive(p);
         }
-        let now = Instant::now();
-        let mut rounds = 0;
-        while h.resp.progress_once(now) + h.peer.progress_once(now) > 0 {
-            rounds += 1;
-            assert!(rounds < 10_000, "progress does not converge (livelock)");
-        }
+        // A millisecond per input (settle panics if the runs do not converge).
+        h.resp.advance(Duration::from_millis(1));
+        sent_to_peer(h.resp.settle());
         let mut wcs = Vec::new();
-        for c in [&h.resp, &h.peer] {
-            for cqn in c.dev.dp.cqs.read().keys().copied().collect::<Vec<_>>() {
-                while c.poll_cq(cqn, &mut wcs, 64).unwrap_or(0) > 0 {
-                    wcs.clear();
-                }
-            }
+        while h.resp.poll_cq(h.cq, &mut wcs, 64).unwrap_or(0) > 0 {
+            wcs.clear();
         }
         assert!(
             h.mem[..PAD].iter().all(|&b| b == CANARY)
                 && h.mem[PAD + MR_LEN..].iter().all(|&b| b == CANARY),
             "a packet wrote outside the registered range"
         );
-        let _ = h.pd;
         bring_up(h);
     });
 }
 
-/// The requester side of [`fuzz_completer`]: one RC QP whose peer does not exist (its
-/// packets are dropped), and one registered buffer between canaries that is the source of
+/// The requester side of [`fuzz_completer`]: one RC QP on the virtual clock whose peer does
+/// not exist (its packets are dropped), and one registered buffer between canaries that is the source of
 /// the SENDs/WRITEs and the target of READ data and atomic results.
 struct ReqHarness {
-    ctx: Context,
+    node: VirtualNode,
     qp: u32,
     cq: u32,
     /// `PAD` canary bytes, the registered `MR_LEN` bytes, `PAD` canary bytes.
     mem: Arc<Vec<u8>>,
     lkey: u32,
     iova: u64,
-    /// The latest `now` handed to the device: time given to the timers never goes back
-    /// between inputs (the device keeps deadlines in that time).
-    clock: Instant,
 }
 
 /// The peer QPN the requester talks to (it exists nowhere).
 const GHOST_QPN: u32 = 0x77;
-/// A node id no context has: the loopback network drops what is sent there.
+/// The QPN of the responder's peer (it exists nowhere either).
+const PEER_QPN: u32 = 0x78;
+/// A node id no node has: what is sent there is dropped.
 const GHOST_NODE: u64 = u64::MAX - 1;
 /// Send WQEs posted per input: SEND (3 packets at MTU 1024), WRITE, READ (3 responses),
 /// FETCH_ADD, SEND. PSNs 0-2, 3, 4-6, 7, 8.
 const BATCH: u64 = 5;
 
 fn req_harness() -> ReqHarness {
-    let (ctx, pd, cq, qp) = manual_rc_host(4096, true);
+    let (node, pd, cq, qp) = rc_node(4096, true);
     let mut mem = vec![CANARY; PAD + MR_LEN + PAD];
     mem[PAD..PAD + MR_LEN].fill(0);
     let mem = Arc::new(mem);
     let range = UserMemory::owned_range(mem.clone(), PAD as u64, MR_LEN as u64).expect("range");
-    let mr = ctx
+    let mr = node
+        .mem()
         .reg_mr_va(pd, range, AccessFlags::LOCAL_WRITE)
         .expect("mr");
     ReqHarness {
-        ctx,
+        node,
         qp,
         cq,
         mem,
         lkey: mr.lkey,
         iova: mr.iova,
-        clock: Instant::now(),
     }
 }
 
 /// Reset the QP, connect it to the ghost peer and post [`BATCH`] WQEs (sent and dropped).
-fn req_bring_up(h: &ReqHarness, now: Instant) {
+fn req_bring_up(h: &ReqHarness) {
     use crate::qp::{SendWr, WrOpcode};
     let remote = RemoteQp {
         qpn: GHOST_QPN,
@@ -286,7 +300,7 @@ fn req_bring_up(h: &ReqHarness, now: Instant) {
         rnr_retry: 2,
         ..ConnectOpts::default()
     };
-    reconnect(&h.ctx, h.qp, remote, opts).expect("reset and connect");
+    reconnect(&h.node, h.qp, remote, opts).expect("reset and connect");
     let sge = |off: u64, len: u32| Sge {
         addr: h.iova + off,
         length: len,
@@ -309,18 +323,16 @@ fn req_bring_up(h: &ReqHarness, now: Instant) {
     fadd.compare_add = 1;
     let mut last = SendWr::new(4, WrOpcode::Send);
     last.sg_list = vec![sge(8192, 10)];
-    h.ctx
+    h.node
         .post_send(h.qp, &[send, write, read, fadd, last])
         .expect("post");
-    settle(&h.ctx, now);
+    settle(&h.node);
 }
 
-fn settle(ctx: &Context, now: Instant) {
-    let mut rounds = 0;
-    while ctx.progress_once(now) > 0 {
-        rounds += 1;
-        assert!(rounds < 10_000, "progress does not converge (livelock)");
-    }
+/// Run the node until idle at its virtual time; what it sends goes to the ghost peer
+/// ([`sent_to_peer`]). Panics if the runs do not converge.
+fn settle(node: &VirtualNode) {
+    sent_to_peer(node.settle());
 }
 
 thread_local! {
@@ -341,8 +353,7 @@ pub fn fuzz_completer(data: &[u8]) -> Vec<crate::cq::Wc> {
     R.with(|cell| {
         let mut g = cell.borrow_mut();
         let h = g.get_or_insert_with(req_harness);
-        let mut now = Instant::now().max(h.clock);
-        req_bring_up(h, now);
+        req_bring_up(h);
         let mut rest = data;
         while rest.len() >= 6 {
             let (r, tail) = rest.split_at(6);
@@ -386,8 +397,8 @@ pub fn fuzz_completer(data: &[u8]) -> Vec<crate::cq::Wc> {
                     })
                     .to_vec(&[], &inputs),
                 6 => {
-                    now += std::time::Duration::from_millis(u64::from(r[2]) * 10);
-                    settle(&h.ctx, now);
+                    h.node.advance(Duration::from_millis(u64::from(r[2]) * 10));
+                    settle(&h.node);
                     continue;
                 }
                 _ => {
@@ -396,15 +407,14 @@ pub fn fuzz_completer(data: &[u8]) -> Vec<crate::cq::Wc> {
                 }
             };
             if let Ok(d) = dgram {
-                if let Ok(p) = Pkt::from_wire(&d, src, DST, h.ctx.node_id()) {
-                    h.ctx.dev.dp.enqueue_packet(p);
+                if let Ok(p) = Pkt::from_wire(&d, src, DST, h.node.node_id()) {
+                    h.node.receive(p);
                 }
             }
-            settle(&h.ctx, now);
+            settle(&h.node);
         }
-        h.clock = now;
         let mut wcs = Vec::new();
-        while h.ctx.poll_cq(h.cq, &mut wcs, 64).unwrap_or(0) > 0 {}
+        while h.node.poll_cq(h.cq, &mut wcs, 64).unwrap_or(0) > 0 {}
         let ids: Vec<u64> = wcs.iter().map(|w| w.wr_id).collect();
         assert!(
             ids.len() as u64 <= BATCH && ids.windows(2).all(|w| w[0] < w[1]),
@@ -562,6 +572,39 @@ mod tests {
         let s1 = stats();
         assert_eq!(s1.rx_drop_src_addr, s0.rx_drop_src_addr + 1, "{s1:?}");
         assert_eq!(s1.rx_drop_pkey, s0.rx_drop_pkey + 1, "{s1:?}");
+    }
+
+    /// The responder harness is not vacuous: a repaired RDMA WRITE (QPN, PSN and RETH aimed
+    /// at the buffer) lands in the registered range, at the offset the harness aims it.
+    #[test]
+    fn responder_harness_places_a_repaired_write_in_the_mr() {
+        let reth = Reth {
+            // Bytes 12-13 of the datagram (0x0100) choose offset 256 - 32 into the MR.
+            va: 0x0100_0000_0000_0000,
+            rkey: 0,
+            dma_len: 8,
+        };
+        let mut v = vec![0x7];
+        let b = PacketBuilder::new(Opcode::RdmaWriteOnly, 0, 0).reth(reth);
+        v.extend(
+            b.to_vec(
+                &[0xEE; 8],
+                &IcrcInputs::ipv4(
+                    Ipv4Addr::new(127, 1, 1, 1),
+                    Ipv4Addr::new(127, 1, 1, 2),
+                    0xc001,
+                    4791,
+                ),
+            )
+            .unwrap(),
+        );
+        fuzz_responder(&v);
+        H.with(|h| {
+            let g = h.borrow();
+            let m = &g.as_ref().unwrap().mem;
+            assert_eq!(m[PAD + 224..PAD + 232], [0xEE; 8]);
+            assert!(m[PAD..PAD + 224].iter().all(|&b| b == 0));
+        });
     }
 
     proptest! {

@@ -16,7 +16,9 @@
 //! * the link: [`net`] (RoCEv2 over UDP);
 //! * the driver: [`driver`] ([`Context`] and its verbs, the progress thread, caller-thread
 //!   execution, the loopback link);
-//! * this facade, which only declares and re-exports.
+//! * this facade, which only declares and re-exports; beside it, with the feature `testkit`,
+//!   the test kit (hosts, connected pairs, the virtual clock that runs the engines without a
+//!   device) and the fuzz bodies that run on it.
 //!
 //! ```
 //! use std::sync::Arc;
@@ -50,6 +52,7 @@ pub mod driver;
 pub mod error;
 pub mod events;
 pub mod fault;
+#[cfg(any(test, feature = "testkit"))]
 pub mod fuzz;
 mod last_used;
 #[allow(unsafe_code)] // system calls on raw addresses, the fault-recovering copy
@@ -68,6 +71,8 @@ pub mod srq;
 pub mod stat_export;
 pub mod stats;
 pub mod table;
+#[cfg(any(test, feature = "testkit"))]
+pub mod testkit;
 #[allow(unsafe_code)] // `UserMemory::new`: the registration contract
 pub mod user_mem;
 pub mod wire;

@@ -44,7 +44,7 @@ const LAYERS: &[(&str, &[&str])] = &[
     ("engines", &["pkt", "cq", "srq", "qp", "counters"]),
     ("link", &["net"]),
     ("driver", &["driver", "stat_export"]),
-    ("facade", &["lib", "fuzz"]),
+    ("facade", &["lib", "fuzz", "testkit"]),
 ];
 
 fn layer_of(module: &str) -> Option<usize> {

@@ -9,11 +9,11 @@ mod common;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, UdpSocket};
 use std::time::{Duration, Instant};
 
-use common::{all, connect_udp, ctx_with, host_with_cap, poll_n, udp_ip, BufHost};
+use common::{all, connect_udp, ctx_with, host_with_cap, init, poll_n, udp_ip, BufHost};
 use mrkit_soft::cq::WcStatus;
 use mrkit_soft::net::udp::{NetStatsSnapshot, ROCE_PORT};
 use mrkit_soft::qp::connect::{connect_qp, ConnectOpts, RemoteQp};
-use mrkit_soft::qp::{attr_mask, send_flags, QpAttr, QpCap, QpInitAttr, QpState, SendWr, WrOpcode};
+use mrkit_soft::qp::{attr_mask, send_flags, QpAttr, QpCap, QpState, SendWr, WrOpcode};
 use mrkit_soft::wire::{Aeth, AtomicEth, IcrcInputs, Opcode, PacketBuilder, Reth};
 use mrkit_soft::DeviceConfig;
 
@@ -204,16 +204,7 @@ fn packets_for_a_qp_in_the_wrong_state_are_dropped_and_counted() {
     let b_ip = udp_ip(&b);
     let from_a = hostile(a_ip);
     // A second QP on b, in RESET.
-    let (q, _) = b
-        .ctx
-        .create_qp(QpInitAttr {
-            pd: b.pd,
-            send_cq: b.cq,
-            recv_cq: b.cq,
-            cap: QpCap::default(),
-            sq_sig_all: false,
-        })
-        .unwrap();
+    let (q, _) = b.ctx.create_qp(init(b.pd, b.cq, false)).unwrap();
     let s0 = b.ctx.net_stats();
     let reth = Reth {
         va: b.mr.iova,

@@ -4,6 +4,11 @@
 //! [`Netns`]: two network namespaces joined by a veth pair, the "two hosts" of the
 //! `mrkit perf` and `ibv_rc_pingpong` tests.
 //!
+//! Hosts on the software device (context, PD, CQ, RC QP), connected pairs over the loopback
+//! link or UDP, and the virtual clock that runs the QP engines without a device are in
+//! mrkit-soft itself: `mrkit_soft::testkit` (feature `testkit`), because the fuzz bodies in
+//! that library and its own unit tests use them (see `docs/architecture.md`, "Test kit").
+//!
 //! ```no_run
 //! use mrkit_testsupport::{Netns, ADDR_A};
 //! use std::process::Command;

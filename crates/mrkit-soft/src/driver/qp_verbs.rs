@@ -3,26 +3,20 @@
 //! ([`RunHost`]: timers, scheduling, events, notices) and of connecting ([`ConnectVerbs`]).
 #![forbid(unsafe_code)]
 
-use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use parking_lot::Mutex;
-
 use super::{loopback, progress, Context};
-use crate::access::AccessFlags;
 use crate::error::{err, Result};
 use crate::events::AsyncEvent;
 use crate::memcore::MemCore;
 use crate::qp::connect::ConnectVerbs;
 use crate::qp::{
-    attr_mask, comp, idle_for_inline, pow2, req, resp, state, validate_send, Inbox, Notice,
-    PostError, QpAttr, QpCap, QpInitAttr, QpInner, QpObject, QpState, RecvWqe, RecvWr, RunHost,
-    SendWr, LAST_QP,
+    idle_for_inline, Notice, PostError, QpAttr, QpCap, QpInitAttr, QpObject, QpState, RecvWr,
+    RunHost, SendWr, LAST_QP,
 };
 use crate::stats::RxDrop;
-use crate::wire::PSN_MASK;
 
 impl RunHost for Context {
     fn mem(&self) -> &MemCore {
@@ -189,35 +183,15 @@ impl Context {
             cap,
             ..QpAttr::default()
         };
-        let obj = Arc::new(QpObject {
+        let obj = Arc::new(QpObject::new(
             qpn,
             pd,
             send_cq,
             recv_cq,
-            sq_sig_all: init.sq_sig_all,
+            init.sq_sig_all,
             srq,
-            inbox: Inbox::default(),
-            scheduled: AtomicBool::new(false),
-            delay_acks: AtomicBool::new(true),
-            destroyed: AtomicBool::new(false),
-            delivering: std::sync::atomic::AtomicU32::new(0),
-            inner: Mutex::new(QpInner {
-                attr,
-                state: QpState::Reset,
-                sq: req::SendQueue::default(),
-                rq: VecDeque::new(),
-                req: req::Requester::default(),
-                comp: comp::Completer::new(Instant::now()),
-                resp: resp::Responder::default(),
-                destroyed: false,
-                sqd_notified: false,
-                last_wqe_notified: false,
-                send_wcs: Vec::new(),
-                inbox_spare: Vec::new(),
-                recv_wcs: Vec::new(),
-                timer_at: None,
-            }),
-        });
+            attr,
+        ));
         dp.qps.write().insert(qpn, obj);
         dp.ensure_thread(&self.dev);
         Ok((qpn, cap))
@@ -277,185 +251,10 @@ impl Context {
     /// A transition to RESET empties the queues and removes the QP's completions from its send
     /// and receive CQs (other QPs' completions stay; see `cq.rs`).
     pub fn modify_qp(&self, qpn: u32, attr: &QpAttr, mask: u32) -> Result<()> {
-        use attr_mask as m;
         // Held (delayed) ACKs leave before the QP changes state (held_acks::ACK_DELAY_MAX).
         self.flush_acks(None);
         let q = self.qp(qpn)?;
-        let mut g = q.inner.lock();
-        let cur = g.state;
-        let to = state::check_modify(cur, mask, attr.qp_state)?;
-        let dev = self.dev.core.config.attr();
-        if mask & m::CUR_STATE != 0 && attr.cur_qp_state != cur as u32 {
-            return Err(err!(
-                EINVAL,
-                "cur_qp_state {} does not match the QP's state {:?}",
-                attr.cur_qp_state,
-                cur
-            ));
-        }
-        if mask & m::PORT != 0 && attr.port_num != 1 {
-            return Err(err!(
-                EINVAL,
-                "port {} does not exist (mrkit0 has port 1)",
-                attr.port_num
-            ));
-        }
-        if mask & m::AV != 0 && attr.ah_attr.port_num > 1 {
-            return Err(err!(
-                EINVAL,
-                "address vector names port {}",
-                attr.ah_attr.port_num
-            ));
-        }
-        if mask & m::PKEY_INDEX != 0 && attr.pkey_index >= dev.max_pkeys {
-            return Err(err!(
-                EINVAL,
-                "pkey_index {} >= max_pkeys {}",
-                attr.pkey_index,
-                dev.max_pkeys
-            ));
-        }
-        if mask & m::ACCESS_FLAGS != 0 && attr.qp_access_flags.bits() & !AccessFlags::SUPPORTED != 0
-        {
-            return Err(err!(
-                EINVAL,
-                "unknown QP access bits {:#x}",
-                attr.qp_access_flags.bits()
-            ));
-        }
-        if mask & m::PATH_MTU != 0 && !(1..=5).contains(&attr.path_mtu) {
-            return Err(err!(
-                EINVAL,
-                "path_mtu {} is not IBV_MTU_256..IBV_MTU_4096",
-                attr.path_mtu
-            ));
-        }
-        if mask & m::MAX_QP_RD_ATOMIC != 0 && attr.max_rd_atomic > dev.max_qp_init_rd_atom {
-            return Err(err!(
-                EINVAL,
-                "max_rd_atomic {} > {}",
-                attr.max_rd_atomic,
-                dev.max_qp_init_rd_atom
-            ));
-        }
-        if mask & m::MAX_DEST_RD_ATOMIC != 0 && attr.max_dest_rd_atomic > dev.max_qp_rd_atom {
-            return Err(err!(
-                EINVAL,
-                "max_dest_rd_atomic {} > {}",
-                attr.max_dest_rd_atomic,
-                dev.max_qp_rd_atom
-            ));
-        }
-        if mask & m::TIMEOUT != 0 && attr.timeout > 31 {
-            return Err(err!(EINVAL, "timeout {} > 31", attr.timeout));
-        }
-        if mask & m::RETRY_CNT != 0 && attr.retry_cnt > 7 {
-            return Err(err!(EINVAL, "retry_cnt {} > 7", attr.retry_cnt));
-        }
-        if mask & m::RNR_RETRY != 0 && attr.rnr_retry > 7 {
-            return Err(err!(EINVAL, "rnr_retry {} > 7", attr.rnr_retry));
-        }
-        if mask & m::MIN_RNR_TIMER != 0 && attr.min_rnr_timer > 31 {
-            return Err(err!(EINVAL, "min_rnr_timer {} > 31", attr.min_rnr_timer));
-        }
-        if mask & m::CAP != 0 {
-            let c = attr.cap;
-            if c.max_send_wr > dev.max_qp_wr
-                || c.max_recv_wr > dev.max_qp_wr
-                || c.max_send_sge > dev.max_sge
-                || c.max_recv_sge > dev.max_sge
-                || c.max_inline_data > dev.max_inline_data
-            {
-                return Err(err!(EINVAL, "IBV_QP_CAP exceeds the device limits"));
-            }
-        }
-        // Apply.
-        let a = &mut g.attr;
-        if mask & m::EN_SQD_ASYNC_NOTIFY != 0 {
-            a.en_sqd_async_notify = attr.en_sqd_async_notify;
-        }
-        if mask & m::ACCESS_FLAGS != 0 {
-            a.qp_access_flags = attr.qp_access_flags;
-        }
-        if mask & m::PKEY_INDEX != 0 {
-            a.pkey_index = attr.pkey_index;
-        }
-        if mask & m::PORT != 0 {
-            a.port_num = attr.port_num;
-        }
-        if mask & m::AV != 0 {
-            a.ah_attr = attr.ah_attr;
-        }
-        if mask & m::PATH_MTU != 0 {
-            a.path_mtu = attr.path_mtu;
-        }
-        if mask & m::TIMEOUT != 0 {
-            a.timeout = attr.timeout;
-        }
-        if mask & m::RETRY_CNT != 0 {
-            a.retry_cnt = attr.retry_cnt;
-        }
-        if mask & m::RNR_RETRY != 0 {
-            a.rnr_retry = attr.rnr_retry;
-        }
-        if mask & m::RQ_PSN != 0 {
-            a.rq_psn = attr.rq_psn & PSN_MASK;
-        }
-        if mask & m::MAX_QP_RD_ATOMIC != 0 {
-            a.max_rd_atomic = pow2(attr.max_rd_atomic);
-        }
-        if mask & m::MIN_RNR_TIMER != 0 {
-            a.min_rnr_timer = attr.min_rnr_timer;
-        }
-        if mask & m::SQ_PSN != 0 {
-            a.sq_psn = attr.sq_psn & PSN_MASK;
-        }
-        if mask & m::MAX_DEST_RD_ATOMIC != 0 {
-            a.max_dest_rd_atomic = pow2(attr.max_dest_rd_atomic);
-        }
-        if mask & m::DEST_QPN != 0 {
-            a.dest_qp_num = attr.dest_qp_num & crate::wire::QPN_MASK;
-        }
-        if mask & m::CAP != 0 {
-            a.cap = attr.cap;
-        }
-        let a = *a;
-        g.state = to;
-        match to {
-            QpState::Reset if cur != QpState::Reset => {
-                g.sq = req::SendQueue::default();
-                if let Some(s) = &q.srq {
-                    s.give_back(g.rq.drain(..));
-                }
-                g.rq.clear();
-                g.last_wqe_notified = false;
-                g.req = req::Requester::default();
-                g.comp = comp::Completer::new(Instant::now());
-                g.resp = resp::Responder::default();
-                q.inbox.clear();
-                // CQ clean (cq.rs): under the QP lock, so no completion of this QP can be
-                // pushed between the clean and the state change becoming visible.
-                q.send_cq.clean_qp(qpn);
-                if !Arc::ptr_eq(&q.send_cq, &q.recv_cq) {
-                    q.recv_cq.clean_qp(qpn);
-                }
-            }
-            QpState::Rtr if cur == QpState::Init => g.resp.reset(a.rq_psn),
-            QpState::Rts if cur == QpState::Rtr => {
-                g.req.start(a.sq_psn);
-                g.comp.start(
-                    a.sq_psn,
-                    a.retry_cnt,
-                    a.rnr_retry,
-                    a.timeout,
-                    Instant::now(),
-                );
-            }
-            QpState::Sqd => g.sqd_notified = false,
-            _ => {}
-        }
-        g.comp.set_limits(a.retry_cnt, a.rnr_retry, a.timeout);
-        drop(g);
+        q.modify(self.dev.core.config.attr(), attr, mask, Instant::now())?;
         self.dev.dp.schedule(qpn);
         Ok(())
     }
@@ -488,28 +287,7 @@ impl Context {
         // Inline requester (docs/datapath.md "Latency"): an idle QP in RTS generates and
         // delivers its packets on the caller's thread instead of waking the progress thread.
         let inline = g.state == QpState::Rts && idle_for_inline(&g.sq) && !self.dev.dp.manual();
-        let res = (|| {
-            for (i, wr) in wrs.iter().enumerate() {
-                let fail = |error| PostError { bad_wr: i, error };
-                if matches!(g.state, QpState::Reset | QpState::Init | QpState::Rtr) {
-                    return Err(fail(err!(
-                        EINVAL,
-                        "post_send on a QP in {:?}; move it to RTS first",
-                        g.state
-                    )));
-                }
-                let wqe = validate_send(wr, &g.attr.cap).map_err(fail)?;
-                if g.sq.q.len() as u32 >= g.attr.cap.max_send_wr {
-                    return Err(fail(err!(
-                        ENOMEM,
-                        "send queue full ({} WRs outstanding); poll the CQ or raise max_send_wr",
-                        g.attr.cap.max_send_wr
-                    )));
-                }
-                g.sq.q.push_back(wqe);
-            }
-            Ok(())
-        })();
+        let res = crate::qp::post::push_sends(&mut g, wrs);
         q.delay_acks.store(true, Ordering::Relaxed);
         self.dev.dp.answered.store(true, Ordering::Relaxed);
         if inline {
@@ -533,45 +311,7 @@ impl Context {
     ) -> std::result::Result<(), PostError> {
         let qpn = q.qpn;
         let mut g = q.inner.lock();
-        let mut flushed = false;
-        let res = (|| {
-            for (i, wr) in wrs.iter().enumerate() {
-                let fail = |error| PostError { bad_wr: i, error };
-                if q.srq.is_some() {
-                    return Err(fail(err!(
-                        EINVAL,
-                        "QP {qpn} takes receives from an SRQ; use post_srq_recv"
-                    )));
-                }
-                if g.state == QpState::Reset {
-                    return Err(fail(err!(
-                        EINVAL,
-                        "post_recv on a QP in RESET; move it to INIT first"
-                    )));
-                }
-                if wr.sg_list.len() as u32 > g.attr.cap.max_recv_sge {
-                    return Err(fail(err!(
-                        EINVAL,
-                        "{} SGEs > max_recv_sge {}",
-                        wr.sg_list.len(),
-                        g.attr.cap.max_recv_sge
-                    )));
-                }
-                if g.rq.len() as u32 >= g.attr.cap.max_recv_wr {
-                    return Err(fail(err!(
-                        ENOMEM,
-                        "receive queue full ({})",
-                        g.attr.cap.max_recv_wr
-                    )));
-                }
-                g.rq.push_back(RecvWqe {
-                    wr_id: wr.wr_id,
-                    sges: wr.sg_list.clone(),
-                });
-                flushed |= g.state == QpState::Err;
-            }
-            Ok(())
-        })();
+        let (res, flushed) = crate::qp::post::push_recvs(q, &mut g, wrs);
         drop(g);
         if flushed {
             // A receive posted in ERR completes at once with WR_FLUSH_ERR (the next run

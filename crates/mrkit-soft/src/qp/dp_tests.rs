@@ -20,8 +20,8 @@ type Host = (Context, u32, u32, u32);
 
 /// Two manual hosts whose RC QPs are connected to each other with `access` (MTU 1024).
 fn connected(access: A) -> (Host, Host) {
-    let a = crate::fuzz::manual_rc_host(64, true);
-    let b = crate::fuzz::manual_rc_host(64, true);
+    let a = crate::testkit::host::manual_rc_host(64, true);
+    let b = crate::testkit::host::manual_rc_host(64, true);
     rc_connect(&a.0, a.3, &b.0, b.3, access, 3).unwrap();
     (a, b)
 }

@@ -9,6 +9,7 @@ pub mod comp;
 pub mod connect;
 #[cfg(test)]
 mod dp_tests;
+mod modify;
 pub(crate) mod post;
 pub mod req;
 pub mod resp;
@@ -19,8 +20,8 @@ pub mod state;
 pub mod wr;
 
 pub use connect::rc_connect;
-pub(crate) use post::{idle_for_inline, pow2, validate_send};
-pub(crate) use run::{CopyOwner, Inbox, Notice, Out, QpCtx, QpInner, QpObject, RunHost, LAST_QP};
+pub(crate) use post::{idle_for_inline, pow2};
+pub(crate) use run::{CopyOwner, Notice, Out, QpCtx, QpInner, QpObject, RunHost, LAST_QP};
 pub use state::{attr_mask, QpState};
 pub(crate) use wr::RecvWqe;
 pub use wr::{

@@ -3,7 +3,9 @@
 #![forbid(unsafe_code)]
 
 use super::req;
-use super::{send_flags, QpCap, SendWr, WrOpcode};
+use super::{
+    send_flags, PostError, QpCap, QpInner, QpObject, QpState, RecvWqe, RecvWr, SendWr, WrOpcode,
+};
 use crate::error::{err, Result};
 
 /// `v` rounded up to a power of two (0 stays 0): how `max_rd_atomic` and `max_dest_rd_atomic`
@@ -95,6 +97,84 @@ pub(crate) fn validate_send(wr: &SendWr, cap: &QpCap) -> Result<req::Wqe> {
 /// (4 KiB WRITEs with 64 in flight fell from ~2.9 to ~1.1 GB/s).
 pub(crate) fn idle_for_inline(sq: &req::SendQueue) -> bool {
     sq.cursor == sq.q.len() && sq.q.len() <= 1
+}
+
+/// `ibv_post_send`'s queueing on a locked QP: each WR in turn gets the post-time checks (state
+/// RESET/INIT/RTR → EINVAL, [`validate_send`], send queue full → ENOMEM) and joins the send
+/// queue; the WRs before the failing one stay posted. Running the QP is the caller's.
+pub(crate) fn push_sends(g: &mut QpInner, wrs: &[SendWr]) -> std::result::Result<(), PostError> {
+    for (i, wr) in wrs.iter().enumerate() {
+        let fail = |error| PostError { bad_wr: i, error };
+        if matches!(g.state, QpState::Reset | QpState::Init | QpState::Rtr) {
+            return Err(fail(err!(
+                EINVAL,
+                "post_send on a QP in {:?}; move it to RTS first",
+                g.state
+            )));
+        }
+        let wqe = validate_send(wr, &g.attr.cap).map_err(fail)?;
+        if g.sq.q.len() as u32 >= g.attr.cap.max_send_wr {
+            return Err(fail(err!(
+                ENOMEM,
+                "send queue full ({} WRs outstanding); poll the CQ or raise max_send_wr",
+                g.attr.cap.max_send_wr
+            )));
+        }
+        g.sq.q.push_back(wqe);
+    }
+    Ok(())
+}
+
+/// `ibv_post_recv`'s queueing on a locked QP: RESET → EINVAL, a QP on an SRQ → EINVAL, too
+/// many SGEs → EINVAL, receive queue full → ENOMEM; the WRs before the failing one stay
+/// posted. Also returns whether a WR was posted in ERR (the caller schedules the QP, whose
+/// next run flushes it).
+pub(crate) fn push_recvs(
+    q: &QpObject,
+    g: &mut QpInner,
+    wrs: &[RecvWr],
+) -> (std::result::Result<(), PostError>, bool) {
+    let qpn = q.qpn;
+    let mut flushed = false;
+    let res = (|| {
+        for (i, wr) in wrs.iter().enumerate() {
+            let fail = |error| PostError { bad_wr: i, error };
+            if q.srq.is_some() {
+                return Err(fail(err!(
+                    EINVAL,
+                    "QP {qpn} takes receives from an SRQ; use post_srq_recv"
+                )));
+            }
+            if g.state == QpState::Reset {
+                return Err(fail(err!(
+                    EINVAL,
+                    "post_recv on a QP in RESET; move it to INIT first"
+                )));
+            }
+            if wr.sg_list.len() as u32 > g.attr.cap.max_recv_sge {
+                return Err(fail(err!(
+                    EINVAL,
+                    "{} SGEs > max_recv_sge {}",
+                    wr.sg_list.len(),
+                    g.attr.cap.max_recv_sge
+                )));
+            }
+            if g.rq.len() as u32 >= g.attr.cap.max_recv_wr {
+                return Err(fail(err!(
+                    ENOMEM,
+                    "receive queue full ({})",
+                    g.attr.cap.max_recv_wr
+                )));
+            }
+            g.rq.push_back(RecvWqe {
+                wr_id: wr.wr_id,
+                sges: wr.sg_list.clone(),
+            });
+            flushed |= g.state == QpState::Err;
+        }
+        Ok(())
+    })();
+    (res, flushed)
 }
 
 #[cfg(test)]

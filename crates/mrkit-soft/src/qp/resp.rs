@@ -969,8 +969,8 @@ mod tests {
     /// Two manual hosts, `b` exposing `len` bytes for READ, `a` a `len`-byte destination.
     fn pair(len: usize) -> Pair {
         let all = A::LOCAL_WRITE | A::REMOTE_WRITE | A::REMOTE_READ | A::REMOTE_ATOMIC;
-        let (a, apd, acq, aqp) = crate::fuzz::manual_rc_host(256, true);
-        let (b, bpd, _, bqp) = crate::fuzz::manual_rc_host(256, true);
+        let (a, apd, acq, aqp) = crate::testkit::host::manual_rc_host(256, true);
+        let (b, bpd, _, bqp) = crate::testkit::host::manual_rc_host(256, true);
         rc_connect(&a, aqp, &b, bqp, all, 3).unwrap();
         let src = std::sync::Arc::new((0..len).map(|i| (i * 7 + 3) as u8).collect::<Vec<u8>>());
         let dst = std::sync::Arc::new(vec![0u8; len]);

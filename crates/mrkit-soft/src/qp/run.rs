@@ -298,6 +298,51 @@ pub(crate) struct QpObject {
     pub inner: Mutex<QpInner>,
 }
 
+impl QpObject {
+    /// A new QP in RESET with attributes `attr` (its capacities set). The caller has taken
+    /// the references its PD, CQs and SRQ count.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        qpn: u32,
+        pd: Arc<PdObject>,
+        send_cq: Arc<CqObject>,
+        recv_cq: Arc<CqObject>,
+        sq_sig_all: bool,
+        srq: Option<Arc<crate::srq::SrqObject>>,
+        attr: QpAttr,
+    ) -> QpObject {
+        QpObject {
+            qpn,
+            pd,
+            send_cq,
+            recv_cq,
+            sq_sig_all,
+            srq,
+            inbox: Inbox::default(),
+            scheduled: AtomicBool::new(false),
+            delay_acks: AtomicBool::new(true),
+            destroyed: AtomicBool::new(false),
+            delivering: std::sync::atomic::AtomicU32::new(0),
+            inner: Mutex::new(QpInner {
+                attr,
+                state: QpState::Reset,
+                sq: req::SendQueue::default(),
+                rq: VecDeque::new(),
+                req: req::Requester::default(),
+                comp: comp::Completer::new(Instant::now()),
+                resp: resp::Responder::default(),
+                destroyed: false,
+                sqd_notified: false,
+                last_wqe_notified: false,
+                send_wcs: Vec::new(),
+                inbox_spare: Vec::new(),
+                recv_wcs: Vec::new(),
+                timer_at: None,
+            }),
+        }
+    }
+}
+
 thread_local! {
     /// The QP this thread posted to or received for last (`last_used.rs`).
     pub(crate) static LAST_QP: crate::last_used::Slot<QpObject> = const { std::cell::RefCell::new(None) };

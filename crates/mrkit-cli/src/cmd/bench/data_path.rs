@@ -5,6 +5,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use mrkit::AccessFlags;
+use mrkit_soft::qp::QpCap;
+use mrkit_soft::testkit::Host;
 use mrkit_soft::{Context, DeviceConfig, UserMemory};
 use serde_json::{json, Value};
 
@@ -13,32 +15,15 @@ pub(super) const DP_SIZES: [usize; 3] = [4096, 65536, 1 << 20];
 /// DRAM-resident arenas: offsets rotate across this many bytes, far beyond the LLC.
 pub(super) const DP_ARENA: usize = 64 << 20;
 
-/// One side of the in-process pair: its device, CQ and QP.
-pub(super) struct DpSide {
-    ctx: Context,
-    cq: u32,
-    qp: u32,
-    pd: u32,
-}
+/// One side of the in-process pair: its device, PD, CQ and QP (the test kit's host).
+pub(super) type DpSide = Host;
 
 pub(super) fn dp_side(sig_all: bool) -> Result<DpSide, String> {
-    use mrkit_soft::qp::{QpCap, QpInitAttr};
-    let ctx = Context::open(DeviceConfig::rxe());
-    let pd = ctx.alloc_pd().map_err(|e| e.to_string())?;
-    let cq = ctx.create_cq(4096, None).map_err(|e| e.to_string())?;
-    let (qp, _) = ctx
-        .create_qp(QpInitAttr {
-            pd,
-            send_cq: cq,
-            recv_cq: cq,
-            cap: QpCap {
-                max_send_wr: 512,
-                ..QpCap::default()
-            },
-            sq_sig_all: sig_all,
-        })
-        .map_err(|e| e.to_string())?;
-    Ok(DpSide { ctx, cq, qp, pd })
+    let cap = QpCap {
+        max_send_wr: 512,
+        ..QpCap::default()
+    };
+    Host::new(Context::open(DeviceConfig::rxe()), 4096, cap, sig_all).map_err(|e| e.to_string())
 }
 
 /// Wait for `want` completions on `side`'s CQ (error on a failed completion or after 10 s).
