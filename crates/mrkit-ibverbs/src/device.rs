@@ -80,33 +80,6 @@ fn gid_table(m: &MrkitContext) -> Vec<[u8; 16]> {
     }
 }
 
-/// rxe's rule for the active MTU: the largest IB MTU ≤ netdev MTU − 80 (RoCEv2 headers);
-/// loopback addresses → 4096. `IBV_MTU_*` enum value; 1024 if the interface is unknown.
-fn active_mtu(m: &MrkitContext) -> u32 {
-    let Some(addr) = m.soft.udp_port().ok().map(|p| p.local_addr()) else {
-        return IBV_MTU_1024;
-    };
-    let ip = addr.ip();
-    if ip.is_loopback() {
-        return IBV_MTU_4096;
-    }
-    match mrkit_soft::sockio::netdev_mtu(ip) {
-        Some(mtu) => ib_mtu_enum(mtu.saturating_sub(80)),
-        None => IBV_MTU_1024,
-    }
-}
-
-/// The `IBV_MTU_*` value of the largest IB MTU ≤ `bytes` (at least 256).
-pub(crate) fn ib_mtu_enum(bytes: u32) -> u32 {
-    match bytes {
-        4096.. => IBV_MTU_4096,
-        2048.. => 4,
-        1024.. => IBV_MTU_1024,
-        512.. => 2,
-        _ => 1,
-    }
-}
-
 // ---------------------------------------------------------------------------------------------
 // Exported functions.
 
@@ -309,31 +282,33 @@ pub(crate) unsafe extern "C" fn vctx_query_device_ex(
     })
 }
 
+/// Port 1 as `ibv_port_attr`: mrkit-soft's `query_port` (one definition of mrkit0's port,
+/// shared with the Rust API), converted field by field.
 fn port_attr(m: &MrkitContext) -> ibv_port_attr {
-    let a = m.soft.query_device();
+    let p = m.soft.query_port(1).unwrap_or_default();
     ibv_port_attr {
-        state: IBV_PORT_ACTIVE,
-        max_mtu: IBV_MTU_4096,
-        active_mtu: active_mtu(m),
-        gid_tbl_len: gid_table(m).len() as c_int,
-        port_cap_flags: IBV_PORT_CM_SUP,
-        max_msg_sz: a.max_msg_sz,
-        bad_pkey_cntr: 0,
-        qkey_viol_cntr: 0,
-        pkey_tbl_len: 1,
-        lid: 0,
-        sm_lid: 0,
-        lmc: 0,
-        max_vl_num: 1,
-        sm_sl: 0,
-        subnet_timeout: 0,
-        init_type_reply: 0,
-        active_width: 2,  // 4X
-        active_speed: 32, // EDR (25 Gb/s per lane)
-        phys_state: 5,    // LinkUp
-        link_layer: IBV_LINK_LAYER_ETHERNET,
-        flags: 0,
-        port_cap_flags2: 0,
+        state: p.state,
+        max_mtu: p.max_mtu,
+        active_mtu: p.active_mtu,
+        gid_tbl_len: p.gid_tbl_len as c_int,
+        port_cap_flags: p.port_cap_flags,
+        max_msg_sz: p.max_msg_sz,
+        bad_pkey_cntr: p.bad_pkey_cntr,
+        qkey_viol_cntr: p.qkey_viol_cntr,
+        pkey_tbl_len: p.pkey_tbl_len,
+        lid: p.lid,
+        sm_lid: p.sm_lid,
+        lmc: p.lmc,
+        max_vl_num: p.max_vl_num,
+        sm_sl: p.sm_sl,
+        subnet_timeout: p.subnet_timeout,
+        init_type_reply: p.init_type_reply,
+        active_width: p.active_width,
+        active_speed: p.active_speed,
+        phys_state: p.phys_state,
+        link_layer: p.link_layer,
+        flags: p.flags,
+        port_cap_flags2: p.port_cap_flags2,
     }
 }
 

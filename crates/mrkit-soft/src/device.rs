@@ -691,6 +691,63 @@ impl ProgressPolicy {
     }
 }
 
+/// Port attributes, the fields of `struct ibv_port_attr` as `ibv_query_port` reports them
+/// (enums as their `IBV_*` numbers).
+///
+/// ```
+/// let ctx = mrkit_soft::Context::open(mrkit_soft::DeviceConfig::rxe());
+/// let p = ctx.query_port(1).unwrap();
+/// assert_eq!((p.state, p.link_layer, p.max_mtu), (4, 2, 5)); // ACTIVE, Ethernet, 4096
+/// assert_eq!(ctx.query_port(2).unwrap_err().errno(), mrkit_soft::Errno::EINVAL);
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PortAttr {
+    /// `enum ibv_port_state` (4: ACTIVE).
+    pub state: u32,
+    /// `enum ibv_mtu` (5: 4096).
+    pub max_mtu: u32,
+    /// `enum ibv_mtu` of the active MTU.
+    pub active_mtu: u32,
+    /// GID table length.
+    pub gid_tbl_len: u32,
+    /// `IBV_PORT_*_SUP` capability bits.
+    pub port_cap_flags: u32,
+    /// Largest message in bytes.
+    pub max_msg_sz: u32,
+    /// Bad P_Key counter.
+    pub bad_pkey_cntr: u32,
+    /// Q_Key violation counter.
+    pub qkey_viol_cntr: u32,
+    /// P_Key table length.
+    pub pkey_tbl_len: u16,
+    /// LID (0 on Ethernet).
+    pub lid: u16,
+    /// SM LID.
+    pub sm_lid: u16,
+    /// LMC.
+    pub lmc: u8,
+    /// Number of VLs.
+    pub max_vl_num: u8,
+    /// SM SL.
+    pub sm_sl: u8,
+    /// Subnet timeout.
+    pub subnet_timeout: u8,
+    /// InitTypeReply.
+    pub init_type_reply: u8,
+    /// Width (`1`: 1X, `2`: 4X, `4`: 8X, `8`: 12X, `16`: 2X).
+    pub active_width: u8,
+    /// Speed (`32`: EDR, 25 Gb/s per lane, ...).
+    pub active_speed: u8,
+    /// Physical state (5: LinkUp).
+    pub phys_state: u8,
+    /// `IBV_LINK_LAYER_*` (1: InfiniBand, 2: Ethernet).
+    pub link_layer: u8,
+    /// `IBV_QPF_*`-style port flags (`ibv_port_attr.flags`).
+    pub flags: u8,
+    /// Second capability word (`IBV_PORT_*2_SUP`).
+    pub port_cap_flags2: u16,
+}
+
 #[cfg(test)]
 mod tests {
     /// The `IBV_DEVICE_*` bits as rdma-core's `enum ibv_device_cap_flags` numbers them

@@ -78,7 +78,7 @@ pub mod user_mem;
 pub mod wire;
 
 pub use access::AccessFlags;
-pub use device::{DeviceAttr, DeviceConfig, StatusModel};
+pub use device::{DeviceAttr, DeviceConfig, PortAttr, StatusModel};
 pub use driver::{progress, Context, DeviceInner, ResourceCounts};
 pub use error::{Errno, Error, Result};
 pub use memcore::MemCore;

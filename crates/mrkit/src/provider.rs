@@ -29,7 +29,6 @@ use std::os::fd::OwnedFd;
 use std::time::Duration;
 
 use mrkit_soft::mw::{BindInfo, MwInfo};
-use mrkit_soft::wire::Mtu;
 use mrkit_soft::{AccessFlags, DeviceAttr, Errno, Error, MrInfo, MwType, Result, UserMemory};
 
 pub use mrkit_soft::cq::Wc;
@@ -44,62 +43,7 @@ fn unsupported(op: &str) -> Error {
     )
 }
 
-/// Port attributes, the fields of `struct ibv_port_attr` as `ibv_query_port` reports them
-/// (enums as their `IBV_*` numbers).
-///
-/// ```
-/// let ctx = mrkit::Context::open(mrkit::DeviceConfig::rxe());
-/// let p = ctx.query_port(1).unwrap();
-/// assert_eq!((p.state, p.link_layer, p.max_mtu), (4, 2, 5)); // ACTIVE, Ethernet, 4096
-/// assert_eq!(ctx.query_port(2).unwrap_err().errno(), mrkit::Errno::EINVAL);
-/// ```
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct PortAttr {
-    /// `enum ibv_port_state` (4: ACTIVE).
-    pub state: u32,
-    /// `enum ibv_mtu` (5: 4096).
-    pub max_mtu: u32,
-    /// `enum ibv_mtu` of the active MTU.
-    pub active_mtu: u32,
-    /// GID table length.
-    pub gid_tbl_len: u32,
-    /// `IBV_PORT_*_SUP` capability bits.
-    pub port_cap_flags: u32,
-    /// Largest message in bytes.
-    pub max_msg_sz: u32,
-    /// Bad P_Key counter.
-    pub bad_pkey_cntr: u32,
-    /// Q_Key violation counter.
-    pub qkey_viol_cntr: u32,
-    /// P_Key table length.
-    pub pkey_tbl_len: u16,
-    /// LID (0 on Ethernet).
-    pub lid: u16,
-    /// SM LID.
-    pub sm_lid: u16,
-    /// LMC.
-    pub lmc: u8,
-    /// Number of VLs.
-    pub max_vl_num: u8,
-    /// SM SL.
-    pub sm_sl: u8,
-    /// Subnet timeout.
-    pub subnet_timeout: u8,
-    /// InitTypeReply.
-    pub init_type_reply: u8,
-    /// Width (`1`: 1X, `2`: 4X, `4`: 8X, `8`: 12X, `16`: 2X).
-    pub active_width: u8,
-    /// Speed (`32`: EDR, 25 Gb/s per lane, ...).
-    pub active_speed: u8,
-    /// Physical state (5: LinkUp).
-    pub phys_state: u8,
-    /// `IBV_LINK_LAYER_*` (1: InfiniBand, 2: Ethernet).
-    pub link_layer: u8,
-    /// `IBV_QPF_*`-style port flags (`ibv_port_attr.flags`).
-    pub flags: u8,
-    /// Second capability word (`IBV_PORT_*2_SUP`).
-    pub port_cap_flags2: u16,
-}
+pub use mrkit_soft::PortAttr;
 
 /// Operations a device backend provides. Handles are plain integers (PD handle, MR key), as a
 /// kernel driver hands them out; the safe types in this crate own them.
@@ -393,50 +337,7 @@ impl Provider for mrkit_soft::Context {
     /// UDP address or the interface is unknown. Asking binds the device's UDP port, as the
     /// drop-in does.
     fn query_port(&self, port: u8) -> Result<PortAttr> {
-        let a = mrkit_soft::Context::query_device(self);
-        if port == 0 || port > a.phys_port_cnt {
-            return Err(Error::new(
-                Errno::EINVAL,
-                format!(
-                    "port {port} does not exist (the device has {})",
-                    a.phys_port_cnt
-                ),
-            ));
-        }
-        let active_mtu = match self.udp_port().map(|p| p.local_addr().ip()) {
-            Ok(ip) if ip.is_loopback() => Mtu::Mtu4096.to_enum(),
-            Ok(ip) => match mrkit_soft::sockio::netdev_mtu(ip) {
-                Some(m) => Mtu::largest_for_netdev(m as usize)
-                    .map_or(Mtu::Mtu256, |m| m)
-                    .to_enum(),
-                None => Mtu::Mtu1024.to_enum(),
-            },
-            Err(_) => Mtu::Mtu1024.to_enum(),
-        };
-        Ok(PortAttr {
-            state: 4,
-            max_mtu: u32::from(Mtu::Mtu4096.to_enum()),
-            active_mtu: u32::from(active_mtu),
-            gid_tbl_len: u32::from(mrkit_soft::Context::query_gid(self).is_ok()),
-            port_cap_flags: 1 << 16, // IBV_PORT_CM_SUP
-            max_msg_sz: a.max_msg_sz,
-            bad_pkey_cntr: 0,
-            qkey_viol_cntr: 0,
-            pkey_tbl_len: 1,
-            lid: 0,
-            sm_lid: 0,
-            lmc: 0,
-            max_vl_num: 1,
-            sm_sl: 0,
-            subnet_timeout: 0,
-            init_type_reply: 0,
-            active_width: 2,  // 4X
-            active_speed: 32, // EDR
-            phys_state: 5,    // LinkUp
-            link_layer: 2,    // Ethernet
-            flags: 0,
-            port_cap_flags2: 0,
-        })
+        mrkit_soft::Context::query_port(self, port)
     }
     fn local_av(&self) -> Result<AddressVector> {
         Ok(AddressVector {

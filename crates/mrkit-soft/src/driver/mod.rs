@@ -144,6 +144,57 @@ impl Context {
         Ok(port)
     }
 
+    /// `ibv_query_port`: the values the drop-in reports for mrkit0 (one active Ethernet
+    /// port; the active MTU by rxe's rule: the largest IB MTU at most the interface's MTU
+    /// minus 80, 4096 on loopback, 1024 when the interface is unknown). EINVAL for a port
+    /// the device does not have. Binds the UDP port, as the drop-in does.
+    pub fn query_port(&self, port: u8) -> Result<crate::device::PortAttr> {
+        let a = self.query_device();
+        if port == 0 || port > a.phys_port_cnt {
+            return Err(crate::error::Error::new(
+                crate::error::Errno::EINVAL,
+                format!(
+                    "port {port} does not exist (the device has {})",
+                    a.phys_port_cnt
+                ),
+            ));
+        }
+        let active_mtu = match self.udp_port().map(|p| p.local_addr().ip()) {
+            Ok(ip) if ip.is_loopback() => crate::wire::Mtu::Mtu4096.to_enum(),
+            Ok(ip) => match crate::net::sockio::netdev_mtu(ip) {
+                Some(m) => crate::wire::Mtu::largest_for_netdev(m as usize)
+                    .map_or(crate::wire::Mtu::Mtu256, |m| m)
+                    .to_enum(),
+                None => crate::wire::Mtu::Mtu1024.to_enum(),
+            },
+            Err(_) => crate::wire::Mtu::Mtu1024.to_enum(),
+        };
+        Ok(crate::device::PortAttr {
+            state: 4,
+            max_mtu: u32::from(crate::wire::Mtu::Mtu4096.to_enum()),
+            active_mtu: u32::from(active_mtu),
+            gid_tbl_len: u32::from(self.query_gid().is_ok()),
+            port_cap_flags: 1 << 16, // IBV_PORT_CM_SUP
+            max_msg_sz: a.max_msg_sz,
+            bad_pkey_cntr: 0,
+            qkey_viol_cntr: 0,
+            pkey_tbl_len: 1,
+            lid: 0,
+            sm_lid: 0,
+            lmc: 0,
+            max_vl_num: 1,
+            sm_sl: 0,
+            subnet_timeout: 0,
+            init_type_reply: 0,
+            active_width: 2,  // 4X
+            active_speed: 32, // EDR
+            phys_state: 5,    // LinkUp
+            link_layer: 2,    // Ethernet
+            flags: 0,
+            port_cap_flags2: 0,
+        })
+    }
+
     /// `ibv_query_gid` (index 0): the device's address as a RoCEv2 GID (IPv4-mapped for
     /// IPv4). Binds the UDP port if needed.
     pub fn query_gid(&self) -> Result<[u8; 16]> {
