@@ -53,18 +53,27 @@ fn counters_move_by_the_right_amounts() {
     let wc = poll_one(&a, &b);
     assert_eq!(wc.status, WcStatus::Success);
     assert_eq!(poll_one(&b, &a).status, WcStatus::Success);
-    assert_eq!(d(Hw::SendRnrErr), 1);
-    assert_eq!(d(Hw::RcvdRnrErr), 1);
-    assert_eq!(d(Hw::RnrNakRetryErr), 1);
+    // The sender retries after the RNR timer the NAK names (10 µs here); if the receive is
+    // posted later than that on a loaded machine, the retry meets another RNR NAK. Whatever
+    // their number `n`, every counter must agree with it exactly.
+    let n = d(Hw::SendRnrErr);
+    assert!(
+        n >= 1,
+        "the first SEND met no receive: one RNR NAK at least"
+    );
+    assert_eq!(d(Hw::RcvdRnrErr), n);
+    assert_eq!(d(Hw::RnrNakRetryErr), n);
     assert_eq!(d(Hw::RetryRnrExceededErr), 0);
     assert_eq!(d(Hw::RdmaSends), 1);
     assert_eq!(d(Hw::RdmaRecvs), 1);
-    // SEND, RNR NAK, SEND again, ACK: four packets each way of the loopback link.
-    assert_eq!(d(Hw::SentPkts), 4);
-    assert_eq!(d(Hw::PortXmitPackets), 4);
-    assert_eq!(d(Hw::RcvdPkts), 4);
-    assert_eq!(d(Hw::PortRcvPackets), 4);
-    let bytes = 2 * wire_len(Opcode::SendOnly, 100) + 2 * wire_len(Opcode::Acknowledge, 0);
+    // n SENDs met by n RNR NAKs, then the SEND and its ACK: 2n + 2 packets each way of the
+    // loopback link.
+    assert_eq!(d(Hw::SentPkts), 2 * n + 2);
+    assert_eq!(d(Hw::PortXmitPackets), 2 * n + 2);
+    assert_eq!(d(Hw::RcvdPkts), 2 * n + 2);
+    assert_eq!(d(Hw::PortRcvPackets), 2 * n + 2);
+    let bytes =
+        (n + 1) as usize * (wire_len(Opcode::SendOnly, 100) + wire_len(Opcode::Acknowledge, 0));
     assert_eq!(d(Hw::PortXmitData), bytes as u64 / 4, "in 4-byte words");
     assert_eq!(d(Hw::PortRcvData), bytes as u64 / 4);
     assert_eq!(d(Hw::LocalAckTimeoutErr), 0);
