@@ -575,33 +575,59 @@ static CLAIM: Mutex<Option<(u32, OwnedFd)>> = Mutex::new(None);
 /// the drop-in `libibverbs.so.1`, e.g. through mrkit's rdma-core provider); both would write
 /// `<pid>.stat`, each with its own counters. The claim is the abstract Unix socket name
 /// `mrkit-stat/<pid>`, which the kernel gives to one socket at a time: the first copy to
-/// export binds it and keeps it; another copy gets `AlreadyExists` and does not export. The
-/// name goes away with the socket (at the latest when the process ends); a forked child (a new
-/// pid) claims its own name. Idempotent within a copy.
+/// export binds it, listens on it and keeps it; another copy gets `AlreadyExists` and does not
+/// export. The name goes away with the socket (at the latest when the process ends); a forked
+/// child (a new pid) claims its own name. Idempotent within a copy.
+///
+/// Abstract names carry no permissions: another local user can bind `mrkit-stat/<pid>` for a
+/// pid it expects this process to get. So a taken name counts only when its holder is this
+/// process: the name is connected to and the listener's credentials (`SO_PEERCRED`) compared
+/// with our pid. A squatter (another process, or a socket that does not listen) is logged and
+/// ignored, and this copy exports.
 fn claim_process(pid: u32) -> io::Result<()> {
+    use rustix::net::{self, AddressFamily, SocketFlags, SocketType};
     let mut g = CLAIM.lock().unwrap_or_else(|e| e.into_inner());
     if matches!(&*g, Some((p, _)) if *p == pid) {
         return Ok(());
     }
-    let sock = rustix::net::socket_with(
-        rustix::net::AddressFamily::UNIX,
-        rustix::net::SocketType::DGRAM,
-        rustix::net::SocketFlags::CLOEXEC,
-        None,
-    )?;
-    let name =
-        rustix::net::SocketAddrUnix::new_abstract_name(format!("mrkit-stat/{pid}").as_bytes())?;
-    match rustix::net::bind(&sock, &name) {
+    let stream = || {
+        net::socket_with(
+            AddressFamily::UNIX,
+            SocketType::STREAM,
+            SocketFlags::CLOEXEC,
+            None,
+        )
+    };
+    let sock = stream()?;
+    let name = net::SocketAddrUnix::new_abstract_name(format!("mrkit-stat/{pid}").as_bytes())?;
+    match net::bind(&sock, &name).and_then(|()| net::listen(&sock, 1)) {
         Ok(()) => {
             // Replaces (closes) a claim inherited from the parent of a forked child.
             *g = Some((pid, sock));
             Ok(())
         }
-        Err(rustix::io::Errno::ADDRINUSE) => Err(io::Error::new(
-            io::ErrorKind::AlreadyExists,
-            "another copy of mrkit0 in this process exports its statistics (the embedded \
-             device and the drop-in libibverbs.so.1 loaded together); this copy does not",
-        )),
+        Err(rustix::io::Errno::ADDRINUSE) => {
+            let probe = stream()?;
+            let holder = net::connect(&probe, &name)
+                .and_then(|()| net::sockopt::socket_peercred(&probe))
+                .map(|cred| cred.pid.as_raw_nonzero().get() as u32);
+            match holder {
+                Ok(p) if p == pid => Err(io::Error::new(
+                    io::ErrorKind::AlreadyExists,
+                    "another copy of mrkit0 in this process exports its statistics (the \
+                     embedded device and the drop-in libibverbs.so.1 loaded together); this \
+                     copy does not",
+                )),
+                other => {
+                    tracing::warn!(
+                        holder = ?other,
+                        "the statistics claim name of this process is held by someone else: \
+                         exporting without it"
+                    );
+                    Ok(())
+                }
+            }
+        }
         Err(e) => Err(e.into()),
     }
 }
