@@ -1,4 +1,4 @@
-//! `mrkit capacity`: how much memory this process can register right now (seed 004 §3 and more).
+//! `mrkit capacity`: how much memory this process can register right now (the capacity formula: `docs/cli.md`, "mrkit capacity").
 
 use clap::Args;
 use mrkit_soft::DeviceConfig;

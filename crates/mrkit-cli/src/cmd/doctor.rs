@@ -338,7 +338,7 @@ pub fn checks(i: &Inputs) -> Vec<Check> {
         }
     });
 
-    // 6. Locked and pinned memory (seed 001 §4.5.1).
+    // 6. Locked and pinned memory (RLIMIT_MEMLOCK and pinning: `docs/registration.md`, "Pinning").
     let mlocked = s.meminfo.get("Mlocked").copied().unwrap_or(0);
     let own =
         s.status.get("VmLck").copied().unwrap_or(0) + s.status.get("VmPin").copied().unwrap_or(0);

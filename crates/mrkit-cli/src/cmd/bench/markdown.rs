@@ -69,7 +69,7 @@ pub(super) fn report(raw: &Value, points: &[Point], floors: &[Floor], pm: &PerMe
         );
     }
     let _ = writeln!(s, "\n## Per-message registration vs one reused MR\n");
-    let _ = writeln!(s, "{} messages of 4 KiB. *Per message*: ibv_reg_mr + ibv_dereg_mr around every message (seed 001 §4.5.2, the anti-pattern). *Reused MR*: one 1 MiB MR registered once; each message only pays the device's key lookup and range check (the floor of any reuse scheme). *MR pool*: `mrkit::pool::MrPool` alloc of a 4 KiB slot, a 4 KiB copy into it, free. *4 KiB copy*: the work the message does anyway, used for the CPU share.\n", pm.messages);
+    let _ = writeln!(s, "{} messages of 4 KiB. *Per message*: ibv_reg_mr + ibv_dereg_mr around every message (the anti-pattern: one registration per message). *Reused MR*: one 1 MiB MR registered once; each message only pays the device's key lookup and range check (the floor of any reuse scheme). *MR pool*: `mrkit::pool::MrPool` alloc of a 4 KiB slot, a 4 KiB copy into it, free. *4 KiB copy*: the work the message does anyway, used for the CPU share.\n", pm.messages);
     let _ = writeln!(
         s,
         "| variant | ns / message | share of per-message CPU (vs a 4 KiB copy) |\n|---|---:|---:|"
