@@ -446,6 +446,16 @@ mod tests {
                 rustix::mm::Advice::LinuxHugepage,
             )
         };
+        // Block 2 stays 4 KiB, so the walk sees huge, small and huge runs in one range (the
+        // PFN check below must find each segment's own entries).
+        // SAFETY: advice on our own mapping; MADV_NOHUGEPAGE changes no contents.
+        let _ = unsafe {
+            rustix::mm::madvise(
+                (m.addr + 2 * HUGE_2M) as *mut _,
+                HUGE_2M as usize,
+                rustix::mm::Advice::LinuxNoHugepage,
+            )
+        };
         m.touch();
         // Pages we will use as a sub-range that starts and ends in the middle of huge blocks.
         let l = walk(m.addr, len).unwrap();
@@ -474,10 +484,15 @@ mod tests {
         assert_eq!(l.max_page_size(), HUGE_2M);
         if l.has_pfns() {
             assert_eq!(l.pfns.len() as u64, l.entries());
-            for (s, pfn) in l.segments.iter().zip(l.pfns.iter()) {
+            // One PFN per entry: a segment's entries start at the sum of the earlier counts.
+            let mut first = 0usize;
+            for s in &l.segments {
                 if s.page_size == HUGE_2M {
-                    assert_eq!(pfn % 512, 0, "head PFN of a 2 MiB page is 2 MiB aligned");
+                    for pfn in &l.pfns[first..first + s.count as usize] {
+                        assert_eq!(pfn % 512, 0, "head PFN of a 2 MiB page is 2 MiB aligned");
+                    }
                 }
+                first += s.count as usize;
             }
         }
         // Range from the middle of block 0 to the middle of block 3: the partial blocks count
