@@ -49,6 +49,11 @@
 //! 3. the client connects its QP (RTS), client → server: `READY`;
 //! 4. server → client: `READY`.
 //!
+//! A server that must check what a client asks for before it spends anything on it (memory
+//! sized by the request, a QP) splits [`Listener::accept`] into [`Listener::accept_stream`]
+//! and [`accept_on`], whose admission check sees the client's HELLO before step 2 and
+//! answers with the server's private data or a `REJECT` reason.
+//!
 //! So when either side returns, the peer's QP is past RTR and may be sent to. Every read and
 //! the accept itself have deadlines ([`HandshakeOpts`]); a peer that sends garbage, too much
 //! (a body over 256 bytes is never read), nothing, or hangs up mid-handshake ends that
@@ -399,21 +404,23 @@ pub fn connect(
 ///
 /// ```
 /// use mrkit::tcp::{self, ConnectError, HandshakeOpts, Listener};
-/// use mrkit::{Context, QpCap};
+/// use mrkit::{Context, DeviceConfig, QpCap};
 /// let listener = Listener::bind("127.0.0.1:0").unwrap();
 /// let addr = listener.local_addr().unwrap();
 /// let client = std::thread::spawn(move || {
-///     let pd = Context::open_default().unwrap().alloc_pd().unwrap();
+///     let pd = Context::open(DeviceConfig::rxe()).alloc_pd().unwrap();
 ///     let opts = HandshakeOpts { private_data: b"size=1TiB".to_vec(), ..Default::default() };
 ///     tcp::connect(addr, &pd, QpCap::default(), &opts).unwrap_err()
 /// });
-/// let pd = Context::open_default().unwrap().alloc_pd().unwrap();
+/// let server = Context::open(DeviceConfig::rxe());
+/// let pd = server.alloc_pd().unwrap();
 /// let (stream, _) = listener.accept_stream(None).unwrap();
 /// let err = tcp::accept_on(stream, &pd, QpCap::default(), &HandshakeOpts::default(), |_, asked| {
 ///     if asked == b"size=1TiB" { Err("too large".to_string()) } else { Ok(Vec::new()) }
 /// })
 /// .unwrap_err();
 /// assert!(matches!(err, ConnectError::Refused(_)));
+/// assert_eq!(server.soft().unwrap().resource_counts().qps, 0); // nothing was made for it
 /// let seen_by_client = client.join().unwrap();
 /// assert!(matches!(seen_by_client, ConnectError::Rejected(r) if r.contains("too large")));
 /// ```
