@@ -52,7 +52,10 @@ fn bench_transport_on_rdma_core() {
         "ucx_tcp_am_lat_8b_us_one_way",
     ] {
         let why = v[k].as_str().unwrap_or_else(|| panic!("{k}: {}", v[k]));
-        assert!(why.starts_with("mrkit0 only: ") && why.len() > 40, "{k}: {why}");
+        assert!(
+            why.starts_with("mrkit0 only: ") && why.len() > 40,
+            "{k}: {why}"
+        );
     }
     let rounds = v["latency_rounds"].as_array().unwrap();
     assert!(rounds.iter().all(|r| r.get("floor_us").is_none()), "{v}");
