@@ -416,11 +416,12 @@ pub fn connect(
 /// let pd = server.alloc_pd().unwrap();
 /// let (stream, _) = listener.accept_stream(None).unwrap();
 /// let err = tcp::accept_on(stream, &pd, QpCap::default(), &HandshakeOpts::default(), |_, asked| {
+///     assert_eq!(server.soft().unwrap().resource_counts().qps, 0); // nothing made for it yet
 ///     if asked == b"size=1TiB" { Err("too large".to_string()) } else { Ok(Vec::new()) }
 /// })
 /// .unwrap_err();
 /// assert!(matches!(err, ConnectError::Refused(_)));
-/// assert_eq!(server.soft().unwrap().resource_counts().qps, 0); // nothing was made for it
+/// assert_eq!(server.soft().unwrap().resource_counts().qps, 0);
 /// let seen_by_client = client.join().unwrap();
 /// assert!(matches!(seen_by_client, ConnectError::Rejected(r) if r.contains("too large")));
 /// ```
