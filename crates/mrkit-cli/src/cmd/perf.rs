@@ -53,7 +53,7 @@ pub enum Op {
 
 #[derive(Args, Debug)]
 #[command(
-    after_help = "Examples:\n  mrkit perf --server --addr 127.0.0.2\n  mrkit perf --client 127.0.0.2 --op write --size 64KiB --iters 2000 --json\n  MRKIT_FAULTS=loss=1% mrkit perf --client 127.0.0.2 --op read --size 4096"
+    after_help = "Examples:\n  mrkit perf --server --addr 127.0.0.2\n  mrkit perf --client 127.0.0.2 --op write --size 64KiB --iters 2000 --json\n  MRKIT_FAULTS=loss=1% mrkit perf --client 127.0.0.2 --op read --size 4096\n  mrkit perf --server --device rdma-core:mlx5_0\n  mrkit perf --client 192.0.2.1 --device rdma-core:mlx5_0 --op send --size 8"
 )]
 pub struct PerfArgs {
     /// Run the server (passive side).
