@@ -517,7 +517,15 @@ fn serve(a: &PerfArgs, ctx: &Context) -> anyhow::Result<()> {
     };
     // One device for all clients (its address stays bound); resources per client.
     let ours = device_ip(ctx)?;
-    let listener = Listener::bind(SocketAddr::new(a.listen.unwrap_or(ours), a.port))?;
+    let at = SocketAddr::new(a.listen.unwrap_or(ours), a.port);
+    let listener = Listener::bind(at).map_err(|e| {
+        let hint = if a.listen.is_none() {
+            " (the device's address, its GID; --listen IP chooses another)"
+        } else {
+            ""
+        };
+        anyhow::anyhow!("cannot listen on {at}{hint}: {e}")
+    })?;
     eprintln!("mrkit perf: server listening on {}", listener.local_addr()?);
     let mut served = 0;
     loop {
