@@ -3,7 +3,7 @@
 //! compared with ibverbs-utils' `ibv_devinfo -v` on the same library, and a smoke run of
 //! `reg`, `capacity`, `doctor` and `bench --quick` through the binary.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output};
 
 /// The device address both sides of the comparison use, so that the GID lines agree. Each
@@ -11,20 +11,8 @@ use std::process::{Command, Output};
 /// active MTU 1024, as the drop-in does).
 const ADDR: &str = "127.0.91.7";
 
-/// A directory holding `libibverbs.so.1`: a link to the drop-in's cdylib, which cargo builds
-/// next to this test binary (`mrkit-ibverbs` is a dev-dependency of the CLI for that).
-fn drop_in_dir() -> tempfile::TempDir {
-    let exe = std::env::current_exe().unwrap();
-    let so = exe.parent().unwrap().join("libibverbs.so");
-    assert!(so.exists(), "{} missing", so.display());
-    let dir = tempfile::tempdir().unwrap();
-    std::os::unix::fs::symlink(&so, dir.path().join("libibverbs.so.1")).unwrap();
-    dir
-}
-
-fn lib(dir: &Path) -> PathBuf {
-    dir.join("libibverbs.so.1")
-}
+mod support;
+use support::{drop_in_dir, lib};
 
 /// `mrkit` with a clean MRKIT_* environment, rdma-core = the drop-in, a fixed device address.
 fn mrkit(dir: &Path) -> Command {
@@ -195,21 +183,4 @@ fn unknown_name_lists_both_providers() {
     );
     let o = run_ok(mrkit_at(dir.path(), "127.0.91.9").args(["devinfo", "--list"]));
     assert!(text(&o).contains("rdma-core:mrkit0"), "{}", text(&o));
-}
-
-/// `perf` measures mrkit0's own transport: on an rdma-core device it refuses with a sentence
-/// (status 1) after the name resolved.
-#[test]
-fn perf_refuses_rdma_core_with_a_sentence() {
-    let dir = drop_in_dir();
-    let o = mrkit_at(dir.path(), "127.0.91.10")
-        .args(["perf", "--server", "--device", "rdma-core:mrkit0"])
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(1), "{err}");
-    assert!(
-        err.contains("is not the embedded mrkit0") && err.contains("ib_write_bw"),
-        "{err}"
-    );
 }

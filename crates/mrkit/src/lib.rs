@@ -51,8 +51,8 @@ pub use qp::endpoint::{ConnectOpts, Endpoint, Mtu};
 pub use qp::registered::{DeviceWritable, Registered};
 pub use qp::tcp;
 pub use qp::{
-    Completion, CompletionError, Owned, PostRefused, QueuePair, Ticket, WcError, WcOpcode,
-    WcStatus, WorkCompletion,
+    Completion, CompletionError, Owned, PostRefused, QueuePair, RawHandles, Ticket, WcError,
+    WcOpcode, WcStatus, WorkCompletion,
 };
 pub use verbs::{
     Context, DeviceEntry, LocalSlice, MemoryRegion, MemoryWindow, ProtectionDomain,

@@ -33,7 +33,8 @@ use mrkit_soft::{AccessFlags, DeviceAttr, Errno, Error, MrInfo, MwType, Result, 
 
 pub use mrkit_soft::cq::Wc;
 pub use mrkit_soft::qp::{
-    attr_mask, AddressVector, PostError, QpAttr, QpCap, QpInitAttr, RecvWr, SendWr, Sge, WrOpcode,
+    attr_mask, send_flags, AddressVector, PostError, QpAttr, QpCap, QpInitAttr, RecvWr, SendWr,
+    Sge, WrOpcode,
 };
 
 fn unsupported(op: &str) -> Error {

@@ -642,8 +642,7 @@ pub fn sweep_json(sizes: &[usize], lookups: usize) -> serde_json::Value {
     })
 }
 
-fn measure() -> Result<(Rows, Rows, Option<String>), String> {
-    let ctx = Context::open(DeviceConfig::rxe());
+fn measure(ctx: &Context) -> Result<(Rows, Rows, Option<String>), String> {
     let pd = ctx.alloc_pd().map_err(|e| e.to_string())?;
     let pool = MrPool::new(&pd, pool_cfg()).map_err(|e| e.to_string())?;
     let one = pool_alloc_free(&pool, 20_000_000);
@@ -708,9 +707,10 @@ fn measure() -> Result<(Rows, Rows, Option<String>), String> {
     Ok((rows, extra, ucx_note))
 }
 
-/// Run the pool/cache benchmark; `json` selects JSON output.
-pub fn run(json: bool) -> u8 {
-    let (rows, extra, ucx_note) = match measure() {
+/// Run the pool/cache benchmark on `ctx` (any device: every experiment goes through the
+/// generic API); `json` selects JSON output.
+pub fn run(json: bool, ctx: &Context) -> u8 {
+    let (rows, extra, ucx_note) = match measure(ctx) {
         Ok(r) => r,
         Err(e) => {
             eprintln!("mrkit bench pool-cache: {e}");

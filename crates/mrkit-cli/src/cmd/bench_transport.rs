@@ -13,6 +13,11 @@
 //!   bandwidth at 4 KiB, 64 KiB and 1 MiB, 8-byte WRITE and SEND round trips;
 //! * UCX: `ucx_perftest` over its tcp transport (put_bw 64 KiB, am_lat 8 B) when installed.
 //!
+//! On another device (`--device NAME`, e.g. `rdma-core:mlx5_0`) the `mrkit perf` runs are the
+//! same (the server child on that device, listening on 127.0.0.1; the clients here on one
+//! context of it); the floors, the ceiling, the ratios and UCX describe mrkit0's software
+//! transport and are reported as `"mrkit0 only: <reason>"` in their place.
+//!
 //! Ratios: bandwidth ÷ each raw stream, latency ÷ raw ping-pong. The floors use the same raw
 //! system calls as the device (`mrkit_soft::sockio`).
 
@@ -25,7 +30,8 @@ use std::time::{Duration, Instant};
 use mrkit_soft::sockio::{self, OutMsg, RecvMeta};
 use serde_json::json;
 
-use super::perf::{run_client_with, Op};
+use super::device::Selected;
+use super::perf::{run_client_embedded, run_client_with, Op};
 use crate::exit;
 
 fn udp_pair(a: &str, b: &str) -> std::io::Result<(UdpSocket, UdpSocket)> {
@@ -238,8 +244,17 @@ fn ucx(test: &str, size: usize, iters: usize) -> Option<f64> {
 }
 
 /// Entry point.
-pub fn run(json_out: bool, quick: bool) -> u8 {
-    match run_inner(quick) {
+pub fn run(json_out: bool, quick: bool, dev: &Selected) -> u8 {
+    // mrkit0: each run opens its own device; another device: one context for every run.
+    let ctx = if dev.is_embedded() {
+        None
+    } else {
+        match dev.open("bench transport") {
+            Ok(c) => Some(c),
+            Err(code) => return code,
+        }
+    };
+    match run_inner(quick, dev, ctx.as_ref()) {
         Ok(v) => {
             if json_out {
                 println!("{}", serde_json::to_string_pretty(&v).expect("json"));
@@ -254,6 +269,17 @@ pub fn run(json_out: bool, quick: bool) -> u8 {
         }
     }
 }
+
+/// Why the floors are not measured on a device other than mrkit0.
+const FLOORS_MRKIT0_ONLY: &str = "mrkit0 only: the raw UDP streams and ping-pong are the kernel \
+     paths mrkit0's software RoCE runs on (the floor of its transport); another device's \
+     transport does not use them";
+/// Why the copy-and-ICRC ceiling is not measured on another device.
+const CEILING_MRKIT0_ONLY: &str = "mrkit0 only: the payload copies and ICRC a software RoCE \
+     device does per packet (a NIC does them in hardware)";
+/// Why UCX over TCP is not run beside another device.
+const UCX_MRKIT0_ONLY: &str = "mrkit0 only: UCX over TCP is the software transport mrkit0 is \
+     compared with; on a NIC compare with perftest (ib_write_bw, ib_write_lat)";
 
 /// Latency rounds of `bench transport --quick` and of the full run.
 const LAT_ROUNDS_QUICK: usize = 5;
@@ -274,11 +300,27 @@ impl Drop for ServerGuard {
     }
 }
 
-fn run_inner(quick: bool) -> anyhow::Result<serde_json::Value> {
+fn run_inner(
+    quick: bool,
+    dev: &Selected,
+    ctx: Option<&mrkit::Context>,
+) -> anyhow::Result<serde_json::Value> {
+    let embedded = ctx.is_none();
     let dur = Duration::from_millis(if quick { 300 } else { 1500 });
-    let gso = raw_stream(4096, false, StreamWork::None, dur)?;
-    let gso_gro = raw_stream(4096, true, StreamWork::None, dur)?;
-    let gso_gro_work = raw_stream(4096, true, StreamWork::CopyAndIcrc, dur)?;
+    let only = |why: &str| json!(why);
+    let (gso, gso_gro, gso_gro_work) = if embedded {
+        (
+            json!(raw_stream(4096, false, StreamWork::None, dur)?),
+            json!(raw_stream(4096, true, StreamWork::None, dur)?),
+            json!(raw_stream(4096, true, StreamWork::CopyAndIcrc, dur)?),
+        )
+    } else {
+        (
+            only(FLOORS_MRKIT0_ONLY),
+            only(FLOORS_MRKIT0_ONLY),
+            only(CEILING_MRKIT0_ONLY),
+        )
+    };
     let port = {
         let l = std::net::TcpListener::bind("127.0.0.1:0")?;
         l.local_addr()?.port()
@@ -286,7 +328,11 @@ fn run_inner(quick: bool) -> anyhow::Result<serde_json::Value> {
     // Addresses of our own (127.78.<pid>.x): two benchmark runs at once (two users, a test
     // beside a manual run) must not fight over one UDP port 4791.
     let net = (std::process::id() % 250 + 1) as u8;
-    let server_ip = std::net::Ipv4Addr::new(127, 78, net, 1);
+    let server_ip = if embedded {
+        std::net::Ipv4Addr::new(127, 78, net, 1)
+    } else {
+        std::net::Ipv4Addr::LOCALHOST
+    };
     let server_addr = server_ip.to_string();
     let server_addr = server_addr.as_str();
     let exe = std::env::current_exe()?;
@@ -296,16 +342,22 @@ fn run_inner(quick: bool) -> anyhow::Result<serde_json::Value> {
     let lat_rounds = if quick { LAT_ROUNDS_QUICK } else { LAT_ROUNDS };
     // + the latency rounds (a WRITE and a SEND run each), the start-up probe and the warm-up
     let runs = sizes.len() * 2 + 2 * lat_rounds + 2;
-    let server = Command::new(exe)
-        .args([
-            "perf",
-            "--server",
-            "--addr",
-            server_addr,
-            "--port",
-            &port.to_string(),
-        ])
-        .args(["--count", &runs.to_string()])
+    let mut server = Command::new(exe);
+    server
+        .args(["perf", "--server", "--device", dev.name(), "--port"])
+        .arg(port.to_string())
+        .args(["--count", &runs.to_string()]);
+    if embedded {
+        server.args(["--addr", server_addr]);
+    } else {
+        // Another device's address is its GID: listen on loopback. The drop-in libibverbs
+        // must not inherit this process's MRKIT_ADDR (both devices would claim it; without
+        // it each picks its own 127.x.y.z).
+        server
+            .args(["--listen", server_addr])
+            .env_remove("MRKIT_ADDR");
+    }
+    let server = server
         .stdout(Stdio::null())
         .stderr(Stdio::from(std::fs::File::create(&server_log)?))
         .spawn()?;
@@ -323,13 +375,18 @@ fn run_inner(quick: bool) -> anyhow::Result<serde_json::Value> {
     }
     // The probe connection above was one of the counted clients: serve it.
     let mut rows = Vec::new();
-    // Each run opens its own device: give each its own address (a closed device's socket may
-    // linger for a moment).
+    // On mrkit0 each run opens its own device: give each its own address (a closed device's
+    // socket may linger for a moment).
     let next = std::cell::Cell::new(2u8);
     let one = |op: Op, size: u64, iters: u32| -> anyhow::Result<serde_json::Value> {
-        let ip = format!("127.78.{net}.{}", next.get());
-        next.set(next.get() + 1);
-        let r = run_client_with(server_addr, port, Some(&ip), op, size, iters, 32)?;
+        let r = match ctx {
+            Some(ctx) => run_client_with(ctx, server_addr, port, op, size, iters, 32)?,
+            None => {
+                let ip = format!("127.78.{net}.{}", next.get());
+                next.set(next.get() + 1);
+                run_client_embedded(server_addr, port, Some(&ip), op, size, iters, 32)?
+            }
+        };
         // A run with a failed completion or wrong data measured something else: no number.
         if r.errors != 0 {
             anyhow::bail!("{op:?} {size} B: {} errors (completion or data)", r.errors);
@@ -356,15 +413,24 @@ fn run_inner(quick: bool) -> anyhow::Result<serde_json::Value> {
     // iters / 4 = 5000 round trips per run (see `mrkit perf`).
     let mut rounds = Vec::new();
     for _ in 0..lat_rounds {
-        let floor = raw_pingpong(8, 5_000, false)?;
-        let connected = raw_pingpong(8, 5_000, true)?;
-        let write = one(Op::Write, 8, 20_000)?;
-        let send = one(Op::Send, 8, 20_000)?;
-        rounds.push(json!({"floor_us": floor, "floor_connected_us": connected,
-                           "write": write, "send": send}));
+        let mut round = json!({});
+        if embedded {
+            round["floor_us"] = json!(raw_pingpong(8, 5_000, false)?);
+            round["floor_connected_us"] = json!(raw_pingpong(8, 5_000, true)?);
+        }
+        round["write"] = one(Op::Write, 8, 20_000)?;
+        round["send"] = one(Op::Send, 8, 20_000)?;
+        rounds.push(round);
     }
     let floor_median = |k: &str| median(rounds.iter().filter_map(|r| r[k].as_f64()).collect());
-    let (pp, pp_connected) = (floor_median("floor_us"), floor_median("floor_connected_us"));
+    let (pp, pp_connected) = if embedded {
+        (
+            json!(floor_median("floor_us")),
+            json!(floor_median("floor_connected_us")),
+        )
+    } else {
+        (only(FLOORS_MRKIT0_ONLY), only(FLOORS_MRKIT0_ONLY))
+    };
     let lat = |k: &str| -> serde_json::Value {
         let p50 = |r: &serde_json::Value| r[k]["lat_us_p50"].as_f64().unwrap_or(0.0);
         let ratios_to = |floor: &str| -> Vec<f64> {
@@ -373,11 +439,22 @@ fn run_inner(quick: bool) -> anyhow::Result<serde_json::Value> {
                 .map(|r| p50(r) / r[floor].as_f64().unwrap_or(1.0).max(1e-9))
                 .collect()
         };
-        let ratios = ratios_to("floor_us");
         // The run whose p50 is the median one, with the ratios of all rounds.
         let mut by_p50: Vec<&serde_json::Value> = rounds.iter().collect();
         by_p50.sort_by(|a, b| p50(a).total_cmp(&p50(b)));
         let mut row = by_p50[by_p50.len() / 2][k].clone();
+        if !embedded {
+            for key in [
+                "ratio_to_floor_median",
+                "ratio_to_floor_min",
+                "ratio_to_floor_max",
+                "ratio_to_connected_floor_median",
+            ] {
+                row[key] = only(FLOORS_MRKIT0_ONLY);
+            }
+            return row;
+        }
+        let ratios = ratios_to("floor_us");
         row["ratio_to_floor_median"] = json!(median(ratios.clone()));
         row["ratio_to_floor_min"] = json!(ratios.iter().copied().fold(f64::MAX, f64::min));
         row["ratio_to_floor_max"] = json!(ratios.iter().copied().fold(0.0, f64::max));
@@ -386,9 +463,16 @@ fn run_inner(quick: bool) -> anyhow::Result<serde_json::Value> {
     };
     let (wlat, slat) = (lat("write"), lat("send"));
     drop(server);
-    let ucx_bw = ucx("ucp_put_bw", 65536, if quick { 2000 } else { 20000 });
-    let ucx_am_lat = ucx("ucp_am_lat", 8, if quick { 20000 } else { 100000 });
+    let (ucx_bw, ucx_am_lat) = if embedded {
+        (
+            json!(ucx("ucp_put_bw", 65536, if quick { 2000 } else { 20000 })),
+            json!(ucx("ucp_am_lat", 8, if quick { 20000 } else { 100000 })),
+        )
+    } else {
+        (only(UCX_MRKIT0_ONLY), only(UCX_MRKIT0_ONLY))
+    };
     Ok(json!({
+        "device": dev.name(),
         "raw_udp_gso_mbps": gso,
         "raw_udp_gso_gro_mbps": gso_gro,
         "raw_udp_gso_gro_copy_icrc_mbps": gso_gro_work,
@@ -404,6 +488,9 @@ fn run_inner(quick: bool) -> anyhow::Result<serde_json::Value> {
 }
 
 fn print_table(v: &serde_json::Value) {
+    if !v["raw_udp_gso_mbps"].is_number() {
+        return print_table_device(v);
+    }
     let gso = v["raw_udp_gso_mbps"].as_f64().unwrap_or(0.0);
     let gro = v["raw_udp_gso_gro_mbps"].as_f64().unwrap_or(0.0);
     let work = v["raw_udp_gso_gro_copy_icrc_mbps"].as_f64().unwrap_or(0.0);
@@ -458,6 +545,37 @@ fn print_table(v: &serde_json::Value) {
             println!("UCX: ucx_perftest not installed (apt-get install ucx-utils) or not parsable")
         }
     }
+}
+
+/// The table of a device other than mrkit0: its figures, and why the rest is not there.
+fn print_table_device(v: &serde_json::Value) {
+    let s = |k: &str| v[k].as_str().unwrap_or("").to_string();
+    println!("device {}", s("device"));
+    println!("floors and ratios: {}", s("raw_udp_gso_mbps"));
+    println!("ceiling: {}", s("raw_udp_gso_gro_copy_icrc_mbps"));
+    println!(
+        "{:>6} {:>8} | {:>10} {:>12} | {:>10} {:>10}",
+        "op", "size", "MB/s", "msg/s", "RTT p50", "RTT p99"
+    );
+    for r in v["mrkit"].as_array().into_iter().flatten() {
+        println!(
+            "{:>6} {:>8} | {:>10.0} {:>12.0} | {:>8.1}µs {:>8.1}µs",
+            r["op"].as_str().unwrap_or("?"),
+            r["size"],
+            r["bw_mbps"].as_f64().unwrap_or(0.0),
+            r["msg_rate"].as_f64().unwrap_or(0.0),
+            r["lat_us_p50"].as_f64().unwrap_or(0.0),
+            r["lat_us_p99"].as_f64().unwrap_or(0.0)
+        );
+    }
+    for k in ["write_lat", "send_lat"] {
+        println!(
+            "{k:>10} 8 B RTT p50 {:.1} µs p99 {:.1} µs",
+            v[k]["lat_us_p50"].as_f64().unwrap_or(0.0),
+            v[k]["lat_us_p99"].as_f64().unwrap_or(0.0)
+        );
+    }
+    println!("UCX: {}", s("ucx_tcp_put_bw_64k_mbps"));
 }
 
 #[cfg(test)]

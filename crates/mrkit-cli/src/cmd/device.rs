@@ -67,23 +67,6 @@ impl Selected {
             }
         }
     }
-
-    /// For the verbs whose experiments drive the embedded device's own data path (`perf`, the
-    /// `bench` suite): check the name resolves, then refuse any other device with a sentence.
-    pub fn require_embedded(&self, verb: &str) -> Result<(), u8> {
-        if self.is_embedded() {
-            return Ok(());
-        }
-        // Resolve first, so an unknown name or a missing rdma-core gives its own reason.
-        let _ctx = self.open(verb)?;
-        eprintln!(
-            "mrkit {verb}: `{}` is not the embedded mrkit0: this verb measures mrkit0's own transport and \
-             registration paths and does not run on other devices yet (use perftest's \
-             ib_write_bw/ib_write_lat on a real NIC)",
-            self.name
-        );
-        Err(exit::VERB_FAILED)
-    }
 }
 
 #[cfg(test)]

@@ -1,29 +1,40 @@
-//! `mrkit perf`: a perftest-like pair over RoCEv2/UDP on mrkit0.
+//! `mrkit perf`: a perftest-like pair on any device (mrkit0 by default, or `--device NAME`:
+//! an rdma-core device such as `rdma-core:mlx5_0`).
 //!
-//! The server listens on TCP (default port 18515) for the out-of-band exchange (QPN, PSN, GID,
-//! buffer address, rkey), as perftest does, then serves one client at a time. The client runs
-//! the operation with a window of outstanding work requests, verifies the data, and prints
-//! bandwidth, message rate and round-trip latency (JSON keys `op`, `size`, `bw_mbps`,
-//! `msg_rate`, `lat_us_p50`, `lat_us_p99`, `errors`).
+//! The server listens on TCP (default port 18515) for the out-of-band exchange, as perftest
+//! does, then serves one client at a time. The exchange is mrkit's TCP handshake
+//! (`mrkit::tcp`: each side's QP endpoint plus private data, here a JSON [`Hello`] with the
+//! buffer address, rkey, operation and size), followed by a few JSON lines on the same socket
+//! ("ready", the client's "done", the server's error count). The client runs the operation
+//! with a window of outstanding work requests, verifies the data, and prints bandwidth,
+//! message rate and round-trip latency (JSON keys `op`, `size`, `bw_mbps`, `msg_rate`,
+//! `lat_us_p50`, `lat_us_p99`, `errors`). Queue pairs are `mrkit::QueuePair`s connected by
+//! the handshake; the measured loops post and poll through the device's `Provider` verbs on
+//! their handles (inline and unsignaled work requests, as perftest posts them).
 //!
 //! The server treats every client as hostile: it listens on the device's own address unless
-//! told otherwise (`--listen`), reads exchange lines of bounded length with a timeout, checks
-//! every field of a client's hello before allocating anything, and tears each client down in
-//! order when it finishes or fails: QP (no further access), then MR (deregistered: the old
-//! rkey is refused from then on), then the buffer, CQ and PD. The buffer is owned by its MR
-//! (`mrkit::MemoryRegion`), so it cannot be freed while registered.
+//! told otherwise (`--listen`), bounds the handshake and every later line by a deadline and
+//! a length, checks every field of a client's hello before it creates a queue pair or
+//! registers memory for it, and tears each client down in order when it finishes or fails:
+//! QP (no further access), then MR (deregistered: the old rkey is refused from then on), then
+//! the buffer and the PD. The buffer is owned by its MR (`mrkit::MemoryRegion`), so it cannot
+//! be freed while registered.
 
 use std::io::{BufRead, BufReader, ErrorKind, Read, Write};
-use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::net::{IpAddr, SocketAddr, TcpStream};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::{Args, ValueEnum};
-use mrkit_soft::cq::{Wc, WcOpcode, WcStatus};
-use mrkit_soft::qp::connect::{connect_qp, ConnectOpts, RemoteQp};
-use mrkit_soft::qp::{send_flags, QpCap, QpInitAttr, RecvWr, SendWr, Sge, WrOpcode};
-use mrkit_soft::{AccessFlags, Context, DeviceConfig};
+use mrkit::provider::{send_flags, RecvWr, SendWr, Sge, WrOpcode};
+use mrkit::tcp::{self, HandshakeOpts, Listener};
+use mrkit::{
+    AccessFlags, ConnectOpts, Context, DeviceConfig, Endpoint, MemoryRegion, Mtu, ProtectionDomain,
+    Provider, QpCap, QueuePair, RawHandles, WcStatus, WorkCompletion as Wc,
+};
 use serde::{Deserialize, Serialize};
 
+use super::device::Selected;
 use crate::exit;
 
 /// Operation to measure.
@@ -42,7 +53,7 @@ pub enum Op {
 
 #[derive(Args, Debug)]
 #[command(
-    after_help = "Examples:\n  mrkit perf --server --addr 127.0.0.2\n  mrkit perf --client 127.0.0.2 --op write --size 64KiB --iters 2000 --json\n  MRKIT_FAULTS=loss=1% mrkit perf --client 127.0.0.2 --op read --size 4096"
+    after_help = "Examples:\n  mrkit perf --server --addr 127.0.0.2\n  mrkit perf --client 127.0.0.2 --op write --size 64KiB --iters 2000 --json\n  MRKIT_FAULTS=loss=1% mrkit perf --client 127.0.0.2 --op read --size 4096\n  mrkit perf --server --device rdma-core:mlx5_0\n  mrkit perf --client 192.0.2.1 --device rdma-core:mlx5_0 --op send --size 8"
 )]
 pub struct PerfArgs {
     /// Run the server (passive side).
@@ -51,7 +62,8 @@ pub struct PerfArgs {
     /// Run the client against the server at this address.
     #[arg(long, value_name = "ADDR")]
     client: Option<String>,
-    /// Our device address (RoCEv2 GID): default MRKIT_ADDR or a distinct 127.x.y.z.
+    /// mrkit0's device address (RoCEv2 GID): default MRKIT_ADDR or a distinct 127.x.y.z.
+    /// Another device's address is its GID and cannot be set here.
     #[arg(long)]
     addr: Option<String>,
     /// TCP port of the out-of-band exchange.
@@ -95,19 +107,24 @@ fn parse_size(s: &str) -> Result<u64, String> {
     mrkit_soft::device::parse_size(s).ok_or_else(|| format!("`{s}` is not a size"))
 }
 
-/// Out-of-band exchange message.
+/// What each side sends as the handshake's private data (at most 256 bytes of JSON): its
+/// buffer, and what the client asks for (the server echoes the request with its own buffer).
+/// The QP number, PSN and GID travel in the handshake's endpoint.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct Hello {
-    ip: IpAddr,
-    qpn: u32,
-    psn: u32,
     addr: u64,
     rkey: u32,
     len: u64,
     op: Op,
     size: u64,
     seed: u8,
+    /// SEND: round trips of the echo (latency) phase.
+    #[serde(default)]
+    echo: u32,
+    /// SEND: messages of the receive (bandwidth) phase.
+    #[serde(default)]
+    bulk: u32,
 }
 
 /// The JSON result.
@@ -129,18 +146,31 @@ pub struct PerfResult {
     pub errors: u64,
 }
 
-/// One connection's resources. Dropping it tears them down in order: the QP first (the device
-/// stops processing it), then the MR (deregistered: every later access with its keys is
-/// refused), then the buffer the MR owns, the CQ and the PD.
+/// One connection's resources. Dropping it tears them down in field order: the queue pair
+/// first (QP destroyed: the device stops processing it; then its CQs), then the MR
+/// (deregistered: every later access with its keys is refused), then the buffer the MR owns
+/// and the PD (held by the MR).
 struct Side {
-    ctx: Context,
-    cq: u32,
-    qp: u32,
+    /// Connected by the handshake; the loops drive it through `dev` on `h`. Held for its
+    /// place in the drop order.
+    _qp: QueuePair,
     /// Owns the buffer: it is freed only after deregistration.
-    mr: mrkit::MemoryRegion,
+    mr: MemoryRegion,
+    dev: Arc<dyn Provider>,
+    h: RawHandles,
 }
 
 impl Side {
+    fn new(qp: QueuePair, mr: MemoryRegion) -> Side {
+        let dev = qp.context().provider().clone();
+        let h = qp.raw_handles();
+        Side {
+            _qp: qp,
+            mr,
+            dev,
+            h,
+        }
+    }
     fn buf(&self) -> &[u8] {
         self.mr.as_slice()
     }
@@ -153,82 +183,84 @@ impl Side {
     fn lkey(&self) -> u32 {
         self.mr.lkey()
     }
-}
-
-impl Drop for Side {
-    fn drop(&mut self) {
-        // QP before MR: no work request of this connection can reach the memory afterwards
-        // (deregistration below would wait for one in flight anyway).
-        if let Err(e) = self.ctx.destroy_qp(self.qp) {
-            tracing::warn!(error = %e, qp = self.qp, "destroy_qp failed");
-        }
-        if let Err(e) = self.ctx.destroy_cq(self.cq) {
-            tracing::warn!(error = %e, cq = self.cq, "destroy_cq failed");
-        }
-        // Then the field `mr` drops: dereg, then the buffer is unmapped, then the PD (held by
-        // the MR) is deallocated.
+    fn post_send(&self, wrs: &[SendWr]) -> anyhow::Result<()> {
+        self.dev.post_send(self.h.qpn, wrs).map_err(|e| e.error)?;
+        Ok(())
+    }
+    fn post_recv(&self, wrs: &[RecvWr]) -> anyhow::Result<()> {
+        self.dev.post_recv(self.h.qpn, wrs).map_err(|e| e.error)?;
+        Ok(())
     }
 }
 
-fn mtu_enum(bytes: u32) -> u8 {
+fn mtu_of(bytes: u32) -> Mtu {
     match bytes {
-        0..=256 => 1,
-        257..=512 => 2,
-        513..=1024 => 3,
-        1025..=2048 => 4,
-        _ => 5,
+        0..=256 => Mtu::B256,
+        257..=512 => Mtu::B512,
+        513..=1024 => Mtu::B1024,
+        1025..=2048 => Mtu::B2048,
+        _ => Mtu::B4096,
     }
 }
 
-fn open_device(addr: Option<&str>) -> anyhow::Result<Context> {
+/// The connection's attributes: perftest's ACK timeout 14 (≈ 67 ms) and seven retries (with
+/// 12, ≈ 17 ms, a peer kept off the CPU for ~130 ms on a loaded 2-vCPU machine ended the run).
+fn connect_opts(mtu: u32) -> ConnectOpts {
+    ConnectOpts {
+        path_mtu: mtu_of(mtu),
+        timeout: 14,
+        retry_cnt: 7,
+        ..ConnectOpts::default()
+    }
+}
+
+/// Work requests each queue may hold (the server keeps 512 receives posted; the client's
+/// window is at most 512).
+fn qp_cap() -> QpCap {
+    QpCap {
+        max_send_wr: 1024,
+        max_recv_wr: 1024,
+        ..QpCap::default()
+    }
+}
+
+/// mrkit0 with `MRKIT_*` and `--addr`, its RoCEv2 address bound at once (a taken address
+/// fails here).
+pub(crate) fn open_embedded(addr: Option<&str>) -> anyhow::Result<Context> {
     let mut cfg = DeviceConfig::from_env().map_err(anyhow::Error::msg)?;
     if let Some(a) = addr {
         cfg = cfg.udp_addr(mrkit_soft::net::udp::parse_addr(a).map_err(anyhow::Error::msg)?);
     }
     let ctx = Context::open(cfg);
-    ctx.udp_port()?;
+    device_ip(&ctx)?;
     Ok(ctx)
 }
 
-fn open_side(addr: Option<&str>, len: usize) -> anyhow::Result<Side> {
-    side_on(open_device(addr)?, len, |_| {})
+/// The device's RoCEv2 address: its GID (port 1, index 0) as an IP address.
+fn device_ip(ctx: &Context) -> anyhow::Result<IpAddr> {
+    let gid = std::net::Ipv6Addr::from(ctx.provider().query_gid()?);
+    Ok(match gid.to_ipv4_mapped() {
+        Some(v4) => IpAddr::V4(v4),
+        None => IpAddr::V6(gid),
+    })
 }
 
-/// Resources for one connection on an opened device; `fill` writes the buffer's initial
-/// contents before it is registered. On an error, whatever was created is released again.
-fn side_on(ctx: Context, len: usize, fill: impl FnOnce(&mut [u8])) -> anyhow::Result<Side> {
-    // The safe API: the MR owns its buffer and the PD is released with its last user.
-    let dev = mrkit::Context::from_provider(std::sync::Arc::new(ctx.clone()));
-    let pd = dev.alloc_pd()?;
+/// A registered buffer for one connection; `fill` writes its initial contents before it is
+/// registered.
+fn register(
+    pd: &ProtectionDomain,
+    len: usize,
+    fill: impl FnOnce(&mut [u8]),
+) -> anyhow::Result<MemoryRegion> {
     let mut buf = mrkit::Buffer::new(len.max(64))?;
     fill(buf.as_mut_slice());
-    let mr = pd.register(
+    Ok(pd.register(
         buf,
         AccessFlags::LOCAL_WRITE
             | AccessFlags::REMOTE_WRITE
             | AccessFlags::REMOTE_READ
             | AccessFlags::REMOTE_ATOMIC,
-    )?;
-    let cq = ctx.create_cq(8192, None)?;
-    let qp = ctx.create_qp(QpInitAttr {
-        pd: pd.handle(),
-        send_cq: cq,
-        recv_cq: cq,
-        cap: QpCap {
-            max_send_wr: 1024,
-            max_recv_wr: 1024,
-            ..QpCap::default()
-        },
-        sq_sig_all: false,
-    });
-    let qp = match qp {
-        Ok((qp, _)) => qp,
-        Err(e) => {
-            let _ = ctx.destroy_cq(cq);
-            return Err(e.into());
-        }
-    };
-    Ok(Side { ctx, cq, qp, mr })
+    )?)
 }
 
 fn send_line<T: Serialize>(s: &mut TcpStream, v: &T) -> anyhow::Result<()> {
@@ -238,7 +270,7 @@ fn send_line<T: Serialize>(s: &mut TcpStream, v: &T) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Longest exchange line accepted (a hello is about 150 bytes).
+/// Longest line accepted after the handshake (the longest is a number or a word).
 const MAX_LINE: u64 = 4096;
 
 fn read_line<T: for<'de> Deserialize<'de>>(r: &mut BufReader<TcpStream>) -> anyhow::Result<T> {
@@ -272,18 +304,37 @@ fn read_line<T: for<'de> Deserialize<'de>>(r: &mut BufReader<TcpStream>) -> anyh
     Ok(serde_json::from_slice(line.trim_ascii())?)
 }
 
+/// The side channel after the handshake: writer and bounded reader, both with `timeout`.
+fn split(
+    stream: TcpStream,
+    timeout: Duration,
+) -> anyhow::Result<(TcpStream, BufReader<TcpStream>)> {
+    stream.set_nodelay(true)?;
+    stream.set_read_timeout(Some(timeout))?;
+    stream.set_write_timeout(Some(timeout))?;
+    let w = stream.try_clone()?;
+    Ok((w, BufReader::new(stream)))
+}
+
 fn pattern(seed: u8, buf: &mut [u8]) {
     for (i, b) in buf.iter_mut().enumerate() {
         *b = (i as u8).wrapping_mul(13).wrapping_add(seed);
     }
 }
 
-fn poll_n(side: &Side, n: usize, out: &mut Vec<Wc>, deadline: Instant) -> anyhow::Result<()> {
+/// Poll `cq` until `n` more completions are in `out`.
+fn poll_n(
+    side: &Side,
+    cq: u32,
+    n: usize,
+    out: &mut Vec<Wc>,
+    deadline: Instant,
+) -> anyhow::Result<()> {
     let start = out.len();
     let mut polls = 0u32;
     while out.len() - start < n {
         let want = n - (out.len() - start);
-        side.ctx.poll_cq(side.cq, out, want)?;
+        side.dev.poll_cq(cq, out, want)?;
         // The clock is read every 256 empty polls, not every poll: a clock read costs ~25 ns
         // in this VM, and the spinning loop's period is how late a completion is noticed.
         polls = polls.wrapping_add(1);
@@ -299,101 +350,46 @@ fn poll_n(side: &Side, n: usize, out: &mut Vec<Wc>, deadline: Instant) -> anyhow
 /// in batches the same way, outside the measured round trip).
 const MAX_UNREAPED_SENDS: u32 = 32;
 
-/// Completions of one side's echo loop. SEND and RECV completions share the CQ with no order
-/// between them: a SEND's completion needs the peer's ACK, which may travel with or behind
-/// the peer's next message (delayed ACKs), or be lost and resent. So a receive completion
-/// seen while reaping sends is kept for later, and send completions seen while waiting for a
-/// receive are counted (`sends` is the number still unpolled).
+/// Completions of one side's echo loop. A SEND's completion needs the peer's ACK, which may
+/// travel with or behind the peer's next message (delayed ACKs), or be lost and resent; it
+/// arrives on the send CQ, receives on the receive CQ, so the loop waits on the receive CQ
+/// alone and reaps send completions in batches (`sends` is the number still unpolled).
 #[derive(Default)]
 struct EchoCompletions {
-    early: std::collections::VecDeque<Wc>,
     sends: u32,
     errors: u64,
     wcs: Vec<Wc>,
 }
 
 impl EchoCompletions {
-    fn take_send(&mut self, wc: &Wc) {
-        self.sends = self.sends.saturating_sub(1);
-        self.errors += u64::from(wc.status != WcStatus::Success);
-    }
-
-    /// The CQ's next completion.
-    fn poll_one(&mut self, side: &Side, deadline: Instant) -> anyhow::Result<Wc> {
-        self.wcs.clear();
-        poll_n(side, 1, &mut self.wcs, deadline)?;
-        Ok(self.wcs[0])
-    }
-
-    /// The next receive completion: one kept earlier, else the CQ's next one that is not a
-    /// send completion.
+    /// The next receive completion.
     fn next_recv(&mut self, side: &Side, deadline: Instant) -> anyhow::Result<Wc> {
-        if let Some(wc) = self.early.pop_front() {
-            return Ok(wc);
-        }
-        loop {
-            let wc = self.poll_one(side, deadline)?;
-            if wc.opcode != WcOpcode::Send {
-                return Ok(wc);
-            }
-            self.take_send(&wc);
-        }
+        self.wcs.clear();
+        poll_n(side, side.h.recv_cq, 1, &mut self.wcs, deadline)?;
+        Ok(self.wcs[0])
     }
 
     /// Poll until at most `left` sends are unpolled.
     fn reap_sends(&mut self, side: &Side, left: u32, deadline: Instant) -> anyhow::Result<()> {
-        while self.sends > left {
-            let wc = self.poll_one(side, deadline)?;
-            if wc.opcode == WcOpcode::Send {
-                self.take_send(&wc);
-            } else {
-                self.early.push_back(wc);
-            }
+        if self.sends <= left {
+            return Ok(());
         }
+        self.wcs.clear();
+        poll_n(
+            side,
+            side.h.send_cq,
+            (self.sends - left) as usize,
+            &mut self.wcs,
+            deadline,
+        )?;
+        self.sends = left;
+        self.errors += self
+            .wcs
+            .iter()
+            .filter(|w| w.status != WcStatus::Success)
+            .count() as u64;
         Ok(())
     }
-}
-
-fn connect(side: &Side, peer: &Hello) -> anyhow::Result<()> {
-    connect_qp(
-        &side.ctx,
-        side.qp,
-        RemoteQp {
-            qpn: peer.qpn,
-            psn: peer.psn,
-            ip: Some(peer.ip),
-            node: 0,
-        },
-        ConnectOpts {
-            path_mtu: side_mtu(),
-            // perftest's 14 (≈ 67 ms): retry_cnt 7 is seven retries, and with 12 (≈ 17 ms) a
-            // peer kept off the CPU for ~130 ms on a loaded 2-vCPU machine ended the run.
-            timeout: 14,
-            ..ConnectOpts::default()
-        },
-    )?;
-    Ok(())
-}
-
-thread_local! {
-    static MTU: std::cell::Cell<u8> = const { std::cell::Cell::new(5) };
-}
-fn side_mtu() -> u8 {
-    MTU.with(|m| m.get())
-}
-
-fn hello(side: &Side, op: Op, size: u64, seed: u8) -> anyhow::Result<Hello> {
-    Ok(Hello {
-        ip: side.ctx.udp_port()?.local_addr().ip(),
-        qpn: side.qp,
-        psn: 0,
-        addr: side.iova(),
-        rkey: side.mr.rkey(),
-        len: side.buf().len() as u64,
-        op,
-        size,
-        seed,
-    })
 }
 
 fn recv_wr(side: &Side, id: u64, off: u64, len: u64) -> RecvWr {
@@ -448,8 +444,15 @@ const MAX_BULK: u32 = 10_000_000;
 /// limit for its measurement.
 const VERDICT_TIMEOUT: Duration = Duration::from_secs(300);
 
-/// Check a client's hello before anything is allocated for it.
-fn validate_hello(h: &Hello, ours: IpAddr, lim: &ServerLimits) -> anyhow::Result<()> {
+/// Check a client's hello (its endpoint `ep` and request `h`) before anything is allocated
+/// for it. The endpoint's QP number, PSN and address were checked by the handshake (a
+/// 24-bit RC QP number, a 24-bit PSN, a unicast GID).
+fn validate_hello(
+    h: &Hello,
+    ep: &Endpoint,
+    ours: IpAddr,
+    lim: &ServerLimits,
+) -> anyhow::Result<()> {
     if h.size == 0 || h.size > lim.max_size {
         anyhow::bail!(
             "size {} outside 1 ..= {} (--max-size)",
@@ -460,19 +463,8 @@ fn validate_hello(h: &Hello, ours: IpAddr, lim: &ServerLimits) -> anyhow::Result
     if h.op == Op::Atomic && h.size != 8 {
         anyhow::bail!("atomic size must be 8, not {}", h.size);
     }
-    // 24-bit QP numbers; 0 and 1 are the special QPs.
-    if !(2..=0xff_ffff).contains(&h.qpn) {
-        anyhow::bail!("qpn {:#x} is not a 24-bit RC QP number", h.qpn);
-    }
-    if h.psn > 0xff_ffff {
-        anyhow::bail!("psn {:#x} is not 24 bits", h.psn);
-    }
-    let unicast = match h.ip {
-        IpAddr::V4(v) => !(v.is_unspecified() || v.is_multicast() || v.is_broadcast()),
-        IpAddr::V6(v) => !(v.is_unspecified() || v.is_multicast()),
-    };
-    if !unicast || h.ip.is_ipv4() != ours.is_ipv4() {
-        anyhow::bail!("address {} is not a unicast peer for {ours}", h.ip);
+    if ep.ip().is_ipv4() != ours.is_ipv4() {
+        anyhow::bail!("address {} is not a unicast peer for {ours}", ep.ip());
     }
     // The client's buffer: never used by the server, but it must describe a real range.
     if h.len < h.size || h.addr.checked_add(h.len).is_none() {
@@ -483,11 +475,39 @@ fn validate_hello(h: &Hello, ours: IpAddr, lim: &ServerLimits) -> anyhow::Result
             h.size
         );
     }
+    if h.op == Op::Send && (h.echo > MAX_ECHO || h.bulk > MAX_BULK) {
+        anyhow::bail!(
+            "asked for {} echoes and {} messages (at most {MAX_ECHO} and {MAX_BULK})",
+            h.echo,
+            h.bulk
+        );
+    }
     Ok(())
 }
 
+/// What a server reports after each client: the device's live objects on mrkit0, where the
+/// device counts them (every one of the client's must be gone).
+fn live_objects(ctx: &Context) -> String {
+    match ctx.soft() {
+        Some(dev) => {
+            let r = dev.resource_counts();
+            format!(
+                "pd {} mr {} qp {} cq {} mw {}, pinned {} B, memlock {} pages",
+                r.pds,
+                r.mrs,
+                r.qps,
+                r.cqs,
+                r.mws,
+                dev.stats().pinned_bytes,
+                mrkit_soft::mem::account::pinned_pages()
+            )
+        }
+        None => format!("not counted by {} (mrkit0 counts its objects)", ctx.name()),
+    }
+}
+
 /// Server: serve clients one at a time.
-fn serve(a: &PerfArgs) -> anyhow::Result<()> {
+fn serve(a: &PerfArgs, ctx: &Context) -> anyhow::Result<()> {
     if !(a.client_timeout > 0.0 && a.client_timeout.is_finite()) {
         anyhow::bail!("--client-timeout needs a positive number of seconds");
     }
@@ -495,41 +515,34 @@ fn serve(a: &PerfArgs) -> anyhow::Result<()> {
         max_size: a.max_size.max(1),
         timeout: Duration::try_from_secs_f64(a.client_timeout)?,
     };
-    // One device for all clients (its UDP address stays bound); resources per client.
-    let dev = open_device(a.addr.as_deref())?;
-    let ours = dev.udp_port()?.local_addr().ip();
-    let listener = TcpListener::bind(SocketAddr::new(a.listen.unwrap_or(ours), a.port))?;
+    // One device for all clients (its address stays bound); resources per client.
+    let ours = device_ip(ctx)?;
+    let at = SocketAddr::new(a.listen.unwrap_or(ours), a.port);
+    let listener = Listener::bind(at).map_err(|e| {
+        let hint = if a.listen.is_none() {
+            " (the device's address, its GID; --listen IP chooses another)"
+        } else {
+            ""
+        };
+        anyhow::anyhow!("cannot listen on {at}{hint}: {e}")
+    })?;
     eprintln!("mrkit perf: server listening on {}", listener.local_addr()?);
     let mut served = 0;
-    for conn in listener.incoming() {
-        let conn = match conn {
+    loop {
+        let (conn, who) = match listener.accept_stream(None) {
             Ok(c) => c,
             Err(e) => {
-                // E.g. a connection reset before accept, or out of descriptors: not fatal.
+                // E.g. out of descriptors: not fatal.
                 eprintln!("mrkit perf: accept failed: {e}");
                 std::thread::sleep(Duration::from_millis(10));
                 continue;
             }
         };
-        let who = conn
-            .peer_addr()
-            .map_or_else(|_| "?".to_string(), |p| p.to_string());
-        if let Err(e) = serve_one(&dev, conn, ours, &lim) {
+        if let Err(e) = serve_one(ctx, conn, ours, &lim, a.mtu) {
             eprintln!("mrkit perf: client {who} failed: {e:#}");
         }
         // Every resource of the client is gone by now (see `Side`).
-        let r = dev.resource_counts();
-        eprintln!(
-            "mrkit perf: client {who} done; live: pd {} mr {} qp {} cq {} mw {}, pinned {} B, \
-             memlock {} pages",
-            r.pds,
-            r.mrs,
-            r.qps,
-            r.cqs,
-            r.mws,
-            dev.stats().pinned_bytes,
-            mrkit_soft::mem::account::pinned_pages()
-        );
+        eprintln!("mrkit perf: client {who} done; live: {}", live_objects(ctx));
         served += 1;
         if a.count != 0 && served >= a.count {
             break;
@@ -539,44 +552,67 @@ fn serve(a: &PerfArgs) -> anyhow::Result<()> {
 }
 
 fn serve_one(
-    dev: &Context,
+    ctx: &Context,
     conn: TcpStream,
     ours: IpAddr,
     lim: &ServerLimits,
+    mtu: u32,
 ) -> anyhow::Result<()> {
-    conn.set_nodelay(true)?;
-    // A silent or stalled client is dropped after the timeout instead of blocking the server.
-    conn.set_read_timeout(Some(lim.timeout))?;
-    conn.set_write_timeout(Some(lim.timeout))?;
-    let mut w = conn.try_clone()?;
-    let mut r = BufReader::new(conn);
-    let peer: Hello = read_line(&mut r)?;
-    validate_hello(&peer, ours, lim)?;
-    // size ≤ --max-size: checked anyway, so an absurd --max-size cannot wrap.
-    let len = peer
-        .size
-        .max(8)
-        .checked_mul(2)
-        .and_then(|l| usize::try_from(l).ok())
-        .ok_or_else(|| anyhow::anyhow!("size {} is too large", peer.size))?;
-    let side = side_on(dev.clone(), len, |b| pattern(peer.seed, b))?;
-    let me = hello(&side, peer.op, peer.size, peer.seed)?;
-    connect(&side, &peer)?;
+    // A PD holds no memory; the MR and the QP are made only for an admitted hello.
+    let pd = ctx.alloc_pd()?;
+    let mut admitted: Option<(Hello, MemoryRegion)> = None;
+    let opts = HandshakeOpts {
+        connect: connect_opts(mtu),
+        // A silent or stalled client is dropped after the timeout instead of blocking us.
+        timeout: lim.timeout,
+        accept_timeout: None,
+        private_data: Vec::new(),
+    };
+    let c = tcp::accept_on(conn, &pd, qp_cap(), &opts, |ep, private| {
+        let admit = || -> anyhow::Result<(Vec<u8>, Hello, MemoryRegion)> {
+            let peer: Hello = serde_json::from_slice(private)
+                .map_err(|e| anyhow::anyhow!("the client's hello is not valid: {e}"))?;
+            validate_hello(&peer, ep, ours, lim)?;
+            // size ≤ --max-size: checked anyway, so an absurd --max-size cannot wrap.
+            let len = peer
+                .size
+                .max(8)
+                .checked_mul(2)
+                .and_then(|l| usize::try_from(l).ok())
+                .ok_or_else(|| anyhow::anyhow!("size {} is too large", peer.size))?;
+            let mr = register(&pd, len, |b| pattern(peer.seed, b))?;
+            let me = Hello {
+                addr: mr.info().iova,
+                rkey: mr.rkey(),
+                len: mr.as_slice().len() as u64,
+                ..peer.clone()
+            };
+            Ok((serde_json::to_vec(&me)?, peer, mr))
+        };
+        match admit() {
+            Ok((bytes, peer, mr)) => {
+                admitted = Some((peer, mr));
+                Ok(bytes)
+            }
+            Err(e) => Err(format!("{e:#}")),
+        }
+    })?;
+    let Some((peer, mr)) = admitted else {
+        anyhow::bail!("the handshake ended without an admitted hello");
+    };
+    let side = Side::new(c.qp, mr);
+    let (mut w, mut r) = split(c.stream, lim.timeout)?;
     let size = peer.size;
     if peer.op == Op::Send {
         let wrs: Vec<RecvWr> = (0..512).map(|i| recv_wr(&side, i, 0, size)).collect();
-        side.ctx.post_recv(side.qp, &wrs)?;
+        side.post_recv(&wrs)?;
     }
-    send_line(&mut w, &me)?;
+    // The receives are posted: the client may start.
+    send_line(&mut w, &"ready")?;
     let mut errors = 0u64;
     if peer.op == Op::Send {
-        // Echo phase (latency), then receive phase (bandwidth); the client tells the count.
-        let (echo, bulk): (u32, u32) = read_line(&mut r)?;
-        if echo > MAX_ECHO || bulk > MAX_BULK {
-            anyhow::bail!(
-                "asked for {echo} echoes and {bulk} messages (at most {MAX_ECHO} and {MAX_BULK})"
-            );
-        }
+        // Echo phase (latency), then receive phase (bandwidth); the hello gave the counts.
+        let (echo, bulk) = (peer.echo, peer.bulk);
         let deadline = Instant::now() + Duration::from_secs(120);
         let mut c = EchoCompletions::default();
         // The reply is prepared once and posted with a new wr_id each time, as perftest
@@ -589,10 +625,9 @@ fn serve_one(
             // message cannot find the queue empty), as a latency-minded server would.
             c.reap_sends(&side, MAX_UNREAPED_SENDS - 1, deadline)?;
             reply.wr_id = u64::from(i);
-            side.ctx.post_send(side.qp, std::slice::from_ref(&reply))?;
+            side.post_send(std::slice::from_ref(&reply))?;
             c.sends += 1;
-            side.ctx
-                .post_recv(side.qp, &[recv_wr(&side, 1000 + u64::from(i), 0, size)])?;
+            side.post_recv(&[recv_wr(&side, 1000 + u64::from(i), 0, size)])?;
         }
         // Every reply completed before the receive phase.
         c.reap_sends(&side, 0, deadline)?;
@@ -605,8 +640,7 @@ fn serve_one(
             if bad || (i + 1 == bulk && side.buf()[..size as usize] != expect[..]) {
                 errors += 1;
             }
-            side.ctx
-                .post_recv(side.qp, &[recv_wr(&side, 2000 + u64::from(i), 0, size)])?;
+            side.post_recv(&[recv_wr(&side, 2000 + u64::from(i), 0, size)])?;
         }
         errors += c.errors;
     }
@@ -626,11 +660,12 @@ pub(crate) fn percentile(v: &mut [f64], q: f64) -> f64 {
     v[i]
 }
 
-/// Client: one measurement with explicit parameters (used by `mrkit bench transport`).
+/// Client: one measurement with explicit parameters on `ctx` (used by `mrkit bench
+/// transport`).
 pub fn run_client_with(
+    ctx: &Context,
     server: &str,
     port: u16,
-    addr: Option<&str>,
     op: Op,
     size: u64,
     iters: u32,
@@ -639,7 +674,7 @@ pub fn run_client_with(
     let a = PerfArgs {
         server: false,
         client: Some(server.to_string()),
-        addr: addr.map(str::to_string),
+        addr: None,
         port,
         op,
         size,
@@ -652,27 +687,68 @@ pub fn run_client_with(
         client_timeout: 10.0,
         json: true,
     };
-    run_client(&a, server)
+    run_client(&a, server, ctx)
 }
 
-/// Client: run one measurement.
-pub fn run_client(a: &PerfArgs, server: &str) -> anyhow::Result<PerfResult> {
+/// Client: one measurement on a fresh mrkit0 at `addr` (used by the benches: each run its
+/// own device and address, as a separate `mrkit perf --client` would have).
+pub fn run_client_embedded(
+    server: &str,
+    port: u16,
+    addr: Option<&str>,
+    op: Op,
+    size: u64,
+    iters: u32,
+    window: u32,
+) -> anyhow::Result<PerfResult> {
+    let ctx = open_embedded(addr)?;
+    run_client_with(&ctx, server, port, op, size, iters, window)
+}
+
+/// Client: run one measurement on `ctx`.
+pub fn run_client(a: &PerfArgs, server: &str, ctx: &Context) -> anyhow::Result<PerfResult> {
     let size = a.size.max(if a.op == Op::Atomic { 8 } else { 1 });
     let size = if a.op == Op::Atomic { 8 } else { size };
-    let tcp = mrkit_soft::net::udp::parse_addr(server).map_err(anyhow::Error::msg)?;
-    let conn = TcpStream::connect(SocketAddr::new(tcp.ip(), a.port))?;
-    conn.set_nodelay(true)?;
-    let mut w = conn.try_clone()?;
-    let mut r = BufReader::new(conn);
+    let tcp_ip = mrkit_soft::net::udp::parse_addr(server)
+        .map_err(anyhow::Error::msg)?
+        .ip();
     let seed = 0x5a;
     let len = size
         .checked_mul(2)
         .and_then(|l| usize::try_from(l).ok())
         .ok_or_else(|| anyhow::anyhow!("size {size} is too large"))?;
-    let mut side = open_side(a.addr.as_deref(), len)?;
-    send_line(&mut w, &hello(&side, a.op, size, seed)?)?;
-    let peer: Hello = read_line(&mut r)?;
-    connect(&side, &peer)?;
+    // Latency phase: one outstanding message, iters/4 samples (at least 20).
+    let samples = (a.iters / 4).clamp(20, 10_000);
+    let pd = ctx.alloc_pd()?;
+    let mr = register(&pd, len, |_| {})?;
+    let hello = Hello {
+        addr: mr.info().iova,
+        rkey: mr.rkey(),
+        len: mr.as_slice().len() as u64,
+        op: a.op,
+        size,
+        seed,
+        echo: if a.op == Op::Send { samples } else { 0 },
+        bulk: if a.op == Op::Send { a.iters } else { 0 },
+    };
+    let opts = HandshakeOpts {
+        connect: connect_opts(a.mtu),
+        private_data: serde_json::to_vec(&hello)?,
+        ..HandshakeOpts::default()
+    };
+    let c = tcp::connect(SocketAddr::new(tcp_ip, a.port), &pd, qp_cap(), &opts)?;
+    let peer: Hello = serde_json::from_slice(&c.private_data)
+        .map_err(|e| anyhow::anyhow!("the server's hello is not valid: {e}"))?;
+    if peer.len < size || peer.addr.checked_add(peer.len).is_none() {
+        anyhow::bail!(
+            "the server's buffer {:#x}+{} cannot hold {size} bytes",
+            peer.addr,
+            peer.len
+        );
+    }
+    let mut side = Side::new(c.qp, mr);
+    let (mut w, mut r) = split(c.stream, Duration::from_secs(30))?;
+    let _ready: String = read_line(&mut r)?;
     let deadline = Instant::now() + Duration::from_secs(300);
     let mut errors = 0u64;
     let mut wcs: Vec<Wc> = Vec::new();
@@ -696,14 +772,11 @@ pub fn run_client(a: &PerfArgs, server: &str) -> anyhow::Result<PerfResult> {
         wr
     };
     pattern(seed.wrapping_add(1), &mut side.buf_mut()[..size as usize]);
-    // Latency phase: one outstanding message, iters/4 samples (at least 20).
-    let samples = (a.iters / 4).clamp(20, 10_000);
     if a.op == Op::Send {
         let recvs: Vec<RecvWr> = (0..64)
             .map(|i| recv_wr(&side, 5000 + i, size, size))
             .collect();
-        side.ctx.post_recv(side.qp, &recvs)?;
-        send_line(&mut w, &(samples, a.iters))?;
+        side.post_recv(&recvs)?;
     }
     let mut lat = Vec::with_capacity(samples as usize);
     let mut echo = EchoCompletions::default();
@@ -717,7 +790,7 @@ pub fn run_client(a: &PerfArgs, server: &str) -> anyhow::Result<PerfResult> {
             echo.reap_sends(&side, MAX_UNREAPED_SENDS - 1, deadline)?;
         }
         let t = Instant::now();
-        side.ctx.post_send(side.qp, &wr)?;
+        side.post_send(&wr)?;
         if a.op == Op::Send {
             echo.sends += 1;
             let wc = echo.next_recv(&side, deadline)?;
@@ -725,11 +798,10 @@ pub fn run_client(a: &PerfArgs, server: &str) -> anyhow::Result<PerfResult> {
             echo.errors += u64::from(
                 wc.status != WcStatus::Success || u64::from(wc.byte_len) != size.min(ECHO_MAX),
             );
-            side.ctx
-                .post_recv(side.qp, &[recv_wr(&side, 6000 + u64::from(i), size, size)])?;
+            side.post_recv(&[recv_wr(&side, 6000 + u64::from(i), size, size)])?;
         } else {
             wcs.clear();
-            poll_n(&side, 1, &mut wcs, deadline)?;
+            poll_n(&side, side.h.send_cq, 1, &mut wcs, deadline)?;
             lat.push(t.elapsed().as_secs_f64() * 1e6);
             errors += wcs.iter().filter(|w| w.status != WcStatus::Success).count() as u64;
         }
@@ -743,33 +815,26 @@ pub fn run_client(a: &PerfArgs, server: &str) -> anyhow::Result<PerfResult> {
     let t0 = Instant::now();
     let mut posted = 0u32;
     let mut completed = 0u32;
-    let mut signaled_outstanding = 0u32;
     while completed < a.iters {
         while posted < a.iters && posted - completed < window {
             let sig = (posted + 1) % sig_every == 0 || posted + 1 == a.iters;
-            side.ctx
-                .post_send(side.qp, &[make(&side, u64::from(posted), sig)])?;
+            side.post_send(&[make(&side, u64::from(posted), sig)])?;
             posted += 1;
-            if sig {
-                signaled_outstanding += 1;
-            }
         }
         wcs.clear();
-        side.ctx.poll_cq(side.cq, &mut wcs, 64)?;
+        side.dev.poll_cq(side.h.send_cq, &mut wcs, 64)?;
         for wc in &wcs {
             if wc.status != WcStatus::Success {
                 anyhow::bail!("completion error {:?} (wr {})", wc.status, wc.wr_id);
             }
             // A signaled completion retires every WR up to it (RC completes in order).
             completed = (wc.wr_id as u32 + 1).max(completed);
-            signaled_outstanding -= 1;
         }
         if Instant::now() > deadline {
             anyhow::bail!("bandwidth phase timed out");
         }
     }
     let secs = t0.elapsed().as_secs_f64();
-    let _ = signaled_outstanding;
     // Verify.
     match a.op {
         Op::Write => {
@@ -777,9 +842,9 @@ pub fn run_client(a: &PerfArgs, server: &str) -> anyhow::Result<PerfResult> {
             let mut rd = send_wr(&side, 9_999_999, WrOpcode::RdmaRead, size, size, true);
             rd.remote_addr = peer.addr;
             rd.rkey = peer.rkey;
-            side.ctx.post_send(side.qp, &[rd])?;
+            side.post_send(&[rd])?;
             wcs.clear();
-            poll_n(&side, 1, &mut wcs, deadline)?;
+            poll_n(&side, side.h.send_cq, 1, &mut wcs, deadline)?;
             let (lo, hi) = side.buf().split_at(size as usize);
             if wcs[0].status != WcStatus::Success || lo != &hi[..size as usize] {
                 errors += 1;
@@ -797,9 +862,9 @@ pub fn run_client(a: &PerfArgs, server: &str) -> anyhow::Result<PerfResult> {
             let mut rd = send_wr(&side, 9_999_998, WrOpcode::RdmaRead, size, 8, true);
             rd.remote_addr = peer.addr;
             rd.rkey = peer.rkey;
-            side.ctx.post_send(side.qp, &[rd])?;
+            side.post_send(&[rd])?;
             wcs.clear();
-            poll_n(&side, 1, &mut wcs, deadline)?;
+            poll_n(&side, side.h.send_cq, 1, &mut wcs, deadline)?;
             let mut init = [0u8; 8];
             pattern(seed, &mut init);
             let start = u64::from_ne_bytes(init);
@@ -811,6 +876,7 @@ pub fn run_client(a: &PerfArgs, server: &str) -> anyhow::Result<PerfResult> {
         Op::Send => {}
     }
     send_line(&mut w, &"done")?;
+    r.get_ref().set_read_timeout(Some(VERDICT_TIMEOUT))?;
     let peer_errors: u64 = read_line(&mut r)?;
     errors += peer_errors;
     let bytes = u64::from(a.iters) * size;
@@ -829,13 +895,36 @@ pub fn run_client(a: &PerfArgs, server: &str) -> anyhow::Result<PerfResult> {
 }
 
 /// Entry point.
-pub fn run(a: PerfArgs, dev: &super::device::Selected) -> u8 {
-    if let Err(code) = dev.require_embedded("perf") {
-        return code;
+pub fn run(a: PerfArgs, dev: &Selected) -> u8 {
+    if !a.server && a.client.is_none() {
+        eprintln!("mrkit perf: give --server or --client ADDR");
+        return exit::USAGE;
     }
-    MTU.with(|m| m.set(mtu_enum(a.mtu)));
+    let ctx = if dev.is_embedded() {
+        match open_embedded(a.addr.as_deref()) {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("mrkit perf: {e:#}");
+                return exit::VERB_FAILED;
+            }
+        }
+    } else {
+        // A device other than mrkit0 has its address in its GID table.
+        if a.addr.is_some() {
+            eprintln!(
+                "mrkit perf: --addr sets mrkit0's RoCEv2 address; the address of {} is its GID \
+                 (for the drop-in libibverbs, set MRKIT_ADDR in its environment)",
+                dev.name()
+            );
+            return exit::USAGE;
+        }
+        match dev.open("perf") {
+            Ok(c) => c,
+            Err(code) => return code,
+        }
+    };
     if a.server {
-        return match serve(&a) {
+        return match serve(&a, &ctx) {
             Ok(()) => exit::OK,
             Err(e) => {
                 eprintln!("mrkit perf: {e:#}");
@@ -843,11 +932,8 @@ pub fn run(a: PerfArgs, dev: &super::device::Selected) -> u8 {
             }
         };
     }
-    let Some(server) = a.client.clone() else {
-        eprintln!("mrkit perf: give --server or --client ADDR");
-        return exit::USAGE;
-    };
-    match run_client(&a, &server) {
+    let server = a.client.clone().unwrap_or_default();
+    match run_client(&a, &server, &ctx) {
         Ok(res) => {
             if a.json {
                 println!("{}", serde_json::to_string(&res).expect("json"));

@@ -250,6 +250,17 @@ impl<B> State<B> {
     }
 }
 
+/// The provider handles of a [`QueuePair`] ([`QueuePair::raw_handles`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RawHandles {
+    /// The QP number (`post_send`, `post_recv`, `modify_qp`).
+    pub qpn: u32,
+    /// The CQ of the send queue's completions.
+    pub send_cq: u32,
+    /// The CQ of the receive queue's completions.
+    pub recv_cq: u32,
+}
+
 /// An RC queue pair with private send/receive CQs on a private completion channel, carrying
 /// buffers of type `B` (see the [module docs](self)). Destroyed (with its CQs and channel) on
 /// drop, before the buffers it still holds are dropped.
@@ -334,7 +345,9 @@ impl<B: Registered> QueuePair<B> {
             send_cq: scq,
             recv_cq: rcq,
             cap,
-            sq_sig_all: true,
+            // This type's own work requests are signaled one by one (`SendWr::new`); leaving
+            // `sq_sig_all` off lets a user of `raw_handles` post unsignaled ones.
+            sq_sig_all: false,
         }) {
             Ok((qpn, _)) => qpn,
             Err(e) => {
@@ -376,6 +389,51 @@ impl<B: Registered> QueuePair<B> {
     /// ```
     pub fn qp_num(&self) -> u32 {
         self.qpn
+    }
+
+    /// The provider handles of this queue pair (QP number, send and receive CQ), for code
+    /// that drives the [`Provider`](crate::Provider) verbs on it directly, e.g. a benchmark's
+    /// hot loop posting inline or unsignaled work requests (`post_send` / `post_recv` /
+    /// `poll_cq` of [`Context::provider`]) on a queue pair connected by [`crate::tcp`] or
+    /// [`QueuePair::connect_to`]. The QP is created with `sq_sig_all` off, so only work
+    /// requests flagged `SIGNALED` complete. This type's own calls still work beside it,
+    /// with two rules the caller keeps: completions it polls itself never reach this type
+    /// (so it must not poll while this type has work requests in flight), and a completion
+    /// of a raw work request that this type reaps is dropped (logged), so give raw work
+    /// requests `wr_id`s of their own and do not mix the two while either has work in
+    /// flight. The memory a raw work request names is the caller's to keep registered until
+    /// its completion (the provider checks the keys, as a device does); dropping the queue
+    /// pair destroys the QP before anything else.
+    ///
+    /// ```
+    /// use mrkit::provider::{SendWr, Sge, WrOpcode};
+    /// use mrkit::{AccessFlags as A, Buffer, Context, QpCap, QueuePair, WcStatus};
+    /// let pd = Context::open(mrkit::DeviceConfig::rxe()).alloc_pd().unwrap();
+    /// let (q1, q2) = (QueuePair::new(&pd, QpCap::default()).unwrap(), QueuePair::new(&pd, QpCap::default()).unwrap());
+    /// QueuePair::connect(&q1, &q2, A::REMOTE_WRITE).unwrap();
+    /// let src = pd.register(Buffer::new(64).unwrap(), A::LOCAL_WRITE).unwrap();
+    /// let dst = pd.register(Buffer::new(64).unwrap(), A::LOCAL_WRITE | A::REMOTE_WRITE).unwrap();
+    /// let h = q1.raw_handles();
+    /// let dev = pd.context().provider();
+    /// let mut unsignaled = SendWr::new(7, WrOpcode::RdmaWrite).remote(dst.info().iova, dst.rkey());
+    /// unsignaled.flags = 0;
+    /// unsignaled.sg_list = vec![Sge { addr: src.info().iova, length: 64, lkey: src.lkey() }];
+    /// let mut signaled = unsignaled.clone();
+    /// signaled.wr_id = 8;
+    /// signaled.flags = mrkit::provider::send_flags::SIGNALED;
+    /// dev.post_send(h.qpn, &[unsignaled, signaled]).unwrap();
+    /// let mut wcs = Vec::new();
+    /// while wcs.is_empty() {
+    ///     dev.poll_cq(h.send_cq, &mut wcs, 16).unwrap();
+    /// }
+    /// assert_eq!((wcs.len(), wcs[0].wr_id, wcs[0].status), (1, 8, WcStatus::Success));
+    /// ```
+    pub fn raw_handles(&self) -> RawHandles {
+        RawHandles {
+            qpn: self.qpn,
+            send_cq: self.scq,
+            recv_cq: self.rcq,
+        }
     }
 
     /// The device context the queue pair lives on.

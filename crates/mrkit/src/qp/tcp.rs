@@ -49,6 +49,11 @@
 //! 3. the client connects its QP (RTS), client → server: `READY`;
 //! 4. server → client: `READY`.
 //!
+//! A server that must check what a client asks for before it spends anything on it (memory
+//! sized by the request, a QP) splits [`Listener::accept`] into [`Listener::accept_stream`]
+//! and [`accept_on`], whose admission check sees the client's HELLO before step 2 and
+//! answers with the server's private data or a `REJECT` reason.
+//!
 //! So when either side returns, the peer's QP is past RTR and may be sent to. Every read and
 //! the accept itself have deadlines ([`HandshakeOpts`]); a peer that sends garbage, too much
 //! (a body over 256 bytes is never read), nothing, or hangs up mid-handshake ends that
@@ -154,6 +159,10 @@ pub enum ConnectError {
     /// The peer refused the connection (it sent `REJECT`) with this reason.
     #[error("the peer refused the connection: {0}")]
     Rejected(String),
+    /// This side refused the peer's HELLO (the admission check of [`accept_on`]) for this
+    /// reason, which the peer received in a `REJECT`.
+    #[error("the client was refused: {0}")]
+    Refused(String),
     /// This side could not make or connect its QP, or an option is invalid.
     #[error(transparent)]
     Local(#[from] Error),
@@ -235,13 +244,22 @@ impl Listener {
         opts: &HandshakeOpts,
     ) -> Result<Connection, ConnectError> {
         check_private(opts)?;
-        let (stream, peer) = self.accept_tcp(opts.accept_timeout)?;
-        let mut s = Side::new(stream, opts.timeout)?;
-        let res = s.serve(pd, cap, opts);
-        s.finish(res, peer)
+        let (stream, _) = self.accept_stream(opts.accept_timeout)?;
+        let private = opts.private_data.clone();
+        accept_on(stream, pd, cap, opts, |_, _| Ok(private))
     }
 
-    fn accept_tcp(
+    /// Wait for one client's TCP connection (at most `timeout`; `None`: forever), without
+    /// the handshake: [`accept_on`] runs it. For a server that logs or limits its clients by
+    /// address before it spends anything on them; [`Listener::accept`] does both steps.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let listener = mrkit::tcp::Listener::bind("127.0.0.1:0").unwrap();
+    /// let err = listener.accept_stream(Some(Duration::from_millis(10))).unwrap_err();
+    /// assert!(err.is_timeout()); // no client came
+    /// ```
+    pub fn accept_stream(
         &self,
         timeout: Option<Duration>,
     ) -> Result<(TcpStream, SocketAddr), ConnectError> {
@@ -372,6 +390,54 @@ pub fn connect(
     let mut s = Side::new(stream, left)?;
     s.total = opts.timeout;
     let res = s.client(pd, cap, opts);
+    s.finish(res, peer)
+}
+
+/// The server's side of the handshake on a client's side-channel `stream` (from
+/// [`Listener::accept_stream`]), with an admission check: `admit` gets the client's endpoint
+/// and private data **before** this side creates anything for it (no QP yet; the caller's
+/// `pd` is all there is), and answers with this side's private data (at most
+/// [`MAX_PRIVATE_DATA`] bytes; `opts.private_data` is not used) or a reason to refuse the
+/// client, which the client receives in a `REJECT` ([`ConnectError::Refused`] here). A
+/// server that sizes its memory by what a client asks for allocates it in `admit`, once the
+/// request is known to be within its limits.
+///
+/// ```
+/// use mrkit::tcp::{self, ConnectError, HandshakeOpts, Listener};
+/// use mrkit::{Context, DeviceConfig, QpCap};
+/// let listener = Listener::bind("127.0.0.1:0").unwrap();
+/// let addr = listener.local_addr().unwrap();
+/// let client = std::thread::spawn(move || {
+///     let pd = Context::open(DeviceConfig::rxe()).alloc_pd().unwrap();
+///     let opts = HandshakeOpts { private_data: b"size=1TiB".to_vec(), ..Default::default() };
+///     tcp::connect(addr, &pd, QpCap::default(), &opts).unwrap_err()
+/// });
+/// let server = Context::open(DeviceConfig::rxe());
+/// let pd = server.alloc_pd().unwrap();
+/// let (stream, _) = listener.accept_stream(None).unwrap();
+/// let err = tcp::accept_on(stream, &pd, QpCap::default(), &HandshakeOpts::default(), |_, asked| {
+///     assert_eq!(server.soft().unwrap().resource_counts().qps, 0); // nothing made for it yet
+///     if asked == b"size=1TiB" { Err("too large".to_string()) } else { Ok(Vec::new()) }
+/// })
+/// .unwrap_err();
+/// assert!(matches!(err, ConnectError::Refused(_)));
+/// assert_eq!(server.soft().unwrap().resource_counts().qps, 0);
+/// let seen_by_client = client.join().unwrap();
+/// assert!(matches!(seen_by_client, ConnectError::Rejected(r) if r.contains("too large")));
+/// ```
+pub fn accept_on(
+    stream: TcpStream,
+    pd: &ProtectionDomain,
+    cap: QpCap,
+    opts: &HandshakeOpts,
+    admit: impl FnOnce(&Endpoint, &[u8]) -> std::result::Result<Vec<u8>, String>,
+) -> Result<Connection, ConnectError> {
+    let peer = stream.peer_addr().map_err(|source| ConnectError::Io {
+        during: "accepting a client",
+        source,
+    })?;
+    let mut s = Side::new(stream, opts.timeout)?;
+    let res = s.serve(pd, cap, opts, admit);
     s.finish(res, peer)
 }
 
@@ -611,16 +677,23 @@ impl Side {
         pd: &ProtectionDomain,
         cap: QpCap,
         opts: &HandshakeOpts,
+        admit: impl FnOnce(&Endpoint, &[u8]) -> std::result::Result<Vec<u8>, String>,
     ) -> Result<Done, ConnectError> {
         let Msg::Hello(remote, private_data) =
             self.expect(HELLO, "waiting for the client's HELLO")?
         else {
             unreachable!("expect returns the kind asked for")
         };
+        // Nothing is made for a client before its HELLO is admitted.
+        let ours = admit(&remote, &private_data).map_err(ConnectError::Refused)?;
+        check_private(&HandshakeOpts {
+            private_data: ours.clone(),
+            ..HandshakeOpts::default()
+        })?;
         let mut qp = QueuePair::new(pd, cap)?;
         let ep = qp.endpoint_for(&opts.connect)?;
         qp.connect_to(&remote, &opts.connect)?;
-        self.hello(&ep, &opts.private_data, "sending the server's HELLO")?;
+        self.hello(&ep, &ours, "sending the server's HELLO")?;
         self.expect(READY, "waiting for the client's READY")?;
         self.send(READY, &[], "sending the server's READY")?;
         Ok(Done {

@@ -72,16 +72,20 @@ pub const SCHEMA: &str = "mrkit-bench/2";
 /// `mrkit bench`: a subcommand, or the whole suite into `--out` (the exit status).
 pub fn run(a: BenchArgs, dev: &super::device::Selected) -> u8 {
     if let Some(BenchSub::PoolCache { json }) = a.sub {
-        if let Err(code) = dev.require_embedded("bench pool-cache") {
-            return code;
-        }
-        return super::bench_pool_cache::run(json);
+        // Every experiment of the pool and the cache runs through the generic API; mrkit0
+        // with its built-in (rxe) limits by default, as the suite below.
+        let ctx = if dev.is_embedded() {
+            mrkit::Context::open(DeviceConfig::rxe())
+        } else {
+            match dev.open("bench pool-cache") {
+                Ok(c) => c,
+                Err(code) => return code,
+            }
+        };
+        return super::bench_pool_cache::run(json, &ctx);
     }
     if let Some(BenchSub::Transport { json, quick }) = a.sub {
-        if let Err(code) = dev.require_embedded("bench transport") {
-            return code;
-        }
-        return super::bench_transport::run(json, quick);
+        return super::bench_transport::run(json, quick, dev);
     }
     // The registration experiments run on the selected device through the generic API; the
     // default is mrkit0 with its built-in (rxe) limits, whatever MRKIT_* says.

@@ -81,7 +81,7 @@ pub(super) fn data_path_two_process(quick: bool) -> Value {
 
 /// `--quick` two-process run: `mrkit perf --server` in a child, the clients here.
 pub(super) fn two_process_light() -> Result<Value, String> {
-    use crate::cmd::perf::{run_client_with, Op};
+    use crate::cmd::perf::{run_client_embedded, Op};
     use std::process::Stdio;
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
@@ -120,7 +120,7 @@ pub(super) fn two_process_light() -> Result<Value, String> {
     let one = |op: Op, size: u64, iters: u32| -> Result<Value, String> {
         let ip = format!("127.79.{net}.{}", next.get());
         next.set(next.get() + 1);
-        let r = run_client_with(server_addr, port, Some(&ip), op, size, iters, 32)
+        let r = run_client_embedded(server_addr, port, Some(&ip), op, size, iters, 32)
             .map_err(|e| format!("{op:?} {size} B: {e:#}"))?;
         serde_json::to_value(r).map_err(|e| e.to_string())
     };

@@ -1,0 +1,97 @@
+//! `mrkit bench transport` on a device other than mrkit0: the drop-in's mrkit0 through the
+//! rdma-core provider (`--device rdma-core:mrkit0`). The `mrkit perf` runs measure that
+//! device; the experiments that describe mrkit0's software transport (raw UDP floors, the
+//! copy-and-ICRC ceiling, the ratios to them, UCX over TCP) say `"mrkit0 only: <reason>"`.
+
+use std::process::Command;
+
+mod support;
+use support::{drop_in_dir, lib};
+
+#[test]
+fn bench_transport_on_rdma_core() {
+    let dir = drop_in_dir();
+    let mut c = Command::new(env!("CARGO_BIN_EXE_mrkit"));
+    for (k, _) in std::env::vars() {
+        if k.starts_with("MRKIT_") {
+            c.env_remove(k);
+        }
+    }
+    let o = c
+        .args(["bench", "transport", "--quick", "--json"])
+        .args(["--device", "rdma-core:mrkit0"])
+        .env("MRKIT_RDMA_CORE_LIB", lib(dir.path()))
+        .env("MRKIT_STAT", "0")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["device"], "rdma-core:mrkit0");
+    // Every perf run of the device: WRITE and READ at three sizes, verified data.
+    let rows = v["mrkit"].as_array().unwrap();
+    assert_eq!(rows.len(), 6, "{v}");
+    for r in rows {
+        assert_eq!(r["errors"], 0, "{r}");
+        assert!(r["bw_mbps"].as_f64().unwrap() > 0.0, "{r}");
+    }
+    for k in ["write_lat", "send_lat"] {
+        assert!(v[k]["lat_us_p50"].as_f64().unwrap() > 0.0, "{k}: {v}");
+        assert_eq!(v[k]["errors"], 0, "{k}: {v}");
+        let ratio = v[k]["ratio_to_floor_median"].as_str().unwrap();
+        assert!(ratio.starts_with("mrkit0 only: "), "{ratio}");
+    }
+    // What describes mrkit0's software transport is not measured, with the reason.
+    for k in [
+        "raw_udp_gso_mbps",
+        "raw_udp_gso_gro_mbps",
+        "raw_udp_gso_gro_copy_icrc_mbps",
+        "raw_udp_pingpong_rtt_us",
+        "raw_udp_pingpong_connected_rtt_us",
+        "ucx_tcp_put_bw_64k_mbps",
+        "ucx_tcp_am_lat_8b_us_one_way",
+    ] {
+        let why = v[k].as_str().unwrap_or_else(|| panic!("{k}: {}", v[k]));
+        assert!(
+            why.starts_with("mrkit0 only: ") && why.len() > 40,
+            "{k}: {why}"
+        );
+    }
+    let rounds = v["latency_rounds"].as_array().unwrap();
+    assert!(rounds.iter().all(|r| r.get("floor_us").is_none()), "{v}");
+}
+
+/// `bench pool-cache` runs every experiment on the drop-in's device through the generic API.
+#[test]
+fn bench_pool_cache_on_rdma_core() {
+    let dir = drop_in_dir();
+    let mut c = Command::new(env!("CARGO_BIN_EXE_mrkit"));
+    for (k, _) in std::env::vars() {
+        if k.starts_with("MRKIT_") {
+            c.env_remove(k);
+        }
+    }
+    let o = c
+        .args(["bench", "pool-cache", "--json"])
+        .args(["--device", "rdma-core:mrkit0"])
+        .env("MRKIT_RDMA_CORE_LIB", lib(dir.path()))
+        .env("MRKIT_STAT", "0")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    for k in [
+        "pool_alloc_free_ns",
+        "owned_slot_cross_thread_ns",
+        "cache_hit_ns_p50",
+        "cache_hit_ns_p50_n65536",
+        "per_message_reg_ns",
+        "pooled_ns",
+        "per_message_over_pooled",
+    ] {
+        let x = v[k].as_f64().unwrap_or_else(|| panic!("{k} missing: {v}"));
+        assert!(x > 0.0, "{k}: {x}");
+    }
+    assert!(v["cache_miss_overhead_ns"].is_number(), "{v}");
+}
