@@ -12,6 +12,7 @@
 //! handles cross threads both ways).
 
 mod cache_util;
+mod providers_util;
 
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -138,6 +139,9 @@ proptest! {
 
     #[test]
     fn cache_matches_model(ops in proptest::collection::vec(op(), 1..40), sh in 0..3u8) {
+        if providers_util::needs_native("checks keys and page frames in mrkit-soft's tables and counts its live MRs") {
+            return Ok(());
+        }
         let monitored = monitored_config().is_some();
         let (ctx, pd) = open();
         let cfg = CacheConfig {

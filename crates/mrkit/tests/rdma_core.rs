@@ -579,6 +579,16 @@ fn pool_windows_on_both_providers() {
         let r = s.expose(A::REMOTE_READ).unwrap();
         assert_eq!((r.addr, r.len), (s.addr(), 4096), "{provider}");
         assert_ne!(r.rkey, pool.chunks()[0].2, "{provider}");
+        // The window answers to its current rkey (the one the exposure hands out), with what
+        // it is bound to: the provider made the bind and saw it complete.
+        let info = ctx.provider().query_mw(r.rkey).unwrap();
+        assert_eq!(info.rkey, r.rkey, "{provider}");
+        let (_, addr, len, acc) = info.bound.unwrap_or_else(|| panic!("{provider}: unbound"));
+        assert_eq!(
+            (addr, len, acc),
+            (s.addr(), 4096, A::REMOTE_READ),
+            "{provider}"
+        );
         let q1: QueuePair = QueuePair::new(&pd, QpCap::default()).unwrap();
         let q2: QueuePair = QueuePair::new(&pd, QpCap::default()).unwrap();
         QueuePair::connect(&q1, &q2, A::REMOTE_READ).unwrap();

@@ -8,7 +8,7 @@ use mrkit::{AccessFlags, Context, ProtectionDomain};
 use mrkit_soft::mr::{AccessDenied, KeyUse, MrGuard};
 
 pub fn open() -> (Context, ProtectionDomain) {
-    let ctx = Context::open(mrkit::DeviceConfig::rxe());
+    let ctx = crate::providers_util::open();
     let pd = ctx.alloc_pd().unwrap();
     (ctx, pd)
 }
