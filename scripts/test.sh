@@ -40,6 +40,7 @@ RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --quiet "${FEATURES[@
 echo "==> cargo test"
 cargo test --workspace --all-targets "${FEATURES[@]}" -- --test-threads=2
 cargo test --workspace --doc "${FEATURES[@]}"
+./scripts/second-provider.sh "${FEATURES[@]}"
 RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test -p mrkit --profile loom --test loom_pool --test loom_cache
 echo "==> fuzzing (bounded): packet parser, responder and completer"
 command -v cargo-fuzz >/dev/null 2>&1 || cargo install -q cargo-fuzz --locked

@@ -142,3 +142,17 @@ pub fn needs_native(reason: &str) -> bool {
     );
     true
 }
+
+/// Give a child process this run's device: `MRKIT_DEVICE` and `MRKIT_RDMA_CORE_LIB` as the
+/// test runs with them (for a command whose environment a test cleaned first; `mrkit` CLI
+/// verbs open the device `MRKIT_DEVICE` names, as with `--device`). Nothing on mrkit0.
+pub fn pass_device(c: &mut std::process::Command) {
+    if is_native() {
+        return;
+    }
+    for v in [mrkit::DEVICE_ENV, "MRKIT_RDMA_CORE_LIB"] {
+        if let Some(val) = std::env::var_os(v) {
+            c.env(v, val);
+        }
+    }
+}
