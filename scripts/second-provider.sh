@@ -52,7 +52,7 @@ while read -r src exe; do
   ms=$((($(date +%s%N) - t0) / 1000000))
   n=$(grep -c '^MRKIT-SKIP ' "$LOG/$name" || true)
   ran=$(sed -n 's/^test result: .* \([0-9]*\) passed.*/\1/p' "$LOG/$name" | tail -1)
-  printf '    %-10s %-24s %6d ms  %3s passed, of which %2d need the native mrkit0\n' \
+  printf '    %-10s %-24s %6d ms  %3s passed  %2d checks need the native mrkit0\n' \
     "$crate" "$name" "$ms" "${ran:-?}" "$n"
   grep '^MRKIT-SKIP ' "$LOG/$name" | sed 's/^/        /' || true
   skipped=$((skipped + n))
@@ -62,7 +62,7 @@ while read -r src exe; do
     cat "$LOG/$name"
   fi
 done < <(sed -n 's/.*"src_path":"\([^"]*\/tests\/[^"/]*\.rs\)".*"executable":"\([^"]*\)".*/\1 \2/p' "$LOG/build.json" | sort -u)
-echo "    second pass: $(((($(date +%s%N) - t_all) / 1000000))) ms in all (tests $total ms), $skipped tests need the native mrkit0"
+echo "    second pass: $(((($(date +%s%N) - t_all) / 1000000))) ms in all (tests $total ms), $skipped checks need the native mrkit0 (MRKIT-SKIP lines)"
 if ((${#failed[@]})); then
   echo "FAILED on rdma-core:mrkit0: ${failed[*]}"
   exit 1

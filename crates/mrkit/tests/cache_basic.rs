@@ -22,11 +22,6 @@ fn explicit() -> CacheConfig {
 
 #[test]
 fn hit_after_miss_is_thread_local_and_same_keys() {
-    if providers_util::needs_native(
-        "checks keys and translations in mrkit-soft's tables (check_access)",
-    ) {
-        return;
-    }
     let (ctx, pd) = open();
     let cache = RegCache::new(&pd, explicit()).unwrap();
     let m = Map::new(64 << 10);
@@ -52,16 +47,11 @@ fn hit_after_miss_is_thread_local_and_same_keys() {
     assert_eq!(cache.len(), 2);
     assert_eq!(cache.flush_idle(), 2);
     assert_eq!(cache.stats().bytes_registered, 0);
-    assert_eq!(live_mrs(&ctx), 0);
+    assert_live_mrs(&ctx, 0, "live MRs");
 }
 
 #[test]
 fn explicit_invalidate_retires_in_use_entry_at_last_drop() {
-    if providers_util::needs_native(
-        "checks keys and translations in mrkit-soft's tables (check_access)",
-    ) {
-        return;
-    }
     let (ctx, pd) = open();
     let cache = RegCache::new(&pd, explicit()).unwrap();
     let m = Map::new(16 << 10);
@@ -190,9 +180,6 @@ fn limits_hold_on_every_insert() {
 
 #[test]
 fn idle_scanner_releases_old_entries() {
-    if providers_util::needs_native("counts mrkit-soft's live MRs") {
-        return;
-    }
     let (ctx, pd) = open();
     let cfg = CacheConfig {
         idle_timeout: Duration::from_secs(10),
@@ -215,7 +202,7 @@ fn idle_scanner_releases_old_entries() {
     );
     assert_eq!(cache.scan_idle(t0 + Duration::from_secs(23)), 1);
     assert_eq!(cache.stats().idle_releases, 2);
-    assert_eq!(live_mrs(&ctx), 0);
+    assert_live_mrs(&ctx, 0, "live MRs");
     // Background thread variant.
     let cfg = CacheConfig {
         idle_timeout: Duration::from_millis(1),
@@ -300,11 +287,6 @@ fn concurrent_misses_register_once() {
 
 #[test]
 fn userfaultfd_unmap_and_remap_never_serves_old_pages() {
-    if providers_util::needs_native(
-        "compares an MR's recorded page frames in mrkit-soft with the mapping's",
-    ) {
-        return;
-    }
     let Some(cfg) = monitored_config() else {
         return;
     };

@@ -37,9 +37,6 @@ fn scrambled(n: usize, passes: usize, mut seed: u64) -> Vec<usize> {
 
 #[test]
 fn warm_hits_over_many_buffers_are_all_thread_local() {
-    if providers_util::needs_native("checks keys and translations in mrkit-soft's tables (check_access) and counts its live MRs") {
-        return;
-    }
     let (ctx, pd) = open();
     for n in [16usize, 64, 1024] {
         let cache = RegCache::new(&pd, explicit(4096)).unwrap();
@@ -63,15 +60,12 @@ fn warm_hits_over_many_buffers_are_all_thread_local() {
             "{n} buffers: warm hits left the per-thread path"
         );
         drop(cache);
-        assert_eq!(live_mrs(&ctx), 0);
+        assert_live_mrs(&ctx, 0, "live MRs");
     }
 }
 
 #[test]
 fn two_threads_hit_the_same_entries_each_on_its_own_path() {
-    if providers_util::needs_native("checks keys and translations in mrkit-soft's tables (check_access) and counts its live MRs") {
-        return;
-    }
     let (ctx, pd) = open();
     let n = 256usize;
     let cache = RegCache::new(&pd, explicit(1024)).unwrap();
@@ -102,14 +96,11 @@ fn two_threads_hit_the_same_entries_each_on_its_own_path() {
         s1.fast_hits - s0.fast_hits
     );
     drop(cache);
-    assert_eq!(live_mrs(&ctx), 0);
+    assert_live_mrs(&ctx, 0, "live MRs");
 }
 
 #[test]
 fn invalidation_reaches_every_thread_table() {
-    if providers_util::needs_native("checks keys and translations in mrkit-soft's tables (check_access) and counts its live MRs") {
-        return;
-    }
     let (ctx, pd) = open();
     let n = 64usize;
     let cache = RegCache::new(&pd, explicit(1024)).unwrap();
@@ -157,14 +148,11 @@ fn invalidation_reaches_every_thread_table() {
         }
     });
     drop(cache);
-    assert_eq!(live_mrs(&ctx), 0);
+    assert_live_mrs(&ctx, 0, "live MRs");
 }
 
 #[test]
 fn handle_outlives_its_thread_and_the_cache() {
-    if providers_util::needs_native("checks keys and translations in mrkit-soft's tables (check_access) and counts its live MRs") {
-        return;
-    }
     let (ctx, pd) = open();
     let cache = RegCache::new(&pd, explicit(64)).unwrap();
     let m = Map::new(4 * PAGE as usize);
@@ -186,16 +174,13 @@ fn handle_outlives_its_thread_and_the_cache() {
     assert_translates(&ctx, &pd, &h, m.addr, PAGE);
     drop(cache);
     assert_translates(&ctx, &pd, &h, m.addr, PAGE);
-    assert_eq!(live_mrs(&ctx), 1);
+    assert_live_mrs(&ctx, 1, "live MRs");
     drop(h);
-    assert_eq!(live_mrs(&ctx), 0);
+    assert_live_mrs(&ctx, 0, "live MRs");
 }
 
 #[test]
 fn thread_table_overflow_and_evictions_serve_only_live_registrations() {
-    if providers_util::needs_native("checks keys and translations in mrkit-soft's tables (check_access) and counts its live MRs") {
-        return;
-    }
     let (ctx, pd) = open();
     // 300 entries of 8 pages, looked up at every page: 2,400 keys against a thread table of
     // 1,200; a second round of 300 other buffers evicts the first.
@@ -225,5 +210,5 @@ fn thread_table_overflow_and_evictions_serve_only_live_registrations() {
     assert_eq!(s.evictions, n as u64);
     assert_eq!(s.registrations - s.deregistrations, s.entries);
     drop(cache);
-    assert_eq!(live_mrs(&ctx), 0);
+    assert_live_mrs(&ctx, 0, "live MRs");
 }

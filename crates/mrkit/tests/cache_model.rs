@@ -139,9 +139,6 @@ proptest! {
 
     #[test]
     fn cache_matches_model(ops in proptest::collection::vec(op(), 1..40), sh in 0..3u8) {
-        if providers_util::needs_native("checks keys and page frames in mrkit-soft's tables and counts its live MRs") {
-            return Ok(());
-        }
         let monitored = monitored_config().is_some();
         let (ctx, pd) = open();
         let cfg = CacheConfig {
@@ -226,6 +223,6 @@ proptest! {
         cache.flush_idle();
         prop_assert_eq!(cache.len(), 0);
         drop(cache);
-        prop_assert_eq!(live_mrs(&ctx), 0, "MRs leaked");
+        assert_live_mrs(&ctx, 0, "MRs leaked");
     }
 }

@@ -37,11 +37,6 @@ fn replace_page(at: u64, fill: u8) {
 
 #[test]
 fn sticky_attachment_invariants() {
-    if providers_util::needs_native(
-        "checks keys and translations in mrkit-soft's tables (check_access)",
-    ) {
-        return;
-    }
     // One test function: the three parts share the process-wide monitor and its counters.
     let Some(cfg) = monitored_config() else {
         return;

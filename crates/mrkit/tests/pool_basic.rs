@@ -26,11 +26,6 @@ fn small(max_chunks: usize) -> PoolConfig {
 
 #[test]
 fn carves_grows_and_fails_at_the_limit() {
-    if providers_util::needs_native(
-        "checks keys and translations in mrkit-soft's tables (check_access)",
-    ) {
-        return;
-    }
     let (ctx, pd) = open();
     let pool = MrPool::new(&pd, small(2)).unwrap();
     assert_eq!(pool.stats().total, 16);
@@ -131,11 +126,6 @@ fn slices_and_bytes() {
 /// device), alone or in a scatter/gather list.
 #[test]
 fn slots_are_registered_memory() {
-    if providers_util::needs_native(
-        "checks keys and translations in mrkit-soft's tables (check_access)",
-    ) {
-        return;
-    }
     fn writable<T: DeviceWritable>(_: &T) {}
     fn owned_static<T: DeviceWritable + Send + Sync + 'static>() {}
     owned_static::<OwnedSlot>();

@@ -431,16 +431,28 @@ fn rows() -> Vec<Row> {
             &[("MRKIT_LOG_NUM_MTT", "9")],
             None,
             |f| {
-                // SAFETY: our own mapping; small pages so the MR needs 1024 entries.
-                unsafe {
-                    rustix::mm::madvise(
-                        f.rw.0 as *mut _,
-                        4 << 20,
-                        rustix::mm::Advice::LinuxNoHugepage,
+                // Small pages whatever the THP mode, so the MR needs 1024 entries: no page is
+                // touched before the advice.
+                use rustix::mm::{Advice, MapFlags, ProtFlags};
+                let len = 4 << 20;
+                // SAFETY: a fresh private anonymous mapping, ours until the end of this row.
+                let p = unsafe {
+                    rustix::mm::mmap_anonymous(
+                        std::ptr::null_mut(),
+                        len,
+                        ProtFlags::READ | ProtFlags::WRITE,
+                        MapFlags::PRIVATE,
                     )
                 }
                 .unwrap();
-                reg(f, f.rw.0, 4 << 20, f.rw.0, A::LOCAL_WRITE)
+                let small = Mapping(p as u64, len);
+                // SAFETY: our own mapping.
+                unsafe { rustix::mm::madvise(p, len, Advice::LinuxNoHugepage) }.unwrap();
+                for o in (0..len).step_by(4096) {
+                    // SAFETY: our own writable mapping, inside its length.
+                    unsafe { p.cast::<u8>().add(o).write(1) };
+                }
+                reg(f, small.0, len as u64, small.0, A::LOCAL_WRITE)
             },
             E(ENOMEM),
         ),
