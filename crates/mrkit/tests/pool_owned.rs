@@ -8,7 +8,7 @@ mod providers_util;
 use std::sync::mpsc;
 use std::sync::Barrier;
 
-use cache_util::live_mrs;
+use cache_util::assert_live_mrs;
 use mrkit::pool::{MrPool, OwnedSlot, PoolConfig};
 
 fn cfg() -> PoolConfig {
@@ -32,23 +32,16 @@ fn listed(id: u64) -> bool {
 /// time: the chunks stay registered (and the slots usable) until the very last slot.
 #[test]
 fn handle_dropped_first_memory_goes_with_the_last_slot() {
-    if providers_util::needs_native("counts mrkit-soft's live MRs") {
-        return;
-    }
     let ctx = providers_util::open();
     let pd = ctx.alloc_pd().unwrap();
     let pool = MrPool::new(&pd, cfg()).unwrap();
     let id = pool.id();
-    assert_eq!(live_mrs(&ctx), 2);
+    assert_live_mrs(&ctx, 2, "live MRs");
     // 24 slots over both chunks, 8 per thread.
     let mut slots: Vec<OwnedSlot> = (0..24).map(|_| pool.alloc_owned().unwrap()).collect();
     assert!(slots.iter().any(|s| s.chunk() == 1));
     drop(pool);
-    assert_eq!(
-        live_mrs(&ctx),
-        2,
-        "pool memory freed while owned slots live"
-    );
+    assert_live_mrs(&ctx, 2, "pool memory freed while owned slots live");
     assert!(listed(id));
     let mut go = Vec::new();
     let mut joins = Vec::new();
@@ -81,23 +74,19 @@ fn handle_dropped_first_memory_goes_with_the_last_slot() {
     let (t0, t1, t2) = (joins.remove(0), joins.remove(0), joins.remove(0));
     go[0].send(8).unwrap();
     t0.join().unwrap();
-    assert_eq!(live_mrs(&ctx), 2);
+    assert_live_mrs(&ctx, 2, "live MRs");
     go[1].send(8).unwrap();
     t1.join().unwrap();
-    assert_eq!(live_mrs(&ctx), 2);
+    assert_live_mrs(&ctx, 2, "live MRs");
     go[2].send(7).unwrap();
     // One slot left on thread 2 (which still checks its bytes when told to go on).
     for _ in 0..3 {
         ack.recv().unwrap();
     }
-    assert_eq!(live_mrs(&ctx), 2, "freed with one slot still live");
+    assert_live_mrs(&ctx, 2, "freed with one slot still live");
     go[2].send(1).unwrap();
     t2.join().unwrap();
-    assert_eq!(
-        live_mrs(&ctx),
-        0,
-        "the last slot did not free the pool's memory"
-    );
+    assert_live_mrs(&ctx, 0, "the last slot did not free the pool's memory");
     assert!(!listed(id), "freed pool still exported");
 }
 
@@ -106,9 +95,6 @@ fn handle_dropped_first_memory_goes_with_the_last_slot() {
 /// is used after it, the device ends with no MR left) and never before the last slot.
 #[test]
 fn closing_races_the_last_frees() {
-    if providers_util::needs_native("counts mrkit-soft's live MRs") {
-        return;
-    }
     let ctx = providers_util::open();
     let pd = ctx.alloc_pd().unwrap();
     for round in 0..100 {
@@ -134,7 +120,7 @@ fn closing_races_the_last_frees() {
             start.wait();
             drop(pool);
         });
-        assert_eq!(live_mrs(&ctx), 0, "round {round}: pool memory not freed");
+        assert_live_mrs(&ctx, 0, &format!("round {round}: pool memory not freed"));
     }
 }
 
