@@ -73,7 +73,8 @@ pub fn assert_live_mrs(ctx: &Context, want: u64, what: &str) {
 /// its translation: `Some(bytes)` when it accepted the key, `None` when the WRITE completed
 /// with an error. mrkit0 answers the same question from its key table (`check_local`).
 pub fn write_through_key(pd: &ProtectionDomain, key: u32, addr: u64, len: u64) -> Option<Vec<u8>> {
-    use mrkit::{Buffer, QpCap, QueuePair, WcStatus};
+    use mrkit::{Buffer, MemoryRegion, QpCap, QueuePair, WcStatus};
+    use std::cell::RefCell;
     struct KeyRange {
         key: u32,
         addr: u64,
@@ -99,23 +100,57 @@ pub fn write_through_key(pd: &ProtectionDomain, key: u32, addr: u64, len: u64) -
             Ok(())
         }
     }
-    let q1 = QueuePair::new(pd, QpCap::default()).unwrap();
-    let q2 = QueuePair::new(pd, QpCap::default()).unwrap();
-    QueuePair::connect(&q1, &q2, AccessFlags::REMOTE_WRITE).unwrap();
-    let scratch = pd
-        .register(
-            Buffer::new(len as usize).unwrap(),
-            AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE,
-        )
-        .unwrap();
-    let wc = q1
-        .write(
-            &KeyRange { key, addr, len },
-            0..len,
-            scratch.remote(0..len).unwrap(),
-        )
-        .unwrap();
-    (wc.status == WcStatus::Success).then(|| scratch.as_slice().to_vec())
+    /// The probing QPs and the scratch MR, kept per thread and PD while their QP is usable
+    /// (a failed WRITE moves it to ERR: the next probe makes a new pair).
+    struct Probe {
+        pd: ProtectionDomain,
+        q1: QueuePair,
+        _q2: QueuePair,
+        scratch: MemoryRegion,
+    }
+    thread_local! {
+        static PROBE: RefCell<Option<Probe>> = const { RefCell::new(None) };
+    }
+    let same = |p: &Probe| {
+        p.pd.handle() == pd.handle()
+            && std::sync::Arc::ptr_eq(p.pd.context().provider(), pd.context().provider())
+            && p.scratch.info().length >= len
+    };
+    PROBE.with(|cell| {
+        let mut cell = cell.borrow_mut();
+        if !cell.as_ref().is_some_and(same) {
+            *cell = None; // the old pair and scratch go first
+            let q1 = QueuePair::new(pd, QpCap::default()).unwrap();
+            let q2 = QueuePair::new(pd, QpCap::default()).unwrap();
+            QueuePair::connect(&q1, &q2, AccessFlags::REMOTE_WRITE).unwrap();
+            let scratch = pd
+                .register(
+                    Buffer::new(len.max(64 << 10) as usize).unwrap(),
+                    AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE,
+                )
+                .unwrap();
+            *cell = Some(Probe {
+                pd: pd.clone(),
+                q1,
+                _q2: q2,
+                scratch,
+            });
+        }
+        let p = cell.as_mut().unwrap();
+        let wc =
+            p.q1.write(
+                &KeyRange { key, addr, len },
+                0..len,
+                p.scratch.remote(0..len).unwrap(),
+            )
+            .unwrap();
+        if wc.status == WcStatus::Success {
+            Some(p.scratch.as_slice()[..len as usize].to_vec())
+        } else {
+            *cell = None;
+            None
+        }
+    })
 }
 
 /// An anonymous mapping we can unmap and remap at the same address.
