@@ -77,7 +77,7 @@ fn explicit_invalidate_retires_in_use_entry_at_last_drop() {
 fn split_above_max_mr_size() {
     let Some(ctx) = providers_util::open_with(
         DeviceConfig::rxe().max_mr_size(64 << 10),
-        "max_mr_size 64 KiB",
+        &[("MRKIT_MAX_MR_SIZE", "65536")],
     ) else {
         return;
     };
@@ -221,7 +221,9 @@ fn idle_scanner_releases_old_entries() {
 #[test]
 fn enomem_evicts_idle_then_bounces() {
     // max_mr 3: one for the bounce pool, two for the cache.
-    let Some(ctx) = providers_util::open_with(DeviceConfig::rxe().max_mr(3), "max_mr 3") else {
+    let Some(ctx) =
+        providers_util::open_with(DeviceConfig::rxe().max_mr(3), &[("MRKIT_MAX_MR", "3")])
+    else {
         return;
     };
     let pd = ctx.alloc_pd().unwrap();

@@ -200,13 +200,14 @@ fn kv_get_between_two_processes() {
 /// Connect to an idle server child, kill it, then READ from it with the default options on a
 /// device with `model`: the status and how long the READ took.
 fn read_after_the_peer_died(model: StatusModel) -> Option<(WcStatus, Duration)> {
-    // The default model (hardware) is the drop-in's too; another one needs its own device.
+    // The default model (hardware) is the drop-in's too; the other one (rxe) needs a device
+    // of its own.
     let ctx = if model == StatusModel::default() {
         providers_util::open()
     } else {
         providers_util::open_with(
             DeviceConfig::from_env().unwrap().status_model(model),
-            "status model",
+            &[("MRKIT_STATUS_MODEL", "rxe")],
         )?
     };
     let mut kid = Kid::spawn(&[], "idle-server", &[]);

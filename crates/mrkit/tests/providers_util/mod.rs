@@ -94,17 +94,37 @@ pub fn open() -> Context {
     }
 }
 
-/// The device under test with `cfg`'s limits: the embedded `mrkit0` opened with `cfg`, or
-/// `None` on the rdma-core provider after [`needs_native`] said why: libibverbs has no way to
-/// set a device's limits, and the drop-in's single device per process takes them from the
-/// environment once. Callers return on `None`.
-pub fn open_with(cfg: mrkit::DeviceConfig, what: &str) -> Option<Context> {
-    if needs_native(&format!(
-        "needs a device set up its own way ({what}); libibverbs cannot configure a device"
-    )) {
-        return None;
+/// The device under test with `cfg`'s limits. On mrkit0: `cfg` itself. On the rdma-core
+/// provider libibverbs has no way to set a device's limits, but the drop-in's device (one per
+/// process) reads them from the `MRKIT_*` variables when it opens: so the calling test runs
+/// again in a child process (this test binary, `--exact` the test's name) with `env` (the
+/// same settings as `cfg`, as variables), which opens the device with them; the parent checks
+/// that the child passed and gets `None` (the caller returns).
+pub fn open_with(cfg: mrkit::DeviceConfig, env: &[(&str, &str)]) -> Option<Context> {
+    const CHILD: &str = "MRKIT_TEST_LIMITS_CHILD";
+    if is_native() {
+        return Some(Context::open(cfg));
     }
-    Some(Context::open(cfg))
+    if std::env::var_os(CHILD).is_some() {
+        return Some(open());
+    }
+    let test = std::thread::current()
+        .name()
+        .expect("a test thread")
+        .to_string();
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([test.as_str(), "--exact", "--test-threads=1", "--nocapture"])
+        .env(CHILD, "1")
+        .envs(env.iter().copied())
+        .output()
+        .expect("run the test again in a child");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && stdout.contains("1 passed"),
+        "{test} with {env:?} in a child:\n{stdout}\n{stderr}"
+    );
+    None
 }
 
 /// The calling test cannot run on the rdma-core provider: `true` (the caller returns at once)
