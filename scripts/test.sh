@@ -55,7 +55,7 @@ for ex in kv_get pool_echo storage_cache async_echo; do
   echo "    $ex"
   cargo run -q -p mrkit "${FEATURES[@]}" --example "$ex" >/dev/null
   # Again on the rdma-core provider over the drop-in (the examples open MRKIT_DEVICE).
-  MRKIT_DEVICE=rdma-core:mrkit0 MRKIT_RDMA_CORE_LIB="$(pwd)/${CARGO_TARGET_DIR:-target}/debug/deps/libibverbs.so" \
+  MRKIT_DEVICE=rdma-core:mrkit0 MRKIT_RDMA_CORE_LIB="$(cd "${CARGO_TARGET_DIR:-target}" && pwd)/debug/deps/libibverbs.so" \
     cargo run -q -p mrkit "${FEATURES[@]}" --example "$ex" >/dev/null
 done
 echo "all tests passed"
