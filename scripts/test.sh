@@ -40,6 +40,7 @@ RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --quiet "${FEATURES[@
 echo "==> cargo test"
 cargo test --workspace --all-targets "${FEATURES[@]}" -- --test-threads=2
 cargo test --workspace --doc "${FEATURES[@]}"
+./scripts/second-provider.sh "${FEATURES[@]}"
 RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test -p mrkit --profile loom --test loom_pool --test loom_cache
 echo "==> fuzzing (bounded): packet parser, responder and completer"
 command -v cargo-fuzz >/dev/null 2>&1 || cargo install -q cargo-fuzz --locked
@@ -53,5 +54,8 @@ echo "==> examples (each checks its own results)"
 for ex in kv_get pool_echo storage_cache async_echo; do
   echo "    $ex"
   cargo run -q -p mrkit "${FEATURES[@]}" --example "$ex" >/dev/null
+  # Again on the rdma-core provider over the drop-in (the examples open MRKIT_DEVICE).
+  MRKIT_DEVICE=rdma-core:mrkit0 MRKIT_RDMA_CORE_LIB="$(cd "${CARGO_TARGET_DIR:-target}" && pwd)/debug/deps/libibverbs.so" \
+    cargo run -q -p mrkit "${FEATURES[@]}" --example "$ex" >/dev/null
 done
 echo "all tests passed"

@@ -10,6 +10,9 @@ use std::time::{Duration, Instant};
 
 use mrkit_testsupport::{Netns, ADDR_A, ADDR_B};
 
+#[path = "../../mrkit/tests/providers_util/mod.rs"]
+mod providers_util;
+
 struct Kill(Child);
 impl Drop for Kill {
     fn drop(&mut self) {
@@ -20,6 +23,11 @@ impl Drop for Kill {
 
 #[test]
 fn two_hosts_over_veth() {
+    if providers_util::needs_native(
+        "`mrkit perf --addr` runs mrkit0's own transport; it refuses other devices",
+    ) {
+        return;
+    }
     let Some(ns) = Netns::for_test("two_hosts_over_veth", "") else {
         return;
     };

@@ -735,7 +735,9 @@ impl MemCore {
 
     /// `ibv_rereg_mr`. `flags` is a combination of [`ReregFlags`] constants. Errors follow the
     /// library checks, then the kernel's (`docs/semantics.md` §4): flags 0 → EINVAL, unknown
-    /// flags → EOPNOTSUPP, `access` without CHANGE_ACCESS → EINVAL, TRANSLATION with length 0 or
+    /// flags → EINVAL (libibverbs refuses them before the kernel, whose own check would say
+    /// EOPNOTSUPP, is reached: what every libibverbs user on a ConnectX sees, and what the
+    /// drop-in library answers), `access` without CHANGE_ACCESS → EINVAL, TRANSLATION with length 0 or
     /// address 0 → EINVAL, page-offset mismatch → EINVAL, access rules as reg_mr, unknown PD →
     /// EINVAL, upgrading a read-only pin to writable without a new translation → **EACCES**
     /// (CVE-2026-52908). PD/ACCESS changes keep the keys; TRANSLATION makes a new MR with new
@@ -760,7 +762,7 @@ impl MemCore {
         }
         if flags & !F::SUPPORTED != 0 {
             return Err(err!(
-                EOPNOTSUPP,
+                EINVAL,
                 "unknown rereg flags {:#x}; only CHANGE_TRANSLATION|CHANGE_PD|CHANGE_ACCESS exist",
                 flags & !F::SUPPORTED
             ));

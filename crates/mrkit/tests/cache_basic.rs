@@ -2,13 +2,14 @@
 //! userfaultfd), verified against the device (`check_access`, frame numbers).
 
 mod cache_util;
+mod providers_util;
 
 use std::time::{Duration, Instant};
 
 use cache_util::*;
 use mrkit::cache::{CacheConfig, RegCache, Registration, Shape};
 use mrkit::pool::{MrPool, PoolConfig};
-use mrkit::{AccessFlags, Context, DeviceConfig};
+use mrkit::{AccessFlags, DeviceConfig};
 
 const RW: AccessFlags = AccessFlags::LOCAL_WRITE;
 
@@ -46,7 +47,7 @@ fn hit_after_miss_is_thread_local_and_same_keys() {
     assert_eq!(cache.len(), 2);
     assert_eq!(cache.flush_idle(), 2);
     assert_eq!(cache.stats().bytes_registered, 0);
-    assert_eq!(live_mrs(&ctx), 0);
+    assert_live_mrs(&ctx, 0, "live MRs");
 }
 
 #[test]
@@ -74,7 +75,12 @@ fn explicit_invalidate_retires_in_use_entry_at_last_drop() {
 
 #[test]
 fn split_above_max_mr_size() {
-    let ctx = Context::open(DeviceConfig::rxe().max_mr_size(64 << 10));
+    let Some(ctx) = providers_util::open_with(
+        DeviceConfig::rxe().max_mr_size(64 << 10),
+        &[("MRKIT_MAX_MR_SIZE", "65536")],
+    ) else {
+        return;
+    };
     let pd = ctx.alloc_pd().unwrap();
     let cache = RegCache::new(&pd, explicit()).unwrap();
     let m = Map::new(256 << 10);
@@ -196,7 +202,7 @@ fn idle_scanner_releases_old_entries() {
     );
     assert_eq!(cache.scan_idle(t0 + Duration::from_secs(23)), 1);
     assert_eq!(cache.stats().idle_releases, 2);
-    assert_eq!(live_mrs(&ctx), 0);
+    assert_live_mrs(&ctx, 0, "live MRs");
     // Background thread variant.
     let cfg = CacheConfig {
         idle_timeout: Duration::from_millis(1),
@@ -215,7 +221,11 @@ fn idle_scanner_releases_old_entries() {
 #[test]
 fn enomem_evicts_idle_then_bounces() {
     // max_mr 3: one for the bounce pool, two for the cache.
-    let ctx = Context::open(DeviceConfig::rxe().max_mr(3));
+    let Some(ctx) =
+        providers_util::open_with(DeviceConfig::rxe().max_mr(3), &[("MRKIT_MAX_MR", "3")])
+    else {
+        return;
+    };
     let pd = ctx.alloc_pd().unwrap();
     let pool = MrPool::new(
         &pd,

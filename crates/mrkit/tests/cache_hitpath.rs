@@ -4,6 +4,7 @@
 //! Counters, keys and the device are checked, never timings.
 
 mod cache_util;
+mod providers_util;
 
 use std::sync::mpsc;
 
@@ -59,7 +60,7 @@ fn warm_hits_over_many_buffers_are_all_thread_local() {
             "{n} buffers: warm hits left the per-thread path"
         );
         drop(cache);
-        assert_eq!(live_mrs(&ctx), 0);
+        assert_live_mrs(&ctx, 0, "live MRs");
     }
 }
 
@@ -95,7 +96,7 @@ fn two_threads_hit_the_same_entries_each_on_its_own_path() {
         s1.fast_hits - s0.fast_hits
     );
     drop(cache);
-    assert_eq!(live_mrs(&ctx), 0);
+    assert_live_mrs(&ctx, 0, "live MRs");
 }
 
 #[test]
@@ -147,7 +148,7 @@ fn invalidation_reaches_every_thread_table() {
         }
     });
     drop(cache);
-    assert_eq!(live_mrs(&ctx), 0);
+    assert_live_mrs(&ctx, 0, "live MRs");
 }
 
 #[test]
@@ -173,9 +174,9 @@ fn handle_outlives_its_thread_and_the_cache() {
     assert_translates(&ctx, &pd, &h, m.addr, PAGE);
     drop(cache);
     assert_translates(&ctx, &pd, &h, m.addr, PAGE);
-    assert_eq!(live_mrs(&ctx), 1);
+    assert_live_mrs(&ctx, 1, "live MRs");
     drop(h);
-    assert_eq!(live_mrs(&ctx), 0);
+    assert_live_mrs(&ctx, 0, "live MRs");
 }
 
 #[test]
@@ -209,5 +210,5 @@ fn thread_table_overflow_and_evictions_serve_only_live_registrations() {
     assert_eq!(s.evictions, n as u64);
     assert_eq!(s.registrations - s.deregistrations, s.entries);
     drop(cache);
-    assert_eq!(live_mrs(&ctx), 0);
+    assert_live_mrs(&ctx, 0, "live MRs");
 }

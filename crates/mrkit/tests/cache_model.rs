@@ -12,6 +12,7 @@
 //! handles cross threads both ways).
 
 mod cache_util;
+mod providers_util;
 
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -222,6 +223,6 @@ proptest! {
         cache.flush_idle();
         prop_assert_eq!(cache.len(), 0);
         drop(cache);
-        prop_assert_eq!(live_mrs(&ctx), 0, "MRs leaked");
+        assert_live_mrs(&ctx, 0, "MRs leaked");
     }
 }

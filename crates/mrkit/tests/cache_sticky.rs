@@ -4,6 +4,7 @@
 //! they count the process-wide monitor's registrations and read `/proc/self/maps`.
 
 mod cache_util;
+mod providers_util;
 
 use cache_util::*;
 use mrkit::cache::test_support::monitor;

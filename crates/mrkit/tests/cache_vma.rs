@@ -10,6 +10,7 @@
 //! is a cache bug, and none of it can happen in a process of its own.
 
 mod cache_util;
+mod providers_util;
 
 use cache_util::*;
 use mrkit::cache::{CacheConfig, RegCache};

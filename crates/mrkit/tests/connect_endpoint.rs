@@ -1,12 +1,13 @@
 //! Endpoints and `QueuePair::connect_to` in one process: the binary and serde forms
 //! (round trip, hostile bytes), connecting over the loopback link and over RoCEv2/UDP, the
 //! QP left in RESET by a failed connect, and a dead peer noticed with the default options.
+mod providers_util;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use mrkit::{
-    AccessFlags as A, Buffer, ConnectOpts, Context, DeviceConfig, Endpoint, Errno, Mtu, QpCap,
-    QpState, QueuePair, RemoteSlice, StatusModel, WcStatus,
+    AccessFlags as A, Buffer, ConnectOpts, DeviceConfig, Endpoint, Errno, Mtu, QpCap, QpState,
+    QueuePair, RemoteSlice, StatusModel, WcStatus,
 };
 use proptest::prelude::*;
 
@@ -168,10 +169,7 @@ fn mr(pd: &mrkit::ProtectionDomain, fill: u8) -> mrkit::MemoryRegion {
 /// Two devices of one process; `strip` sends each endpoint without its loopback part, so
 /// the QPs talk over RoCEv2/UDP (as two processes would).
 fn read_between_two_devices(strip: bool) {
-    let (c1, c2) = (
-        Context::open(DeviceConfig::rxe()),
-        Context::open(DeviceConfig::rxe()),
-    );
+    let (c1, c2) = (providers_util::open(), providers_util::open());
     let (p1, p2) = (c1.alloc_pd().unwrap(), c2.alloc_pd().unwrap());
     let mut q1 = QueuePair::new(&p1, QpCap::default()).unwrap();
     let mut q2 = QueuePair::new(&p2, QpCap::default()).unwrap();
@@ -203,12 +201,19 @@ fn read_between_two_devices(strip: bool) {
     assert_eq!(wc.status, WcStatus::Success);
     assert!(local.as_slice().iter().all(|&b| b == 0x5a));
     // Over UDP the READ request left as a datagram; over the loopback link none did.
-    let tx = c1.soft().unwrap().net_stats().tx_datagrams;
-    assert_eq!(tx > 0, strip, "datagrams sent: {tx}");
+    if !providers_util::needs_native("counts mrkit-soft's UDP datagrams") {
+        let tx = c1.soft().unwrap().net_stats().tx_datagrams;
+        assert_eq!(tx > 0, strip, "datagrams sent: {tx}");
+    }
 }
 
 #[test]
 fn connect_over_the_loopback_link() {
+    if providers_util::needs_native(
+        "mrkit0's in-process loopback link (an rdma-core QP connects over RoCEv2 only)",
+    ) {
+        return;
+    }
     read_between_two_devices(false);
 }
 
@@ -219,7 +224,7 @@ fn connect_over_udp() {
 
 #[test]
 fn connect_twice_is_einval_and_keeps_the_connection() {
-    let ctx = Context::open(DeviceConfig::rxe());
+    let ctx = providers_util::open();
     let pd = ctx.alloc_pd().unwrap();
     let mut a = QueuePair::new(&pd, QpCap::default()).unwrap();
     let mut b = QueuePair::new(&pd, QpCap::default()).unwrap();
@@ -239,7 +244,7 @@ fn connect_twice_is_einval_and_keeps_the_connection() {
 
 #[test]
 fn a_failed_connect_leaves_the_qp_in_reset_and_it_can_connect_again() {
-    let ctx = Context::open(DeviceConfig::rxe());
+    let ctx = providers_util::open();
     let pd = ctx.alloc_pd().unwrap();
     let mut a = QueuePair::new(&pd, QpCap::default()).unwrap();
     let mut b = QueuePair::new(&pd, QpCap::default()).unwrap();
@@ -270,7 +275,7 @@ fn a_failed_connect_leaves_the_qp_in_reset_and_it_can_connect_again() {
 
 #[test]
 fn an_explicit_psn_travels_in_the_endpoint() {
-    let ctx = Context::open(DeviceConfig::rxe());
+    let ctx = providers_util::open();
     let pd = ctx.alloc_pd().unwrap();
     let mut a = QueuePair::new(&pd, QpCap::default()).unwrap();
     let mut b = QueuePair::new(&pd, QpCap::default()).unwrap();
@@ -311,9 +316,18 @@ fn an_explicit_psn_travels_in_the_endpoint() {
 
 /// READ from a peer QP that is gone, with the default options, on a device with `model`:
 /// the completion status and how long it took.
-fn read_from_a_dead_peer(model: StatusModel) -> (WcStatus, Duration) {
-    let c1 = Context::open(DeviceConfig::rxe().status_model(model));
-    let c2 = Context::open(DeviceConfig::rxe());
+fn read_from_a_dead_peer(model: StatusModel) -> Option<(WcStatus, Duration)> {
+    // The default model (hardware) is the drop-in's too; the other one (rxe) needs a device
+    // of its own.
+    let c1 = if model == StatusModel::default() {
+        providers_util::open()
+    } else {
+        providers_util::open_with(
+            DeviceConfig::rxe().status_model(model),
+            &[("MRKIT_STATUS_MODEL", "rxe")],
+        )?
+    };
+    let c2 = providers_util::open();
     let (p1, p2) = (c1.alloc_pd().unwrap(), c2.alloc_pd().unwrap());
     let mut q1 = QueuePair::new(&p1, QpCap::default()).unwrap();
     let mut q2 = QueuePair::new(&p2, QpCap::default()).unwrap();
@@ -330,13 +344,17 @@ fn read_from_a_dead_peer(model: StatusModel) -> (WcStatus, Duration) {
         let wc = q1.read(&mut local, 0..64, remote).unwrap();
         let _ = tx.send((wc.status, t.elapsed()));
     });
-    rx.recv_timeout(Duration::from_secs(30))
-        .expect("a READ to a dead peer must end (RETRY_EXC_ERR), not hang")
+    Some(
+        rx.recv_timeout(Duration::from_secs(30))
+            .expect("a READ to a dead peer must end (RETRY_EXC_ERR), not hang"),
+    )
 }
 
 #[test]
 fn default_opts_end_a_dead_peer_in_the_hardware_model() {
-    let (st, took) = read_from_a_dead_peer(StatusModel::Hardware);
+    let Some((st, took)) = read_from_a_dead_peer(StatusModel::Hardware) else {
+        return;
+    };
     eprintln!("hardware model: {st:?} after {took:?}");
     assert_eq!(st, WcStatus::RetryExcErr);
 }
@@ -344,7 +362,9 @@ fn default_opts_end_a_dead_peer_in_the_hardware_model() {
 #[test]
 fn default_opts_end_a_dead_peer_in_the_rxe_model() {
     // With retry_cnt 7 (the old default) the rxe model resends forever: this hung.
-    let (st, took) = read_from_a_dead_peer(StatusModel::Rxe);
+    let Some((st, took)) = read_from_a_dead_peer(StatusModel::Rxe) else {
+        return;
+    };
     eprintln!("rxe model: {st:?} after {took:?}");
     assert_eq!(st, WcStatus::RetryExcErr);
 }
@@ -353,7 +373,9 @@ fn default_opts_end_a_dead_peer_in_the_rxe_model() {
 fn a_wildcard_device_address_cannot_be_an_endpoint() {
     // MRKIT_ADDR=0.0.0.0 (here through the builder, on a free port): bound, but unreachable.
     let cfg = DeviceConfig::rxe().udp_addr("0.0.0.0:0".parse().unwrap());
-    let ctx = Context::open(cfg);
+    let Some(ctx) = providers_util::open_with(cfg, &[("MRKIT_ADDR", "0.0.0.0:0")]) else {
+        return;
+    };
     let pd = ctx.alloc_pd().unwrap();
     let qp = QueuePair::new(&pd, QpCap::default()).unwrap();
     let e = qp.endpoint().unwrap_err();

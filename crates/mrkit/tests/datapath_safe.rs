@@ -1,13 +1,14 @@
 //! Safe queue-pair API: borrow-scoped blocking work requests, completions as values.
-use mrkit::{AccessFlags as A, Buffer, Context, QpCap, QpState, QueuePair, WcStatus};
+mod providers_util;
+use mrkit::{AccessFlags as A, Buffer, QpCap, QpState, QueuePair, WcStatus};
 
 /// Bound on every wait (generous: the machine is shared).
 const WAIT: std::time::Duration = std::time::Duration::from_secs(60);
 
 #[test]
 fn safe_write_read_atomic_and_error_as_value() {
-    let c1 = Context::open(mrkit::DeviceConfig::rxe());
-    let c2 = Context::open(mrkit::DeviceConfig::rxe());
+    let c1 = providers_util::open();
+    let c2 = providers_util::open();
     let (p1, p2) = (c1.alloc_pd().unwrap(), c2.alloc_pd().unwrap());
     let q1 = QueuePair::new(&p1, QpCap::default()).unwrap();
     let q2 = QueuePair::new(&p2, QpCap::default()).unwrap();
@@ -68,8 +69,8 @@ fn safe_write_read_atomic_and_error_as_value() {
 fn pipelined_owned_buffers_come_back_with_completions() {
     use mrkit::pool::{MrPool, PoolConfig};
     use mrkit::qp::Owned;
-    let c1 = Context::open(mrkit::DeviceConfig::rxe());
-    let c2 = Context::open(mrkit::DeviceConfig::rxe());
+    let c1 = providers_util::open();
+    let c2 = providers_util::open();
     let (p1, p2) = (c1.alloc_pd().unwrap(), c2.alloc_pd().unwrap());
     let q1 = QueuePair::new(&p1, QpCap::default()).unwrap();
     let q2 = QueuePair::new(&p2, QpCap::default()).unwrap();

@@ -1,8 +1,9 @@
 //! A `MemoryRegion` owns its buffer: the buffer is freed only after the MR is deregistered.
 //! When the device refuses to deregister (a memory window is bound to the MR), the buffer is
 //! kept (leaked) rather than freed under a live registration.
+mod providers_util;
 
-use mrkit::{AccessFlags, BindInfo, Buffer, Context, DeviceConfig, MwType};
+use mrkit::{AccessFlags, BindInfo, Buffer, MwType};
 
 /// Whether `addr` lies in a mapping of this process.
 fn mapped(addr: u64) -> bool {
@@ -22,7 +23,10 @@ fn mapped(addr: u64) -> bool {
 
 #[test]
 fn buffer_outlives_a_registration_that_cannot_be_removed() {
-    let ctx = Context::open(DeviceConfig::default());
+    if providers_util::needs_native("holds an MR in mrkit-soft's table (a deregistration that cannot finish) through the software device") {
+        return;
+    }
+    let ctx = providers_util::open();
     let soft = ctx.soft().expect("embedded device").clone();
     let pd = ctx.alloc_pd().unwrap();
     let mr = pd
@@ -60,7 +64,7 @@ fn buffer_outlives_a_registration_that_cannot_be_removed() {
 
 #[test]
 fn deregister_returns_the_buffer() {
-    let ctx = Context::open(DeviceConfig::default());
+    let ctx = providers_util::open();
     let pd = ctx.alloc_pd().unwrap();
     let mut b = Buffer::new(4096).unwrap();
     b.as_mut_slice()[0] = 9;
@@ -68,5 +72,5 @@ fn deregister_returns_the_buffer() {
     let lkey = mr.lkey();
     let b = mr.deregister().unwrap();
     assert_eq!(b.as_slice()[0], 9);
-    assert!(ctx.soft().unwrap().query_mr(lkey).is_err());
+    assert!(ctx.provider().query_mr(lkey).is_err());
 }

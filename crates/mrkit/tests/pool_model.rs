@@ -10,6 +10,7 @@
 //! * at the end, the pool's chunks are deregistered once the handle and the last slot are gone.
 
 mod cache_util;
+mod providers_util;
 
 use std::collections::HashSet;
 use std::ops::Range;
@@ -194,6 +195,8 @@ proptest! {
         drop(held);
         drop(tx);
         helper.join().unwrap();
-        prop_assert_eq!(live_mrs(&ctx), 0, "chunks left registered");
+        if !providers_util::needs_native("counts mrkit-soft's live MRs (chunks left registered)") {
+            prop_assert_eq!(live_mrs(&ctx), 0, "chunks left registered");
+        }
     }
 }

@@ -3,13 +3,13 @@
 //! chunk MRs on a device of the test's own).
 
 mod cache_util;
+mod providers_util;
 
 use std::sync::mpsc;
 use std::sync::Barrier;
 
-use cache_util::live_mrs;
+use cache_util::assert_live_mrs;
 use mrkit::pool::{MrPool, OwnedSlot, PoolConfig};
-use mrkit::Context;
 
 fn cfg() -> PoolConfig {
     PoolConfig {
@@ -32,20 +32,16 @@ fn listed(id: u64) -> bool {
 /// time: the chunks stay registered (and the slots usable) until the very last slot.
 #[test]
 fn handle_dropped_first_memory_goes_with_the_last_slot() {
-    let ctx = Context::open(mrkit::DeviceConfig::rxe());
+    let ctx = providers_util::open();
     let pd = ctx.alloc_pd().unwrap();
     let pool = MrPool::new(&pd, cfg()).unwrap();
     let id = pool.id();
-    assert_eq!(live_mrs(&ctx), 2);
+    assert_live_mrs(&ctx, 2, "live MRs");
     // 24 slots over both chunks, 8 per thread.
     let mut slots: Vec<OwnedSlot> = (0..24).map(|_| pool.alloc_owned().unwrap()).collect();
     assert!(slots.iter().any(|s| s.chunk() == 1));
     drop(pool);
-    assert_eq!(
-        live_mrs(&ctx),
-        2,
-        "pool memory freed while owned slots live"
-    );
+    assert_live_mrs(&ctx, 2, "pool memory freed while owned slots live");
     assert!(listed(id));
     let mut go = Vec::new();
     let mut joins = Vec::new();
@@ -78,23 +74,19 @@ fn handle_dropped_first_memory_goes_with_the_last_slot() {
     let (t0, t1, t2) = (joins.remove(0), joins.remove(0), joins.remove(0));
     go[0].send(8).unwrap();
     t0.join().unwrap();
-    assert_eq!(live_mrs(&ctx), 2);
+    assert_live_mrs(&ctx, 2, "live MRs");
     go[1].send(8).unwrap();
     t1.join().unwrap();
-    assert_eq!(live_mrs(&ctx), 2);
+    assert_live_mrs(&ctx, 2, "live MRs");
     go[2].send(7).unwrap();
     // One slot left on thread 2 (which still checks its bytes when told to go on).
     for _ in 0..3 {
         ack.recv().unwrap();
     }
-    assert_eq!(live_mrs(&ctx), 2, "freed with one slot still live");
+    assert_live_mrs(&ctx, 2, "freed with one slot still live");
     go[2].send(1).unwrap();
     t2.join().unwrap();
-    assert_eq!(
-        live_mrs(&ctx),
-        0,
-        "the last slot did not free the pool's memory"
-    );
+    assert_live_mrs(&ctx, 0, "the last slot did not free the pool's memory");
     assert!(!listed(id), "freed pool still exported");
 }
 
@@ -103,7 +95,7 @@ fn handle_dropped_first_memory_goes_with_the_last_slot() {
 /// is used after it, the device ends with no MR left) and never before the last slot.
 #[test]
 fn closing_races_the_last_frees() {
-    let ctx = Context::open(mrkit::DeviceConfig::rxe());
+    let ctx = providers_util::open();
     let pd = ctx.alloc_pd().unwrap();
     for round in 0..100 {
         let pool = MrPool::new(&pd, cfg()).unwrap();
@@ -128,14 +120,14 @@ fn closing_races_the_last_frees() {
             start.wait();
             drop(pool);
         });
-        assert_eq!(live_mrs(&ctx), 0, "round {round}: pool memory not freed");
+        assert_live_mrs(&ctx, 0, &format!("round {round}: pool memory not freed"));
     }
 }
 
 /// Allocated here, freed there (the producer/consumer shape): the counts stay exact.
 #[test]
 fn cross_thread_frees_are_counted() {
-    let ctx = Context::open(mrkit::DeviceConfig::rxe());
+    let ctx = providers_util::open();
     let pd = ctx.alloc_pd().unwrap();
     let pool = MrPool::new(&pd, cfg()).unwrap();
     // At most 12 slots in the channel and the two threads' hands, 8 in the consumer's

@@ -1,6 +1,7 @@
 //! Least privilege in the MR pool: chunks grant peers nothing by default, and an exposed slot
 //! is reachable through its own memory window only, exactly the slot with exactly the rights
 //! asked, until the exposure ends. Checked with real RDMA WRITE/READ from a peer device.
+mod providers_util;
 
 use mrkit::pool::{MrPool, PoolConfig, Slot};
 use mrkit::{
@@ -15,7 +16,7 @@ struct Peer {
 }
 
 fn peer() -> Peer {
-    let ctx = Context::open(mrkit::DeviceConfig::rxe());
+    let ctx = providers_util::open();
     let pd = ctx.alloc_pd().unwrap();
     let mut src = pd
         .register(Buffer::new(8192).unwrap(), A::LOCAL_WRITE)
@@ -48,7 +49,7 @@ fn peer_read(owner: &ProtectionDomain, p: &mut Peer, from: RemoteSlice, len: u64
 }
 
 fn open() -> (Context, ProtectionDomain) {
-    let ctx = Context::open(mrkit::DeviceConfig::rxe());
+    let ctx = providers_util::open();
     let pd = ctx.alloc_pd().unwrap();
     (ctx, pd)
 }

@@ -1,11 +1,12 @@
 //! Completions as futures (feature `tokio`): many concurrent awaits over two queue pairs on a
 //! current-thread and on a multi-thread runtime, dropped futures that lose nothing, timeouts.
 #![cfg(feature = "tokio")]
+mod providers_util;
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use mrkit::{AccessFlags as A, Buffer, Context, MemoryRegion, ProtectionDomain, QpCap, QueuePair};
+use mrkit::{AccessFlags as A, Buffer, MemoryRegion, ProtectionDomain, QpCap, QueuePair};
 
 /// Bound on every await that must finish (generous: the machine is shared).
 const WAIT: Duration = Duration::from_secs(60);
@@ -22,7 +23,7 @@ fn mr(pd: &ProtectionDomain, len: usize, fill: u8) -> MemoryRegion {
 }
 
 fn setup() -> (ProtectionDomain, Arc<QueuePair>, Arc<QueuePair>) {
-    let c1 = Context::open(mrkit::DeviceConfig::rxe());
+    let c1 = providers_util::open();
     let pd = c1.alloc_pd().unwrap();
     let q1 = QueuePair::new(&pd, QpCap::default()).unwrap();
     let q2 = QueuePair::new(&pd, QpCap::default()).unwrap();

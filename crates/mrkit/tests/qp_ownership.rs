@@ -1,20 +1,19 @@
 //! One ownership story: owned, borrowed and list buffers through one `QueuePair` API, buffers
 //! back with their completions, errors as `std::error::Error`, and a deadline on every wait.
+mod providers_util;
 use std::time::{Duration, Instant};
 
 use mrkit::qp::{Completion, Owned, WcError};
 use mrkit::{
-    AccessFlags as A, Buffer, Context, Errno, MemoryRegion, ProtectionDomain, QpCap, QpState,
-    QueuePair, Registered, WcStatus,
+    AccessFlags as A, Buffer, Errno, MemoryRegion, ProtectionDomain, QpCap, QpState, QueuePair,
+    Registered, WcStatus,
 };
 
 /// Bound on waits that must succeed (generous: the machine is shared).
 const WAIT: Duration = Duration::from_secs(60);
 
 fn new_pd() -> ProtectionDomain {
-    Context::open(mrkit::DeviceConfig::rxe())
-        .alloc_pd()
-        .unwrap()
+    providers_util::open().alloc_pd().unwrap()
 }
 
 fn pair_in<B1: Registered, B2: Registered>(

@@ -224,6 +224,12 @@ struct MwRec {
     mw: Ptr<ibv_mw>,
     ty: MwType,
     pd: u32,
+    /// What the provider's own `bind_mw` bound the window to (MR lkey, start, length,
+    /// rights), after the bind completed. libibverbs cannot be asked; a type-1 window changes
+    /// only through `bind_mw` (and its MR cannot be deregistered while it is bound), so this
+    /// is exact for type 1. A type-2 window is bound by a work request on the caller's QP,
+    /// which the provider does not follow: `None` there means "not known".
+    bound: Option<(u32, u64, u64, AccessFlags)>,
 }
 
 /// An open rdma-core device.
@@ -1066,6 +1072,7 @@ impl Provider for RdmaCoreProvider {
                 mw: Ptr(mw),
                 ty,
                 pd,
+                bound: None,
             },
         );
         Ok(rkey)
@@ -1089,17 +1096,21 @@ impl Provider for RdmaCoreProvider {
     }
     fn query_mw(&self, rkey: u32) -> Result<MwInfo> {
         let g = self.mws.lock();
+        // By the rkey it was allocated with, or by its current one (as mrkit0 answers: a
+        // bound window's key is the one its users hold).
         let rec = g
             .get(&rkey)
+            // SAFETY: every window in the map is live.
+            .or_else(|| g.values().find(|r| unsafe { (*r.mw.0).rkey } == rkey))
             .ok_or_else(|| Error::new(Errno::EINVAL, format!("no memory window {rkey:#x}")))?;
         // SAFETY: a live window.
         let cur = unsafe { (*rec.mw.0).rkey };
-        // libibverbs does not say what a window is bound to.
+        // libibverbs does not say what a window is bound to: the provider's own record.
         Ok(MwInfo {
             rkey: cur,
             mw_type: rec.ty,
             pd: rec.pd,
-            bound: None,
+            bound: rec.bound,
         })
     }
     fn bind_mw(
@@ -1179,6 +1190,11 @@ impl Provider for RdmaCoreProvider {
                 Errno::EINVAL,
                 format!("the window bind failed: {}", wcs[0].status.name()),
             ));
+        }
+        let bound =
+            (info.length != 0).then_some((info.mr_lkey, info.addr, info.length, info.access));
+        if let Some(rec) = self.mws.lock().values_mut().find(|r| r.mw.0 == mw.0) {
+            rec.bound = bound;
         }
         // SAFETY: a live window; the library set its new rkey when the bind was posted.
         Ok(unsafe { (*mw.0).rkey })

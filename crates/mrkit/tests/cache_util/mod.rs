@@ -8,7 +8,7 @@ use mrkit::{AccessFlags, Context, ProtectionDomain};
 use mrkit_soft::mr::{AccessDenied, KeyUse, MrGuard};
 
 pub fn open() -> (Context, ProtectionDomain) {
-    let ctx = Context::open(mrkit::DeviceConfig::rxe());
+    let ctx = crate::providers_util::open();
     let pd = ctx.alloc_pd().unwrap();
     (ctx, pd)
 }
@@ -55,6 +55,102 @@ pub fn explicit_only() -> MonitorMode {
 
 pub fn live_mrs(ctx: &Context) -> u64 {
     ctx.soft().unwrap().stats().mrs_live
+}
+
+/// mrkit0's count of live MRs is `want`. libibverbs cannot count a device's MRs: on the
+/// rdma-core provider this check says so (`needs_native`, once per test) and is not made.
+#[track_caller]
+pub fn assert_live_mrs(ctx: &Context, want: u64, what: &str) {
+    if crate::providers_util::needs_native("counts mrkit-soft's live MRs") {
+        return;
+    }
+    assert_eq!(live_mrs(ctx), want, "{what}");
+}
+
+/// A device-side look at a key, on any provider: an RDMA WRITE whose gather list is
+/// `[addr, addr+len)` under `key`, from a QP of `pd` to a scratch MR of the same PD. The device
+/// checks the key as a local key (PD, range, no rights asked for) and reads the bytes through
+/// its translation: `Some(bytes)` when it accepted the key, `None` when the WRITE completed
+/// with an error. mrkit0 answers the same question from its key table (`check_local`).
+pub fn write_through_key(pd: &ProtectionDomain, key: u32, addr: u64, len: u64) -> Option<Vec<u8>> {
+    use mrkit::{Buffer, MemoryRegion, QpCap, QueuePair, WcStatus};
+    use std::cell::RefCell;
+    struct KeyRange {
+        key: u32,
+        addr: u64,
+        len: u64,
+    }
+    // SAFETY: a probe of the test's own memory: the device only reads `[addr, addr+len)`,
+    // and only if `key` is a live registration of it (the test keeps that memory mapped while
+    // it probes); a dead or wrong key fails the work request instead.
+    unsafe impl mrkit::Registered for KeyRange {
+        fn len(&self) -> u64 {
+            self.len
+        }
+        fn sges(
+            &self,
+            range: std::ops::Range<u64>,
+            out: &mut Vec<mrkit::LocalSlice>,
+        ) -> mrkit::Result<()> {
+            out.push(mrkit::LocalSlice {
+                addr: self.addr + range.start,
+                len: u32::try_from(range.end - range.start).unwrap(),
+                lkey: self.key,
+            });
+            Ok(())
+        }
+    }
+    /// The probing QPs and the scratch MR, kept per thread and PD while their QP is usable
+    /// (a failed WRITE moves it to ERR: the next probe makes a new pair).
+    struct Probe {
+        pd: ProtectionDomain,
+        q1: QueuePair,
+        _q2: QueuePair,
+        scratch: MemoryRegion,
+    }
+    thread_local! {
+        static PROBE: RefCell<Option<Probe>> = const { RefCell::new(None) };
+    }
+    let same = |p: &Probe| {
+        p.pd.handle() == pd.handle()
+            && std::sync::Arc::ptr_eq(p.pd.context().provider(), pd.context().provider())
+            && p.scratch.info().length >= len
+    };
+    PROBE.with(|cell| {
+        let mut cell = cell.borrow_mut();
+        if !cell.as_ref().is_some_and(same) {
+            *cell = None; // the old pair and scratch go first
+            let q1 = QueuePair::new(pd, QpCap::default()).unwrap();
+            let q2 = QueuePair::new(pd, QpCap::default()).unwrap();
+            QueuePair::connect(&q1, &q2, AccessFlags::REMOTE_WRITE).unwrap();
+            let scratch = pd
+                .register(
+                    Buffer::new(len.max(64 << 10) as usize).unwrap(),
+                    AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE,
+                )
+                .unwrap();
+            *cell = Some(Probe {
+                pd: pd.clone(),
+                q1,
+                _q2: q2,
+                scratch,
+            });
+        }
+        let p = cell.as_mut().unwrap();
+        let wc =
+            p.q1.write(
+                &KeyRange { key, addr, len },
+                0..len,
+                p.scratch.remote(0..len).unwrap(),
+            )
+            .unwrap();
+        if wc.status == WcStatus::Success {
+            Some(p.scratch.as_slice()[..len as usize].to_vec())
+        } else {
+            *cell = None;
+            None
+        }
+    })
 }
 
 /// An anonymous mapping we can unmap and remap at the same address.
@@ -155,11 +251,30 @@ pub fn check_local(
     )
 }
 
+/// The device accepts `key` for a byte at `addr` in `pd` (mrkit0: its key table; another
+/// provider: [`write_through_key`]).
 pub fn key_valid(ctx: &Context, pd: &ProtectionDomain, key: u32, addr: u64) -> bool {
+    if ctx.soft().is_none() {
+        return write_through_key(pd, key, addr, 1).is_some();
+    }
     check_local(ctx, pd, key, addr, 1).is_ok()
 }
 
+/// The device accepts `key` for `[addr, addr+len)` and reads that memory through it (mrkit0:
+/// its key table, which must translate to `addr` itself; another provider: the bytes a WRITE
+/// through the key carries are the bytes at `addr`).
 pub fn assert_translates_key(ctx: &Context, pd: &ProtectionDomain, key: u32, addr: u64, len: u64) {
+    if ctx.soft().is_none() {
+        let got = write_through_key(pd, key, addr, len)
+            .unwrap_or_else(|| panic!("key {key:#x} refuses {addr:#x}+{len}"));
+        // SAFETY: the test's own memory, registered under `key` (the WRITE just read it).
+        let here = unsafe { std::slice::from_raw_parts(addr as *const u8, len as usize) };
+        assert!(
+            got == here,
+            "key {key:#x} at {addr:#x}+{len} reads other bytes"
+        );
+        return;
+    }
     let g = check_local(ctx, pd, key, addr, len)
         .unwrap_or_else(|e| panic!("key {key:#x} refuses {addr:#x}+{len}: {e:?}"));
     assert_eq!(g.va, addr);
@@ -179,6 +294,10 @@ pub fn read_through_key(
     addr: u64,
     len: u64,
 ) -> Vec<u8> {
+    if ctx.soft().is_none() {
+        return write_through_key(pd, key, addr, len)
+            .unwrap_or_else(|| panic!("key {key:#x} refuses {addr:#x}+{len}"));
+    }
     let g = check_local(ctx, pd, key, addr, len).unwrap();
     // SAFETY: the guard keeps the MR (and its pinned pages) registered; the VA is mapped.
     unsafe { std::slice::from_raw_parts(g.va as *const u8, len as usize) }.to_vec()
@@ -200,6 +319,11 @@ pub fn current_pfns(addr: u64, len: u64) -> Vec<u64> {
 /// The MR's recorded frames equal the frames mapped now (the UCX CHECK_PFN test): a stale
 /// registration pins the frames of an old mapping.
 pub fn assert_pfns_current(ctx: &Context, key: u32, addr: u64, len: u64) {
+    if crate::providers_util::needs_native(
+        "compares an MR's recorded page frames in mrkit-soft with the mapping's",
+    ) {
+        return;
+    }
     let mr = ctx.soft().unwrap().mr_object(key).expect("MR exists");
     let pf = mr.pfns();
     if pf.is_empty() {
