@@ -36,8 +36,8 @@ use mrkit_verbs_abi::*;
 use parking_lot::{Mutex, RwLock};
 
 use crate::provider::{
-    AddressVector, PortAttr, PostError, Provider, QpAttr, QpCap, QpInitAttr, RecvWr, SendWr, Wc,
-    WrOpcode,
+    AddressVector, DeviceAttrEx, PortAttr, PostError, Provider, QpAttr, QpCap, QpInitAttr, RecvWr,
+    SendWr, Wc, WrOpcode,
 };
 
 pub use loader::{configured_path, Library, DEFAULT_LIB, LIB_ENV};
@@ -232,6 +232,8 @@ pub struct RdmaCoreProvider {
     name: String,
     ctx: Ptr<ibv_context>,
     attr: DeviceAttr,
+    /// The rest of `ibv_query_device(_ex)`, queried at open.
+    attr_ex: DeviceAttrEx,
     pds: Mutex<HandleMap<Ptr<ibv_pd>>>,
     mrs: Mutex<HandleMap<MrRec>>,
     mws: Mutex<HandleMap<MwRec>>,
@@ -346,6 +348,7 @@ impl RdmaCoreProvider {
             // Replaced just below; built first so that a failed query drops `p`, which closes
             // the device.
             attr: mrkit_soft::DeviceConfig::rxe().attr().clone(),
+            attr_ex: DeviceAttrEx::default(),
             pds: Mutex::new(HandleMap::default()),
             mrs: Mutex::new(HandleMap::default()),
             mws: Mutex::new(HandleMap::default()),
@@ -355,7 +358,7 @@ impl RdmaCoreProvider {
             qps: RwLock::new(HandleMap::default()),
             bind_qps: Mutex::new(HashMap::new()),
         };
-        p.attr = p.fetch_attr()?;
+        (p.attr, p.attr_ex) = p.fetch_attr()?;
         Ok(p)
     }
 
@@ -385,7 +388,7 @@ impl RdmaCoreProvider {
         self.qps.read().get(&qpn).map(|p| p.0.cast())
     }
 
-    fn fetch_attr(&self) -> Result<DeviceAttr> {
+    fn fetch_attr(&self) -> Result<(DeviceAttr, DeviceAttrEx)> {
         let v = &self.lib.verbs;
         // SAFETY: all-zero is a valid value of these plain C structs.
         let mut a: ibv_device_attr = unsafe { std::mem::zeroed() };
@@ -394,10 +397,13 @@ impl RdmaCoreProvider {
         if r != 0 {
             return Err(ret_error("ibv_query_device", r));
         }
-        let (mut odp_general, mut odp_rc) = (0u64, 0u32);
+        // As the header's inline `ibv_query_device_ex`: the extended op if the context has it;
+        // a missing op, EOPNOTSUPP or ENOSYS means the legacy path (the extension all zeros).
+        // Any other failure is treated the same (the basic attributes above are known).
+        // SAFETY: all-zero is a valid value of these plain C structs.
+        let mut ex: ibv_device_attr_ex = unsafe { std::mem::zeroed() };
+        let mut extended = false;
         if let Some(q) = vctx_op!(self.ctx.0, query_device_ex) {
-            // SAFETY: all-zero is a valid value of these plain C structs.
-            let mut ex: ibv_device_attr_ex = unsafe { std::mem::zeroed() };
             let input = ibv_query_device_ex_input { comp_mask: 0 };
             // SAFETY: the header's `ibv_query_device_ex`: open context, valid pointers, the
             // size of our structure.
@@ -410,10 +416,64 @@ impl RdmaCoreProvider {
                 )
             };
             if r == 0 {
-                odp_general = ex.odp_caps.general_caps;
-                odp_rc = ex.odp_caps.per_transport_caps.rc_odp_caps;
+                extended = true;
+            } else {
+                // SAFETY: all-zero is a valid value of this plain C struct.
+                ex = unsafe { std::mem::zeroed() };
             }
         }
+        let (odp_general, odp_rc) = (
+            ex.odp_caps.general_caps,
+            ex.odp_caps.per_transport_caps.rc_odp_caps,
+        );
+        // SAFETY: an open context (read once: libibverbs sets it at open).
+        let num_comp_vectors = unsafe { (*self.ctx.0).num_comp_vectors };
+        let attr_ex = DeviceAttrEx {
+            max_ee_rd_atom: a.max_ee_rd_atom,
+            max_ee_init_rd_atom: a.max_ee_init_rd_atom,
+            max_ee: a.max_ee,
+            max_rdd: a.max_rdd,
+            max_raw_ipv6_qp: a.max_raw_ipv6_qp,
+            max_raw_ethy_qp: a.max_raw_ethy_qp,
+            max_mcast_grp: a.max_mcast_grp,
+            max_mcast_qp_attach: a.max_mcast_qp_attach,
+            max_total_mcast_qp_attach: a.max_total_mcast_qp_attach,
+            max_ah: a.max_ah,
+            max_fmr: a.max_fmr,
+            max_map_per_fmr: a.max_map_per_fmr,
+            extended,
+            uc_odp_caps: ex.odp_caps.per_transport_caps.uc_odp_caps,
+            ud_odp_caps: ex.odp_caps.per_transport_caps.ud_odp_caps,
+            xrc_odp_caps: ex.xrc_odp_caps,
+            completion_timestamp_mask: ex.completion_timestamp_mask,
+            hca_core_clock: ex.hca_core_clock,
+            device_cap_flags_ex: ex.device_cap_flags_ex,
+            raw_packet_caps: ex.raw_packet_caps,
+            max_tso: ex.tso_caps.max_tso,
+            tso_supported_qpts: ex.tso_caps.supported_qpts,
+            rss_supported_qpts: ex.rss_caps.supported_qpts,
+            max_rwq_indirection_tables: ex.rss_caps.max_rwq_indirection_tables,
+            max_rwq_indirection_table_size: ex.rss_caps.max_rwq_indirection_table_size,
+            rx_hash_fields_mask: ex.rss_caps.rx_hash_fields_mask,
+            rx_hash_function: ex.rss_caps.rx_hash_function,
+            max_wq_type_rq: ex.max_wq_type_rq,
+            qp_rate_limit_min: ex.packet_pacing_caps.qp_rate_limit_min,
+            qp_rate_limit_max: ex.packet_pacing_caps.qp_rate_limit_max,
+            packet_pacing_supported_qpts: ex.packet_pacing_caps.supported_qpts,
+            tm_max_rndv_hdr_size: ex.tm_caps.max_rndv_hdr_size,
+            tm_max_num_tags: ex.tm_caps.max_num_tags,
+            tm_flags: ex.tm_caps.flags,
+            tm_max_ops: ex.tm_caps.max_ops,
+            tm_max_sge: ex.tm_caps.max_sge,
+            max_cq_count: ex.cq_mod_caps.max_cq_count,
+            max_cq_period: ex.cq_mod_caps.max_cq_period,
+            max_dm_size: ex.max_dm_size,
+            pci_atomic_fetch_add: ex.pci_atomic_caps.fetch_add,
+            pci_atomic_swap: ex.pci_atomic_caps.swap,
+            pci_atomic_compare_swap: ex.pci_atomic_caps.compare_swap,
+            phys_port_cnt_ex: ex.phys_port_cnt_ex,
+            num_comp_vectors,
+        };
         // SAFETY: all-zero is a valid value of this plain C struct.
         let mut port: ibv_port_attr = unsafe { std::mem::zeroed() };
         // SAFETY: the exported compat entry fills at most its 48-byte prefix of our struct.
@@ -429,44 +489,47 @@ impl RdmaCoreProvider {
             .take_while(|&&c| c != 0)
             .map(|&c| c as u8)
             .collect::<Vec<_>>();
-        Ok(DeviceAttr {
-            fw_ver: String::from_utf8_lossy(&fw).into_owned(),
-            node_guid: u64::from_be(a.node_guid),
-            sys_image_guid: u64::from_be(a.sys_image_guid),
-            max_mr_size: a.max_mr_size,
-            page_size_cap: a.page_size_cap,
-            vendor_id: a.vendor_id,
-            vendor_part_id: a.vendor_part_id,
-            hw_ver: a.hw_ver,
-            max_qp: u(a.max_qp),
-            max_qp_wr: u(a.max_qp_wr),
-            device_cap_flags: u64::from(a.device_cap_flags),
-            max_sge: u(a.max_sge),
-            max_sge_rd: u(a.max_sge_rd),
-            max_cq: u(a.max_cq),
-            max_cqe: u(a.max_cqe),
-            max_mr: u(a.max_mr),
-            max_pd: u(a.max_pd),
-            max_qp_rd_atom: u(a.max_qp_rd_atom),
-            max_qp_init_rd_atom: u(a.max_qp_init_rd_atom),
-            max_res_rd_atom: u(a.max_res_rd_atom),
-            atomic_cap: u(a.atomic_cap),
-            max_mw: u(a.max_mw),
-            max_srq: u(a.max_srq),
-            max_srq_wr: u(a.max_srq_wr),
-            max_srq_sge: u(a.max_srq_sge),
-            max_pkeys: a.max_pkeys,
-            local_ca_ack_delay: a.local_ca_ack_delay,
-            phys_port_cnt: a.phys_port_cnt,
-            // libibverbs reports no device-wide inline limit (a QP's cap says it).
-            max_inline_data: 0,
-            odp_general_caps: odp_general,
-            odp_rc_caps: odp_rc,
-            // The translation capacity is not in the verbs API (0 = unknown).
-            max_mtt: 0,
-            log_num_mtt: 0,
-            max_msg_sz,
-        })
+        Ok((
+            DeviceAttr {
+                fw_ver: String::from_utf8_lossy(&fw).into_owned(),
+                node_guid: u64::from_be(a.node_guid),
+                sys_image_guid: u64::from_be(a.sys_image_guid),
+                max_mr_size: a.max_mr_size,
+                page_size_cap: a.page_size_cap,
+                vendor_id: a.vendor_id,
+                vendor_part_id: a.vendor_part_id,
+                hw_ver: a.hw_ver,
+                max_qp: u(a.max_qp),
+                max_qp_wr: u(a.max_qp_wr),
+                device_cap_flags: u64::from(a.device_cap_flags),
+                max_sge: u(a.max_sge),
+                max_sge_rd: u(a.max_sge_rd),
+                max_cq: u(a.max_cq),
+                max_cqe: u(a.max_cqe),
+                max_mr: u(a.max_mr),
+                max_pd: u(a.max_pd),
+                max_qp_rd_atom: u(a.max_qp_rd_atom),
+                max_qp_init_rd_atom: u(a.max_qp_init_rd_atom),
+                max_res_rd_atom: u(a.max_res_rd_atom),
+                atomic_cap: u(a.atomic_cap),
+                max_mw: u(a.max_mw),
+                max_srq: u(a.max_srq),
+                max_srq_wr: u(a.max_srq_wr),
+                max_srq_sge: u(a.max_srq_sge),
+                max_pkeys: a.max_pkeys,
+                local_ca_ack_delay: a.local_ca_ack_delay,
+                phys_port_cnt: a.phys_port_cnt,
+                // libibverbs reports no device-wide inline limit (a QP's cap says it).
+                max_inline_data: 0,
+                odp_general_caps: odp_general,
+                odp_rc_caps: odp_rc,
+                // The translation capacity is not in the verbs API (0 = unknown).
+                max_mtt: 0,
+                log_num_mtt: 0,
+                max_msg_sz,
+            },
+            attr_ex,
+        ))
     }
 
     fn pd(&self, pd: u32) -> Result<Ptr<ibv_pd>> {
@@ -885,6 +948,9 @@ impl Provider for RdmaCoreProvider {
     }
     fn query_device(&self) -> DeviceAttr {
         self.attr.clone()
+    }
+    fn query_device_ex(&self) -> DeviceAttrEx {
+        self.attr_ex
     }
     fn alloc_pd(&self) -> Result<u32> {
         // SAFETY: open context.
