@@ -20,12 +20,14 @@
 #![deny(clippy::undocumented_unsafe_blocks, clippy::missing_safety_doc)]
 
 mod loader;
+mod stats;
 
 use std::collections::HashMap;
 use std::ffi::{c_int, c_void, CStr};
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use mrkit_soft::cq::{WcOpcode, WcStatus};
 use mrkit_soft::mr::{MrKind, ReregFlags};
@@ -218,6 +220,9 @@ struct MrRec {
     /// Keeps the memory's owner until deregistration.
     _mem: UserMemory,
     info: MrInfo,
+    /// When it was registered, and how long `ibv_reg_mr` took (`mrkit stat --mrs`).
+    at: Instant,
+    took: Duration,
 }
 
 struct MwRec {
@@ -235,7 +240,10 @@ pub struct RdmaCoreProvider {
     /// The rest of `ibv_query_device(_ex)`, queried at open.
     attr_ex: DeviceAttrEx,
     pds: Mutex<HandleMap<Ptr<ibv_pd>>>,
-    mrs: Mutex<HandleMap<MrRec>>,
+    /// Shared with the statistics export, which lists the live MRs when asked.
+    mrs: Arc<Mutex<HandleMap<MrRec>>>,
+    /// This device's registration counters (`mrkit stat`).
+    stats: Arc<stats::DeviceStats>,
     mws: Mutex<HandleMap<MwRec>>,
     channels: Mutex<HashMap<u32, Ptr<ibv_comp_channel>>>,
     /// Next channel number; only counts (Relaxed: no memory is published through it).
@@ -287,6 +295,9 @@ impl RdmaCoreProvider {
     /// Open the device `name` of `lib`. ENODEV (listing the library's devices) when it has
     /// none of that name.
     pub fn open(lib: &'static Library, name: &str) -> Result<RdmaCoreProvider> {
+        // This process's statistics export starts here (before the library opens a device of
+        // its own, which may carry a second copy of the exporter: it joins this one).
+        crate::stat_export::start_for_process();
         let v = &lib.verbs;
         let mut n: c_int = 0;
         // SAFETY: a valid out-pointer; the list is freed below.
@@ -350,7 +361,12 @@ impl RdmaCoreProvider {
             attr: mrkit_soft::DeviceConfig::rxe().attr().clone(),
             attr_ex: DeviceAttrEx::default(),
             pds: Mutex::new(HandleMap::default()),
-            mrs: Mutex::new(HandleMap::default()),
+            mrs: Arc::new(Mutex::new(HandleMap::default())),
+            stats: Arc::new(stats::DeviceStats {
+                device: format!("{PROVIDER}:{name}"),
+                library: lib.path.clone(),
+                ..Default::default()
+            }),
             mws: Mutex::new(HandleMap::default()),
             channels: Mutex::new(HashMap::new()),
             next_channel: AtomicU32::new(1),
@@ -359,6 +375,26 @@ impl RdmaCoreProvider {
             bind_qps: Mutex::new(HashMap::new()),
         };
         (p.attr, p.attr_ex) = p.fetch_attr()?;
+        let mrs = Arc::downgrade(&p.mrs);
+        stats::track(
+            &p.stats,
+            Box::new(move |max| {
+                let Some(mrs) = mrs.upgrade() else {
+                    return (Vec::new(), 0);
+                };
+                let g = mrs.lock();
+                let list = g
+                    .values()
+                    .take(max)
+                    .map(|r| stats::LiveMr {
+                        info: r.info.clone(),
+                        age: r.at.elapsed(),
+                        reg: r.took,
+                    })
+                    .collect();
+                (list, g.len())
+            }),
+        );
         Ok(p)
     }
 
@@ -576,6 +612,35 @@ impl RdmaCoreProvider {
             .map(|r| r.mw)
     }
 
+    fn reg_mr_inner(
+        &self,
+        pd: u32,
+        mem: UserMemory,
+        iova: u64,
+        access: AccessFlags,
+    ) -> Result<MrInfo> {
+        let p = self.pd(pd)?;
+        let len = usize::try_from(mem.len())
+            .map_err(|_| Error::new(Errno::EINVAL, "length does not fit the address space"))?;
+        let at = Instant::now();
+        // SAFETY: a live PD; `mem` guarantees the range stays valid until dereg (we keep it).
+        let mr = unsafe {
+            (self.lib.verbs.ibv_reg_mr_iova2)(
+                p.0,
+                mem.addr() as usize as *mut c_void,
+                len,
+                iova,
+                access.bits(),
+            )
+        };
+        if mr.is_null() {
+            return Err(os_error("ibv_reg_mr"));
+        }
+        let took = at.elapsed();
+        self.stats.registered(mem.len(), took);
+        Ok(self.record_mr(pd, mr, mem, iova, access, (at, took)))
+    }
+
     fn record_mr(
         &self,
         pd: u32,
@@ -583,6 +648,7 @@ impl RdmaCoreProvider {
         mem: UserMemory,
         iova: u64,
         access: AccessFlags,
+        (at, took): (Instant, Duration),
     ) -> MrInfo {
         // SAFETY: a live MR this provider just created.
         let (lkey, rkey) = unsafe { ((*mr).lkey, (*mr).rkey) };
@@ -618,6 +684,8 @@ impl RdmaCoreProvider {
                 mr: Ptr(mr),
                 _mem: mem,
                 info: info.clone(),
+                at,
+                took,
             },
         );
         info
@@ -978,23 +1046,11 @@ impl Provider for RdmaCoreProvider {
         Ok(())
     }
     fn reg_mr(&self, pd: u32, mem: UserMemory, iova: u64, access: AccessFlags) -> Result<MrInfo> {
-        let p = self.pd(pd)?;
-        let len = usize::try_from(mem.len())
-            .map_err(|_| Error::new(Errno::EINVAL, "length does not fit the address space"))?;
-        // SAFETY: a live PD; `mem` guarantees the range stays valid until dereg (we keep it).
-        let mr = unsafe {
-            (self.lib.verbs.ibv_reg_mr_iova2)(
-                p.0,
-                mem.addr() as usize as *mut c_void,
-                len,
-                iova,
-                access.bits(),
-            )
-        };
-        if mr.is_null() {
-            return Err(os_error("ibv_reg_mr"));
+        let r = self.reg_mr_inner(pd, mem, iova, access);
+        if let Err(e) = &r {
+            self.stats.failed(e.errno());
         }
-        Ok(self.record_mr(pd, mr, mem, iova, access))
+        r
     }
     fn dereg_mr(&self, lkey: u32) -> Result<()> {
         let mut g = self.mrs.lock();
@@ -1006,7 +1062,9 @@ impl Provider for RdmaCoreProvider {
         if r != 0 {
             return Err(ret_error("ibv_dereg_mr", r));
         }
-        g.remove(&lkey);
+        if let Some(rec) = g.remove(&lkey) {
+            self.stats.deregistered(rec.info.length);
+        }
         Ok(())
     }
     fn rereg_mr(
@@ -1074,12 +1132,17 @@ impl Provider for RdmaCoreProvider {
         } else {
             rec._mem
         };
+        if translate {
+            self.stats.rereg_translation(rec.info.length, info.length);
+        }
         g.insert(
             nl,
             MrRec {
                 mr: rec.mr,
                 _mem: keep,
                 info: info.clone(),
+                at: rec.at,
+                took: rec.took,
             },
         );
         Ok(info)
@@ -1740,7 +1803,7 @@ impl Drop for RdmaCoreProvider {
                     op(m.mw.0);
                 }
             }
-            for (_, m) in self.mrs.get_mut().drain() {
+            for (_, m) in self.mrs.lock().drain() {
                 if (v.ibv_dereg_mr)(m.mr.0) != 0 {
                     // Still registered: keep its memory (and owner) forever rather than free
                     // memory the device may still write.
