@@ -19,15 +19,17 @@
 //! `pinned_bytes` are 0, `pin_path` is `None`, `pfns_known` is false, `reg_timing` is `None`.
 #![deny(clippy::undocumented_unsafe_blocks, clippy::missing_safety_doc)]
 
+mod handles;
 mod loader;
 mod stats;
+mod ticks;
 
 use std::collections::HashMap;
 use std::ffi::{c_int, c_void, CStr};
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use mrkit_soft::cq::{WcOpcode, WcStatus};
 use mrkit_soft::mr::{MrKind, ReregFlags};
@@ -220,9 +222,30 @@ struct MrRec {
     /// Keeps the memory's owner until deregistration.
     _mem: UserMemory,
     info: MrInfo,
-    /// When it was registered, and how long `ibv_reg_mr` took (`mrkit stat --mrs`).
-    at: Instant,
-    took: Duration,
+    /// When it was registered ([`ticks::now`]), and how long `ibv_reg_mr` took in ns
+    /// (`mrkit stat --mrs`).
+    at: u64,
+    took_ns: u64,
+}
+
+/// The MRs and the counters kept with them (see `stats.rs`); derefs to the map.
+#[derive(Default)]
+struct MrTable {
+    map: HandleMap<MrRec>,
+    counts: stats::Counts,
+}
+
+impl std::ops::Deref for MrTable {
+    type Target = HandleMap<MrRec>;
+    fn deref(&self) -> &HandleMap<MrRec> {
+        &self.map
+    }
+}
+
+impl std::ops::DerefMut for MrTable {
+    fn deref_mut(&mut self) -> &mut HandleMap<MrRec> {
+        &mut self.map
+    }
 }
 
 struct MwRec {
@@ -241,7 +264,7 @@ pub struct RdmaCoreProvider {
     attr_ex: DeviceAttrEx,
     pds: Mutex<HandleMap<Ptr<ibv_pd>>>,
     /// Shared with the statistics export, which lists the live MRs when asked.
-    mrs: Arc<Mutex<HandleMap<MrRec>>>,
+    mrs: Arc<Mutex<MrTable>>,
     /// This device's registration counters (`mrkit stat`).
     stats: Arc<stats::DeviceStats>,
     mws: Mutex<HandleMap<MwRec>>,
@@ -250,6 +273,11 @@ pub struct RdmaCoreProvider {
     next_channel: AtomicU32,
     cqs: RwLock<HandleMap<Ptr<ibv_cq>>>,
     qps: RwLock<HandleMap<Ptr<ibv_qp>>>,
+    /// Lock-free data-path lookups in front of `pds`, `cqs`, `qps` (written under their
+    /// locks; see `handles.rs`).
+    pd_ix: handles::FastIndex,
+    cq_ix: handles::FastIndex,
+    qp_ix: handles::FastIndex,
     /// Per PD: the (CQ, QP) that executes type-1 window binds for [`Provider::bind_mw`].
     bind_qps: Mutex<HashMap<u32, (u32, u32)>>,
 }
@@ -298,6 +326,7 @@ impl RdmaCoreProvider {
         // This process's statistics export starts here (before the library opens a device of
         // its own, which may carry a second copy of the exporter: it joins this one).
         crate::stat_export::start_for_process();
+        ticks::init();
         let v = &lib.verbs;
         let mut n: c_int = 0;
         // SAFETY: a valid out-pointer; the list is freed below.
@@ -361,7 +390,7 @@ impl RdmaCoreProvider {
             attr: mrkit_soft::DeviceConfig::rxe().attr().clone(),
             attr_ex: DeviceAttrEx::default(),
             pds: Mutex::new(HandleMap::default()),
-            mrs: Arc::new(Mutex::new(HandleMap::default())),
+            mrs: Arc::new(Mutex::new(MrTable::default())),
             stats: Arc::new(stats::DeviceStats {
                 device: format!("{PROVIDER}:{name}"),
                 library: lib.path.clone(),
@@ -372,6 +401,9 @@ impl RdmaCoreProvider {
             next_channel: AtomicU32::new(1),
             cqs: RwLock::new(HandleMap::default()),
             qps: RwLock::new(HandleMap::default()),
+            pd_ix: handles::FastIndex::default(),
+            cq_ix: handles::FastIndex::default(),
+            qp_ix: handles::FastIndex::default(),
             bind_qps: Mutex::new(HashMap::new()),
         };
         (p.attr, p.attr_ex) = p.fetch_attr()?;
@@ -379,20 +411,18 @@ impl RdmaCoreProvider {
         stats::track(
             &p.stats,
             Box::new(move |max| {
-                let Some(mrs) = mrs.upgrade() else {
-                    return (Vec::new(), 0);
-                };
+                let mrs = mrs.upgrade()?;
                 let g = mrs.lock();
                 let list = g
                     .values()
                     .take(max)
                     .map(|r| stats::LiveMr {
                         info: r.info.clone(),
-                        age: r.at.elapsed(),
-                        reg: r.took,
+                        age: Duration::from_nanos(ticks::to_ns(ticks::now().wrapping_sub(r.at))),
+                        reg: Duration::from_nanos(r.took_ns),
                     })
                     .collect();
-                (list, g.len())
+                Some((list, g.len(), g.counts))
             }),
         );
         Ok(p)
@@ -568,7 +598,17 @@ impl RdmaCoreProvider {
         ))
     }
 
+    #[inline]
     fn pd(&self, pd: u32) -> Result<Ptr<ibv_pd>> {
+        match self.pd_ix.get(pd) {
+            Some(a) => Ok(Ptr(std::ptr::with_exposed_provenance_mut(a))),
+            None => self.pd_slow(pd),
+        }
+    }
+
+    /// The map behind [`Self::pd`]'s index (a slot shared with another handle).
+    #[cold]
+    fn pd_slow(&self, pd: u32) -> Result<Ptr<ibv_pd>> {
         self.pds
             .lock()
             .get(&pd)
@@ -576,7 +616,17 @@ impl RdmaCoreProvider {
             .ok_or_else(|| Error::new(Errno::EINVAL, format!("no protection domain {pd}")))
     }
 
+    #[inline]
     fn cq(&self, cq: u32) -> Result<Ptr<ibv_cq>> {
+        match self.cq_ix.get(cq) {
+            Some(a) => Ok(Ptr(std::ptr::with_exposed_provenance_mut(a))),
+            None => self.cq_slow(cq),
+        }
+    }
+
+    /// The map behind [`Self::cq`]'s index (a slot shared with another handle).
+    #[cold]
+    fn cq_slow(&self, cq: u32) -> Result<Ptr<ibv_cq>> {
         self.cqs
             .read()
             .get(&cq)
@@ -584,7 +634,17 @@ impl RdmaCoreProvider {
             .ok_or_else(|| Error::new(Errno::EINVAL, format!("no completion queue {cq}")))
     }
 
+    #[inline]
     fn qp(&self, qpn: u32) -> Result<Ptr<ibv_qp>> {
+        match self.qp_ix.get(qpn) {
+            Some(a) => Ok(Ptr(std::ptr::with_exposed_provenance_mut(a))),
+            None => self.qp_slow(qpn),
+        }
+    }
+
+    /// The map behind [`Self::qp`]'s index (a slot shared with another handle).
+    #[cold]
+    fn qp_slow(&self, qpn: u32) -> Result<Ptr<ibv_qp>> {
         self.qps
             .read()
             .get(&qpn)
@@ -622,7 +682,7 @@ impl RdmaCoreProvider {
         let p = self.pd(pd)?;
         let len = usize::try_from(mem.len())
             .map_err(|_| Error::new(Errno::EINVAL, "length does not fit the address space"))?;
-        let at = Instant::now();
+        let at = ticks::now();
         // SAFETY: a live PD; `mem` guarantees the range stays valid until dereg (we keep it).
         let mr = unsafe {
             (self.lib.verbs.ibv_reg_mr_iova2)(
@@ -636,9 +696,8 @@ impl RdmaCoreProvider {
         if mr.is_null() {
             return Err(os_error("ibv_reg_mr"));
         }
-        let took = at.elapsed();
-        self.stats.registered(mem.len(), took);
-        Ok(self.record_mr(pd, mr, mem, iova, access, (at, took)))
+        let took_ns = ticks::to_ns(ticks::now().wrapping_sub(at));
+        Ok(self.record_mr(pd, mr, mem, iova, access, (at, took_ns)))
     }
 
     fn record_mr(
@@ -648,7 +707,7 @@ impl RdmaCoreProvider {
         mem: UserMemory,
         iova: u64,
         access: AccessFlags,
-        (at, took): (Instant, Duration),
+        (at, took_ns): (u64, u64),
     ) -> MrInfo {
         // SAFETY: a live MR this provider just created.
         let (lkey, rkey) = unsafe { ((*mr).lkey, (*mr).rkey) };
@@ -678,14 +737,16 @@ impl RdmaCoreProvider {
             bound_mws: 0,
             reg_timing: None,
         };
-        self.mrs.lock().insert(
+        let mut g = self.mrs.lock();
+        g.counts.registered(length, took_ns);
+        g.insert(
             lkey,
             MrRec {
                 mr: Ptr(mr),
                 _mem: mem,
                 info: info.clone(),
                 at,
-                took,
+                took_ns,
             },
         );
         info
@@ -906,6 +967,7 @@ const STACK_SGES: usize = 8;
 
 impl RdmaCoreProvider {
     /// Translate `w` into `c` (its gather list in `sges`, which must not move until posted).
+    #[inline]
     fn send_wr_to_c(&self, w: &SendWr, c: &mut ibv_send_wr, sges: &mut [ibv_sge]) -> Result<()> {
         let inline = w.flags & send_flags::INLINE != 0;
         let n = if inline && w.inline_data.is_empty() {
@@ -1028,7 +1090,9 @@ impl Provider for RdmaCoreProvider {
         }
         // SAFETY: a live PD.
         let h = unsafe { (*pd).handle };
-        self.pds.lock().insert(h, Ptr(pd));
+        let mut g = self.pds.lock();
+        g.insert(h, Ptr(pd));
+        self.pd_ix.insert(h, pd.expose_provenance());
         Ok(h)
     }
     fn dealloc_pd(&self, pd: u32) -> Result<()> {
@@ -1037,9 +1101,11 @@ impl Provider for RdmaCoreProvider {
         let p = *g
             .get(&pd)
             .ok_or_else(|| Error::new(Errno::EINVAL, format!("no protection domain {pd}")))?;
+        self.pd_ix.remove(pd);
         // SAFETY: a live PD of this provider (removed from the map only on success).
         let r = unsafe { (self.lib.verbs.ibv_dealloc_pd)(p.0) };
         if r != 0 {
+            self.pd_ix.insert(pd, p.0.expose_provenance());
             return Err(ret_error("ibv_dealloc_pd", r));
         }
         g.remove(&pd);
@@ -1063,7 +1129,7 @@ impl Provider for RdmaCoreProvider {
             return Err(ret_error("ibv_dereg_mr", r));
         }
         if let Some(rec) = g.remove(&lkey) {
-            self.stats.deregistered(rec.info.length);
+            g.counts.deregistered(rec.info.length);
         }
         Ok(())
     }
@@ -1133,7 +1199,7 @@ impl Provider for RdmaCoreProvider {
             rec._mem
         };
         if translate {
-            self.stats.rereg_translation(rec.info.length, info.length);
+            g.counts.rereg_translation(rec.info.length, info.length);
         }
         g.insert(
             nl,
@@ -1142,7 +1208,7 @@ impl Provider for RdmaCoreProvider {
                 _mem: keep,
                 info: info.clone(),
                 at: rec.at,
-                took: rec.took,
+                took_ns: rec.took_ns,
             },
         );
         Ok(info)
@@ -1415,7 +1481,9 @@ impl Provider for RdmaCoreProvider {
         }
         // SAFETY: a live CQ.
         let h = unsafe { (*cq).handle };
-        self.cqs.write().insert(h, Ptr(cq));
+        let mut g = self.cqs.write();
+        g.insert(h, Ptr(cq));
+        self.cq_ix.insert(h, cq.expose_provenance());
         Ok(h)
     }
     fn destroy_cq(&self, cq: u32) -> Result<()> {
@@ -1423,9 +1491,11 @@ impl Provider for RdmaCoreProvider {
         let p = *g
             .get(&cq)
             .ok_or_else(|| Error::new(Errno::EINVAL, format!("no completion queue {cq}")))?;
+        self.cq_ix.remove(cq);
         // SAFETY: a live CQ (forgotten only on success).
         let r = unsafe { (self.lib.verbs.ibv_destroy_cq)(p.0) };
         if r != 0 {
+            self.cq_ix.insert(cq, p.0.expose_provenance());
             return Err(ret_error("ibv_destroy_cq", r));
         }
         g.remove(&cq);
@@ -1494,7 +1564,10 @@ impl Provider for RdmaCoreProvider {
         }
         // SAFETY: a live QP.
         let qpn = unsafe { (*qp).qp_num };
-        self.qps.write().insert(qpn, Ptr(qp));
+        let mut g = self.qps.write();
+        g.insert(qpn, Ptr(qp));
+        self.qp_ix.insert(qpn, qp.expose_provenance());
+        drop(g);
         Ok((qpn, cap_from_c(&a.cap)))
     }
     fn destroy_qp(&self, qpn: u32) -> Result<()> {
@@ -1502,9 +1575,11 @@ impl Provider for RdmaCoreProvider {
         let p = *g
             .get(&qpn)
             .ok_or_else(|| Error::new(Errno::EINVAL, format!("no queue pair {qpn}")))?;
+        self.qp_ix.remove(qpn);
         // SAFETY: a live QP (forgotten only on success).
         let r = unsafe { (self.lib.verbs.ibv_destroy_qp)(p.0) };
         if r != 0 {
+            self.qp_ix.insert(qpn, p.0.expose_provenance());
             return Err(ret_error("ibv_destroy_qp", r));
         }
         g.remove(&qpn);

@@ -8,58 +8,84 @@
 //! bytes, pinning method and the registration's phases are the kernel driver's (listed under
 //! `unknown` in every device section).
 //!
-//! Cost: relaxed atomic adds and two clock reads per registration; the live-MR list is the
+//! Cost: relaxed atomic adds and two reads of a cheap clock (`ticks.rs`) per registration; the live-MR list is the
 //! provider's own MR table, read under its lock only when a snapshot is taken.
 #![forbid(unsafe_code)]
 
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
-use mrkit_soft::stats::{Histogram, RegStats};
+use mrkit_soft::stats::{Histogram, RegStats, LATENCY_BUCKETS};
 use mrkit_soft::{Errno, MrInfo};
 use serde_json::{json, Map, Value};
 
-/// The counters of one open device.
+/// What one open device's counters are kept in.
+///
+/// The counters of successful registrations and deregistrations ([`Counts`]) live with the
+/// provider's MR table, under the lock that the table takes anyway on those paths: plain
+/// additions, no atomic read-modify-write per counter. Failures (off the fast path) are relaxed
+/// atomics here.
 #[derive(Debug, Default)]
 pub(crate) struct DeviceStats {
     /// `rdma-core:NAME`.
     pub(crate) device: String,
     /// The library it was opened from.
     pub(crate) library: String,
-    /// Registrations, deregistrations, failures, live MRs, the latency histogram.
-    pub(crate) reg: RegStats,
-    /// Bytes of all successful registrations.
-    pub(crate) bytes_registered: AtomicU64,
-    /// Bytes of the live MRs.
-    pub(crate) bytes_live: AtomicU64,
+    /// Failed registrations by errno (only the failure counters of [`RegStats`] are used).
+    pub(crate) failures: RegStats,
 }
 
 impl DeviceStats {
-    /// A successful registration of `len` bytes that took `took` in the library.
-    pub(crate) fn registered(&self, len: u64, took: Duration) {
-        self.reg.registrations.fetch_add(1, Relaxed);
-        self.reg.mrs_live.fetch_add(1, Relaxed);
-        self.bytes_registered.fetch_add(len, Relaxed);
-        self.bytes_live.fetch_add(len, Relaxed);
-        self.reg
-            .reg_latency
-            .record(u64::try_from(took.as_nanos()).unwrap_or(u64::MAX));
-    }
     /// A failed registration.
     pub(crate) fn failed(&self, e: Errno) {
-        self.reg.failure(e);
+        self.failures.failure(e);
     }
-    /// A re-registration moved an MR from `old` to `new` bytes.
-    pub(crate) fn rereg_translation(&self, old: u64, new: u64) {
-        self.bytes_live.fetch_sub(old, Relaxed);
-        self.bytes_live.fetch_add(new, Relaxed);
+}
+
+/// Counters kept under the MR table's lock (see [`DeviceStats`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Counts {
+    pub(crate) registrations: u64,
+    pub(crate) deregistrations: u64,
+    /// Bytes of every successful registration (a re-registration that changes the range
+    /// counts its new length here and its old one in `bytes_deregistered`).
+    pub(crate) bytes_registered: u64,
+    pub(crate) bytes_deregistered: u64,
+    /// log2 histogram of the library's `ibv_reg_mr` time (ns), as mrkit0's.
+    pub(crate) latency: [u64; LATENCY_BUCKETS],
+}
+
+impl Default for Counts {
+    fn default() -> Self {
+        Counts {
+            registrations: 0,
+            deregistrations: 0,
+            bytes_registered: 0,
+            bytes_deregistered: 0,
+            latency: [0; LATENCY_BUCKETS],
+        }
+    }
+}
+
+impl Counts {
+    /// A successful registration of `len` bytes that took `took_ns` in the library.
+    #[inline]
+    pub(crate) fn registered(&mut self, len: u64, took_ns: u64) {
+        self.registrations += 1;
+        self.bytes_registered = self.bytes_registered.wrapping_add(len);
+        let b = (63 - took_ns.max(1).leading_zeros() as usize).min(LATENCY_BUCKETS - 1);
+        self.latency[b] += 1;
     }
     /// A deregistration of `len` bytes.
-    pub(crate) fn deregistered(&self, len: u64) {
-        self.reg.deregistrations.fetch_add(1, Relaxed);
-        self.reg.mrs_live.fetch_sub(1, Relaxed);
-        self.bytes_live.fetch_sub(len, Relaxed);
+    #[inline]
+    pub(crate) fn deregistered(&mut self, len: u64) {
+        self.deregistrations += 1;
+        self.bytes_deregistered = self.bytes_deregistered.wrapping_add(len);
+    }
+    /// A re-registration moved an MR from `old` to `new` bytes.
+    pub(crate) fn rereg_translation(&mut self, old: u64, new: u64) {
+        self.bytes_deregistered = self.bytes_deregistered.wrapping_add(old);
+        self.bytes_registered = self.bytes_registered.wrapping_add(new);
     }
 }
 
@@ -72,8 +98,9 @@ pub(crate) struct LiveMr {
     pub(crate) reg: Duration,
 }
 
-/// Lists a device's live MRs (at most `max`) and their number.
-pub(crate) type ListFn = Box<dyn Fn(usize) -> (Vec<LiveMr>, usize) + Send + Sync>;
+/// A device's live MRs (at most `max`), their number and the counters, read under the MR
+/// table's lock (`None` once the device is closed).
+pub(crate) type ListFn = Box<dyn Fn(usize) -> Option<(Vec<LiveMr>, usize, Counts)> + Send + Sync>;
 
 struct Entry {
     stats: Weak<DeviceStats>,
@@ -103,37 +130,41 @@ fn section() -> Value {
     let g = registry().lock().unwrap_or_else(|e| e.into_inner());
     let devices: Vec<Value> = g
         .iter()
-        .filter_map(|e| e.stats.upgrade().map(|s| device_json(&s, &e.list)))
+        .filter_map(|e| {
+            let s = e.stats.upgrade()?;
+            let (mrs, total, counts) = (e.list)(crate::stat_export::MAX_LISTED_MRS)?;
+            Some(device_json(&s, &mrs, total, &counts))
+        })
         .collect();
     json!({ "devices": devices })
 }
 
-fn device_json(s: &DeviceStats, list: &ListFn) -> Value {
-    let snap = s.reg.snapshot();
-    let failures: Map<String, Value> = snap
+fn device_json(s: &DeviceStats, mrs: &[LiveMr], total: usize, c: &Counts) -> Value {
+    let failures: Map<String, Value> = s
+        .failures
+        .snapshot()
         .failures
         .iter()
         .map(|(n, c)| (n.to_string(), json!(c)))
         .collect();
-    let count: u64 = snap.reg_latency.iter().sum();
-    let (mrs, total) = list(crate::stat_export::MAX_LISTED_MRS);
+    let count: u64 = c.latency.iter().sum();
     let mrs: Vec<Value> = mrs.iter().map(mr_json).collect();
     json!({
         "device": s.device,
         "provider": super::PROVIDER,
         "library": s.library,
-        "registrations": snap.registrations,
-        "deregistrations": snap.deregistrations,
+        "registrations": c.registrations,
+        "deregistrations": c.deregistrations,
         "failures": failures,
-        "mrs_live": snap.mrs_live,
-        "bytes_registered": s.bytes_registered.load(Relaxed),
-        "bytes_live": s.bytes_live.load(Relaxed),
+        "mrs_live": total,
+        "bytes_registered": c.bytes_registered,
+        "bytes_live": c.bytes_registered.wrapping_sub(c.bytes_deregistered),
         "latency_ns": {
             "what": "the library's ibv_reg_mr",
             "count": count,
-            "p50": Histogram::quantile(&snap.reg_latency, 0.5),
-            "p99": Histogram::quantile(&snap.reg_latency, 0.99),
-            "buckets": snap.reg_latency.to_vec(),
+            "p50": Histogram::quantile(&c.latency, 0.5),
+            "p99": Histogram::quantile(&c.latency, 0.99),
+            "buckets": c.latency.to_vec(),
         },
         "mrs": {"total": total, "list": mrs},
         "unknown": ["page_size", "page_count", "pinned_bytes", "pin_path", "reg_phases"],
