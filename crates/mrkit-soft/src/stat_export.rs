@@ -5,9 +5,14 @@
 //! The device starts the exporter (`on_device_open`) when a process opens its first
 //! `mrkit0` context, whatever it is built on: a C program on the drop-in `libibverbs.so.1`,
 //! a program on the `mrkit` crate (which re-exports this module as `mrkit::stat_export`),
-//! or the CLI's own verbs (`mrkit perf`, `bench`, `demo`). A forked child that opens a
-//! device is a new process and gets its own files (the exporter remembers the pid it was
-//! started in). `MRKIT_STAT=0` disables it.
+//! or the CLI's own verbs (`mrkit perf`, `bench`, `demo`); mrkit's rdma-core provider starts it
+//! too ([`start_for_process`]). A forked child that opens a device is a new process and gets
+//! its own files (the exporter remembers the pid it was started in). `MRKIT_STAT=0` disables
+//! it.
+//!
+//! A process can hold two copies of this code (a program on the `mrkit` crate that loads the
+//! drop-in `libibverbs.so.1`): the first to export writes the file, the other joins it and is
+//! listed under `copies` (see `claim_process`).
 //!
 //! # Design: no cost when nobody reads
 //!
@@ -734,6 +739,9 @@ fn read_exact_fd(fd: &OwnedFd, mut b: &mut [u8]) -> io::Result<()> {
     Ok(())
 }
 
+/// Connections a holder accepts per snapshot at most.
+const MAX_ACCEPTS: usize = 16;
+
 /// The copies that joined this holder (the pid they joined in: a forked child drops its
 /// parent's, whose other ends belong to the parent).
 static PEERS: Mutex<Option<(u32, Vec<OwnedFd>)>> = Mutex::new(None);
@@ -751,8 +759,11 @@ fn copies_json() -> Vec<Value> {
     let Some((_, list)) = peers.as_mut() else {
         return Vec::new();
     };
-    if let Some((p, listener)) = &*CLAIM.lock().unwrap_or_else(|e| e.into_inner()) {
-        while *p == pid {
+    let claim = CLAIM.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, listener)) = claim.as_ref().filter(|(p, _)| *p == pid) {
+        // Bounded: another local user can connect too (and is turned away below), but cannot
+        // keep this loop going.
+        for _ in 0..MAX_ACCEPTS {
             let Ok(c) = net::accept_with(listener, net::SocketFlags::CLOEXEC) else {
                 break; // EAGAIN: nobody else waiting
             };

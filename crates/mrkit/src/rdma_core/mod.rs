@@ -601,7 +601,7 @@ impl RdmaCoreProvider {
     #[inline]
     fn pd(&self, pd: u32) -> Result<Ptr<ibv_pd>> {
         match self.pd_ix.get(pd) {
-            Some(a) => Ok(Ptr(std::ptr::with_exposed_provenance_mut(a))),
+            Some(a) => Ok(Ptr(a as *mut _)),
             None => self.pd_slow(pd),
         }
     }
@@ -619,7 +619,7 @@ impl RdmaCoreProvider {
     #[inline]
     fn cq(&self, cq: u32) -> Result<Ptr<ibv_cq>> {
         match self.cq_ix.get(cq) {
-            Some(a) => Ok(Ptr(std::ptr::with_exposed_provenance_mut(a))),
+            Some(a) => Ok(Ptr(a as *mut _)),
             None => self.cq_slow(cq),
         }
     }
@@ -637,7 +637,7 @@ impl RdmaCoreProvider {
     #[inline]
     fn qp(&self, qpn: u32) -> Result<Ptr<ibv_qp>> {
         match self.qp_ix.get(qpn) {
-            Some(a) => Ok(Ptr(std::ptr::with_exposed_provenance_mut(a))),
+            Some(a) => Ok(Ptr(a as *mut _)),
             None => self.qp_slow(qpn),
         }
     }
@@ -1092,7 +1092,7 @@ impl Provider for RdmaCoreProvider {
         let h = unsafe { (*pd).handle };
         let mut g = self.pds.lock();
         g.insert(h, Ptr(pd));
-        self.pd_ix.insert(h, pd.expose_provenance());
+        self.pd_ix.insert(h, pd as usize);
         Ok(h)
     }
     fn dealloc_pd(&self, pd: u32) -> Result<()> {
@@ -1105,7 +1105,7 @@ impl Provider for RdmaCoreProvider {
         // SAFETY: a live PD of this provider (removed from the map only on success).
         let r = unsafe { (self.lib.verbs.ibv_dealloc_pd)(p.0) };
         if r != 0 {
-            self.pd_ix.insert(pd, p.0.expose_provenance());
+            self.pd_ix.insert(pd, p.0 as usize);
             return Err(ret_error("ibv_dealloc_pd", r));
         }
         g.remove(&pd);
@@ -1483,7 +1483,7 @@ impl Provider for RdmaCoreProvider {
         let h = unsafe { (*cq).handle };
         let mut g = self.cqs.write();
         g.insert(h, Ptr(cq));
-        self.cq_ix.insert(h, cq.expose_provenance());
+        self.cq_ix.insert(h, cq as usize);
         Ok(h)
     }
     fn destroy_cq(&self, cq: u32) -> Result<()> {
@@ -1495,7 +1495,7 @@ impl Provider for RdmaCoreProvider {
         // SAFETY: a live CQ (forgotten only on success).
         let r = unsafe { (self.lib.verbs.ibv_destroy_cq)(p.0) };
         if r != 0 {
-            self.cq_ix.insert(cq, p.0.expose_provenance());
+            self.cq_ix.insert(cq, p.0 as usize);
             return Err(ret_error("ibv_destroy_cq", r));
         }
         g.remove(&cq);
@@ -1566,7 +1566,7 @@ impl Provider for RdmaCoreProvider {
         let qpn = unsafe { (*qp).qp_num };
         let mut g = self.qps.write();
         g.insert(qpn, Ptr(qp));
-        self.qp_ix.insert(qpn, qp.expose_provenance());
+        self.qp_ix.insert(qpn, qp as usize);
         drop(g);
         Ok((qpn, cap_from_c(&a.cap)))
     }
@@ -1579,7 +1579,7 @@ impl Provider for RdmaCoreProvider {
         // SAFETY: a live QP (forgotten only on success).
         let r = unsafe { (self.lib.verbs.ibv_destroy_qp)(p.0) };
         if r != 0 {
-            self.qp_ix.insert(qpn, p.0.expose_provenance());
+            self.qp_ix.insert(qpn, p.0 as usize);
             return Err(ret_error("ibv_destroy_qp", r));
         }
         g.remove(&qpn);
