@@ -14,7 +14,7 @@ use crate::exit;
 
 #[derive(Args, Debug)]
 #[command(
-    after_help = "Examples:\n  mrkit stat\n  mrkit stat --pid 4242 --json\n  mrkit stat --watch 1\n  mrkit stat --counters --pid 4242\n  mrkit stat --counters --watch 1\n  mrkit stat --mrs --pid 4242\n  mrkit stat --kernel                      # every MR on the kernel's RDMA devices\n  mrkit stat --kernel --device mlx5_0\n\nProcesses appear once they open mrkit0 (programs on the drop-in libibverbs, on the mrkit crate,
+    after_help = "Examples:\n  mrkit stat\n  mrkit stat --pid 4242 --json\n  mrkit stat --watch 1\n  mrkit stat --counters --pid 4242\n  mrkit stat --counters --watch 1\n  mrkit stat --mrs --pid 4242\n  mrkit stat --kernel                      # every MR on the kernel's RDMA devices\n  mrkit stat --kernel --device mlx5_0\n\nProcesses appear once they open mrkit0 or an rdma-core device (programs on the drop-in libibverbs, on the mrkit crate,
 and mrkit's own verbs); MRKIT_STAT=0 disables it.\nFiles live in $MRKIT_STAT_DIR, else $XDG_RUNTIME_DIR/mrkit, else /tmp/mrkit-$UID; other users'\nprocesses are visible only if their owner exported with MRKIT_STAT_SHARE=1."
 )]
 pub struct StatArgs {
