@@ -250,6 +250,7 @@ fn devinfo_json_keys_and_env_source() {
         keys(&v),
         [
             "attributes",
+            "attributes_ex",
             "device",
             "device_cap_flags",
             "dontfork",

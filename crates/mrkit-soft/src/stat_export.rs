@@ -5,9 +5,14 @@
 //! The device starts the exporter (`on_device_open`) when a process opens its first
 //! `mrkit0` context, whatever it is built on: a C program on the drop-in `libibverbs.so.1`,
 //! a program on the `mrkit` crate (which re-exports this module as `mrkit::stat_export`),
-//! or the CLI's own verbs (`mrkit perf`, `bench`, `demo`). A forked child that opens a
-//! device is a new process and gets its own files (the exporter remembers the pid it was
-//! started in). `MRKIT_STAT=0` disables it.
+//! or the CLI's own verbs (`mrkit perf`, `bench`, `demo`); mrkit's rdma-core provider starts it
+//! too ([`start_for_process`]). A forked child that opens a device is a new process and gets
+//! its own files (the exporter remembers the pid it was started in). `MRKIT_STAT=0` disables
+//! it.
+//!
+//! A process can hold two copies of this code (a program on the `mrkit` crate that loads the
+//! drop-in `libibverbs.so.1`): the first to export writes the file, the other joins it and is
+//! listed under `copies` (see `claim_process`).
 //!
 //! # Design: no cost when nobody reads
 //!
@@ -511,6 +516,11 @@ fn lock_exporter() -> io::Result<std::sync::MutexGuard<'static, Option<&'static 
 /// Longest wait for the exporter lock (see [`lock_exporter`]).
 const LOCK_WAIT: Duration = Duration::from_secs(2);
 
+/// Whether this copy of the code opened an mrkit0 device (the snapshot's `mrkit0_open`: a
+/// process that only uses other devices, e.g. through mrkit's rdma-core provider, exports
+/// mrkit0's counters as zeros, and readers leave them out). Relaxed: a flag read by snapshots.
+static MRKIT0_OPENED: AtomicBool = AtomicBool::new(false);
+
 /// The pid whose exporter [`on_device_open`] started (0: none yet). Relaxed: it only saves
 /// the exporter lock on later opens; [`install_with`] decides under that lock.
 static STARTED_FOR: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
@@ -520,9 +530,18 @@ static STARTED_FOR: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32:
 /// process whose runtime directory is refused simply does not export.
 pub(crate) fn on_device_open(dev: &std::sync::Arc<crate::DeviceInner>) {
     crate::driver::live_mrs::track(dev);
+    MRKIT0_OPENED.store(true, Ordering::Relaxed);
     if cfg!(test) {
         return; // unit tests start exporters with their own options
     }
+    start_for_process();
+}
+
+/// Start this process's export once (again in a forked child), as opening an mrkit0 context
+/// does: for a device of another provider (mrkit's rdma-core provider calls it when it opens a
+/// device). The files are removed at a normal exit. A no-op with `MRKIT_STAT=0`; errors are
+/// logged at debug level.
+pub fn start_for_process() {
     let pid = std::process::id();
     if STARTED_FOR.load(Ordering::Relaxed) == pid {
         return;
@@ -544,7 +563,18 @@ pub fn install_with(opts: ExportOptions) -> io::Result<PathBuf> {
         }
     }
     let pid = std::process::id();
-    claim_process(pid)?;
+    if JOINED_FOR.load(Ordering::Relaxed) == pid {
+        // This copy already serves its snapshots to the copy that writes the file.
+        return Ok(stat_path(&opts.dir, pid));
+    }
+    if let Claim::Joined(conn) = claim_process(pid)? {
+        JOINED_FOR.store(pid, Ordering::Relaxed);
+        std::thread::Builder::new()
+            .name("mrkit-stat-copy".into())
+            .spawn(move || serve_holder(conn))?;
+        tracing::debug!("stat export: joined the copy of mrkit that exports this process");
+        return Ok(stat_path(&opts.dir, pid));
+    }
     let dir = prepare_dir(&opts.dir, opts.share)?;
     remove_dead(&dir);
     // The request file exists from the start so that readers of other users (share mode) only
@@ -570,25 +600,42 @@ pub fn install_with(opts: ExportOptions) -> io::Result<PathBuf> {
 /// the claim's name): see [`claim_process`].
 static CLAIM: Mutex<Option<(u32, OwnedFd)>> = Mutex::new(None);
 
+/// The pid in which this copy joined another copy's export (0: never): see [`Claim::Joined`].
+/// Relaxed: it only makes a second `install` return early; the join itself happens once under
+/// the exporter lock.
+static JOINED_FOR: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+/// The outcome of [`claim_process`].
+enum Claim {
+    /// This copy holds the claim and writes `<pid>.stat`.
+    Holder,
+    /// Another copy of this code in this process holds it: the connection to its claim socket,
+    /// over which this copy hands it a snapshot whenever asked ([`serve_holder`]).
+    Joined(OwnedFd),
+}
+
 /// Claim this process's statistics files for this copy of the device. A process can hold two
 /// copies of this code with separate statics (a program on the `mrkit` crate that also loads
 /// the drop-in `libibverbs.so.1`, e.g. through mrkit's rdma-core provider); both would write
 /// `<pid>.stat`, each with its own counters. The claim is the abstract Unix socket name
 /// `mrkit-stat/<pid>`, which the kernel gives to one socket at a time: the first copy to
-/// export binds it, listens on it and keeps it; another copy gets `AlreadyExists` and does not
-/// export. The name goes away with the socket (at the latest when the process ends); a forked
-/// child (a new pid) claims its own name. Idempotent within a copy.
+/// export binds it, listens on it and keeps it, and writes the file. A later copy finds the
+/// name taken by its own process and *joins*: it stays connected to the holder's socket and
+/// answers each snapshot request with its own snapshot, which the holder lists under
+/// `"copies"` in the one file. The holder accepts a connection only when `SO_PEERCRED` says it
+/// comes from this process. The name goes away with the socket (at the latest when the process
+/// ends); a forked child (a new pid) claims its own name. Idempotent within a copy.
 ///
 /// Abstract names carry no permissions: another local user can bind `mrkit-stat/<pid>` for a
 /// pid it expects this process to get. So a taken name counts only when its holder is this
 /// process: the name is connected to and the listener's credentials (`SO_PEERCRED`) compared
 /// with our pid. A squatter (another process, or a socket that does not listen) is logged and
 /// ignored, and this copy exports.
-fn claim_process(pid: u32) -> io::Result<()> {
+fn claim_process(pid: u32) -> io::Result<Claim> {
     use rustix::net::{self, AddressFamily, SocketFlags, SocketType};
     let mut g = CLAIM.lock().unwrap_or_else(|e| e.into_inner());
     if matches!(&*g, Some((p, _)) if *p == pid) {
-        return Ok(());
+        return Ok(Claim::Holder);
     }
     let stream = || {
         net::socket_with(
@@ -600,11 +647,13 @@ fn claim_process(pid: u32) -> io::Result<()> {
     };
     let sock = stream()?;
     let name = net::SocketAddrUnix::new_abstract_name(format!("mrkit-stat/{pid}").as_bytes())?;
-    match net::bind(&sock, &name).and_then(|()| net::listen(&sock, 1)) {
+    match net::bind(&sock, &name).and_then(|()| net::listen(&sock, 8)) {
         Ok(()) => {
+            // Joining copies are accepted while a snapshot is written: never wait there.
+            rustix::io::ioctl_fionbio(&sock, true)?;
             // Replaces (closes) a claim inherited from the parent of a forked child.
             *g = Some((pid, sock));
-            Ok(())
+            Ok(Claim::Holder)
         }
         Err(rustix::io::Errno::ADDRINUSE) => {
             let probe = stream()?;
@@ -612,24 +661,155 @@ fn claim_process(pid: u32) -> io::Result<()> {
                 .and_then(|()| net::sockopt::socket_peercred(&probe))
                 .map(|cred| cred.pid.as_raw_nonzero().get() as u32);
             match holder {
-                Ok(p) if p == pid => Err(io::Error::new(
-                    io::ErrorKind::AlreadyExists,
-                    "another copy of mrkit0 in this process exports its statistics (the \
-                     embedded device and the drop-in libibverbs.so.1 loaded together); this \
-                     copy does not",
-                )),
+                Ok(p) if p == pid => {
+                    // The holder answers within its own timeout; ours bounds a holder that
+                    // stops reading (a request is one byte, a snapshot at most the file bound).
+                    net::sockopt::set_socket_timeout(
+                        &probe,
+                        net::sockopt::Timeout::Send,
+                        Some(PEER_TIMEOUT),
+                    )?;
+                    Ok(Claim::Joined(probe))
+                }
                 other => {
                     tracing::warn!(
                         holder = ?other,
                         "the statistics claim name of this process is held by someone else: \
                          exporting without it"
                     );
-                    Ok(())
+                    Ok(Claim::Holder)
                 }
             }
         }
         Err(e) => Err(e.into()),
     }
+}
+
+/// How long the holder waits for a joined copy's snapshot (and a joined copy for the holder to
+/// take it) before giving up on that copy.
+const PEER_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// A joined copy's side ([`Claim::Joined`]): for every request byte the holder sends, one
+/// snapshot of this copy (`u32` little-endian length, then the JSON). Ends when the holder
+/// closes the connection (or the process ends).
+fn serve_holder(conn: OwnedFd) {
+    let mut req = [0u8; 1];
+    loop {
+        match rustix::io::read(&conn, &mut req) {
+            Ok(0) => return,
+            Ok(_) => {}
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(_) => return,
+        }
+        let Ok(body) = serde_json::to_vec(&snapshot()) else {
+            return;
+        };
+        let Ok(len) = u32::try_from(body.len()) else {
+            return;
+        };
+        let mut msg = len.to_le_bytes().to_vec();
+        msg.extend_from_slice(&body);
+        if write_all_fd(&conn, &msg).is_err() {
+            return;
+        }
+    }
+}
+
+fn write_all_fd(fd: &OwnedFd, mut b: &[u8]) -> io::Result<()> {
+    while !b.is_empty() {
+        match rustix::io::write(fd, b) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => b = &b[n..],
+            Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
+}
+
+fn read_exact_fd(fd: &OwnedFd, mut b: &mut [u8]) -> io::Result<()> {
+    while !b.is_empty() {
+        match rustix::io::read(fd, &mut *b) {
+            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => b = &mut b[n..],
+            Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
+}
+
+/// Connections a holder accepts per snapshot at most.
+const MAX_ACCEPTS: usize = 16;
+
+/// The copies that joined this holder (the pid they joined in: a forked child drops its
+/// parent's, whose other ends belong to the parent).
+static PEERS: Mutex<Option<(u32, Vec<OwnedFd>)>> = Mutex::new(None);
+
+/// The holder's side: accept the copies that joined since the last snapshot (only from this
+/// process), then ask each for its snapshot. A copy that does not answer within
+/// [`PEER_TIMEOUT`], or answers with something else than a bounded JSON object, is dropped.
+fn copies_json() -> Vec<Value> {
+    use rustix::net::{self, sockopt};
+    let pid = std::process::id();
+    let mut peers = PEERS.lock().unwrap_or_else(|e| e.into_inner());
+    if !matches!(&*peers, Some((p, _)) if *p == pid) {
+        *peers = Some((pid, Vec::new()));
+    }
+    let Some((_, list)) = peers.as_mut() else {
+        return Vec::new();
+    };
+    let claim = CLAIM.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, listener)) = claim.as_ref().filter(|(p, _)| *p == pid) {
+        // Bounded: another local user can connect too (and is turned away below), but cannot
+        // keep this loop going.
+        for _ in 0..MAX_ACCEPTS {
+            let Ok(c) = net::accept_with(listener, net::SocketFlags::CLOEXEC) else {
+                break; // EAGAIN: nobody else waiting
+            };
+            let ours = sockopt::socket_peercred(&c)
+                .is_ok_and(|cred| cred.pid.as_raw_nonzero().get() as u32 == pid);
+            let timed = sockopt::set_socket_timeout(&c, sockopt::Timeout::Recv, Some(PEER_TIMEOUT))
+                .and_then(|()| {
+                    sockopt::set_socket_timeout(&c, sockopt::Timeout::Send, Some(PEER_TIMEOUT))
+                });
+            if ours && timed.is_ok() {
+                list.push(c);
+            }
+        }
+    }
+    let ask = |c: &OwnedFd| -> io::Result<Value> {
+        write_all_fd(c, b"?")?;
+        let mut len = [0u8; 4];
+        read_exact_fd(c, &mut len)?;
+        let len = u64::from(u32::from_le_bytes(len));
+        if len > MAX_STAT_FILE {
+            return Err(io::ErrorKind::InvalidData.into());
+        }
+        let mut body = vec![0u8; len as usize];
+        read_exact_fd(c, &mut body)?;
+        let v: Value = serde_json::from_slice(&body).map_err(io::Error::other)?;
+        if !v.is_object() {
+            return Err(io::ErrorKind::InvalidData.into());
+        }
+        Ok(v)
+    };
+    let mut out = Vec::new();
+    list.retain(|c| match ask(c) {
+        Ok(mut v) => {
+            // A copy's own copies list is empty (it never holds the claim): keep the file flat.
+            if let Some(o) = v.as_object_mut() {
+                o.remove("copies");
+            }
+            out.push(v);
+            true
+        }
+        Err(e) => {
+            tracing::debug!(error = %e, "a joined statistics copy stopped answering");
+            false
+        }
+    });
+    out
 }
 
 /// Stop the exporter thread and remove this process's files (call at a clean exit).
@@ -717,6 +897,7 @@ fn write_snapshot(dir: &StatDir, opts: &ExportOptions) -> io::Result<()> {
     let tmp = format!("{pid}.stat.tmp");
     let mode = if opts.share { 0o644 } else { 0o600 };
     let mut v = snapshot();
+    v["copies"] = Value::Array(copies_json());
     v["interval_ms"] = json!(opts.interval.as_millis() as u64);
     v["shared"] = json!(opts.share);
     let mut f = dir.create(&tmp, mode)?;
@@ -799,6 +980,7 @@ pub fn snapshot() -> Value {
             "p99": Histogram::quantile(&s.reg_latency, 0.99),
             "buckets": s.reg_latency.to_vec(),
         },
+        "mrkit0_open": MRKIT0_OPENED.load(Ordering::Relaxed),
         "device_limits": device_limits(),
         "sources": srcs,
         "counters": counters_json(),

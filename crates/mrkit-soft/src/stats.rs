@@ -128,7 +128,9 @@ impl Default for StatsSnapshot {
 }
 
 impl RegStats {
-    pub(crate) fn failure(&self, e: Errno) {
+    /// Count a failed registration with errno `e` (the errnos of [`COUNTED_ERRNOS`] each have
+    /// a counter, the rest count as "other").
+    pub fn failure(&self, e: Errno) {
         let i = COUNTED_ERRNOS.iter().position(|x| *x == e).unwrap_or(8);
         self.failures[i].fetch_add(1, Relaxed);
     }

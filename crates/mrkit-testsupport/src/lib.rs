@@ -28,6 +28,8 @@
 
 #![forbid(unsafe_code)]
 
+pub mod ibverbs_shim;
+
 use std::process::{Command, Stdio};
 
 /// Run `args[0]` with the rest as arguments, output discarded; whether it ran and exited 0.

@@ -1,16 +1,26 @@
-//! What the rdma-core provider's binding costs: the same verbs side by side in one run, on
-//! the embedded mrkit0 (native), on the rdma-core provider over the drop-in `libibverbs.so`,
-//! and on the drop-in called directly through its C ABI (the floor under the provider: the
-//! binding's own cost is provider minus direct).
+//! What the rdma-core provider's binding costs: the same verbs in one run on the rdma-core
+//! provider over the drop-in `libibverbs.so` and on the drop-in called directly through its C
+//! ABI (the floor under the provider: the binding's own cost is provider minus direct), with
+//! the embedded mrkit0 (native) for reference.
 //!
 //! ```text
-//! cargo run --release -p mrkit --example provider_bench [-- ITERATIONS]
+//! cargo run --release -p mrkit --example provider_bench [-- OPS_PER_BLOCK [BLOCKS]]
 //! ```
+//!
+//! Method, so that one run on a quiet machine answers the question: both paths use the same
+//! PD, buffer, MR, QP and CQ (two QPs of one device differ by ~20 ns a post, as much as the
+//! difference measured). Each operation is measured in BLOCKS blocks (default 101) of
+//! OPS_PER_BLOCK operations (default 200; polls 5x that), provider and direct alternating block
+//! by block with the order flipped every block; each operation is timed alone and a block
+//! reports its median, so the few operations a shared machine stretches by milliseconds do not
+//! count. Printed per operation: the median block of each path and the median of the
+//! per-block differences with their 10th..90th percentiles. The clock reads cost the same on
+//! both paths and cancel in the difference; the clock's resolution here is ~10 ns.
 //!
 //! The drop-in is `MRKIT_RDMA_CORE_LIB` if set, else the `libibverbs.so` cargo built next to
 //! this example (`mrkit-ibverbs` is a dev-dependency of `mrkit`). Measured: reg+dereg of
-//! 4 KiB, posting an 8-byte RDMA WRITE, an empty poll, a post+poll round trip, and a
-//! registration-cache hit.
+//! 4 KiB, posting an 8-byte RDMA WRITE, an empty poll; for reference also a post+poll round
+//! trip and a registration-cache hit on each path.
 use std::ffi::c_void;
 use std::sync::Arc;
 use std::time::Instant;
@@ -42,6 +52,21 @@ fn time(n: u32, mut f: impl FnMut()) -> f64 {
         f();
     }
     t.elapsed().as_nanos() as f64 / f64::from(n)
+}
+
+/// The median over `n` iterations of `f`, each timed alone (`f` returns the ns it measured):
+/// robust against the few operations a shared machine stretches by milliseconds. The clock
+/// reads it adds are the same on every path, so they cancel in a difference.
+fn median_each(n: u32, mut f: impl FnMut() -> u64) -> f64 {
+    let v: Vec<f64> = (0..n).map(|_| f() as f64).collect();
+    quantile(&v, 0.5)
+}
+
+/// ns of `f`.
+fn timed(f: impl FnOnce()) -> u64 {
+    let t = Instant::now();
+    f();
+    t.elapsed().as_nanos() as u64
 }
 
 /// A CQ and an RC QP connected to itself over RoCEv2 (its own GID), through the provider.
@@ -104,40 +129,22 @@ fn self_qp(dev: &dyn Provider, pd: u32) -> (u32, u32) {
     (cq, qpn)
 }
 
-/// Per-operation times of one path (ns).
-#[derive(Clone, Copy)]
-struct Row {
-    reg: f64,
-    post: f64,
-    poll_empty: f64,
-    round_trip: f64,
-    cache_hit: f64,
-}
-
-impl Row {
-    const INF: Row = Row {
-        reg: f64::INFINITY,
-        post: f64::INFINITY,
-        poll_empty: f64::INFINITY,
-        round_trip: f64::INFINITY,
-        cache_hit: f64::INFINITY,
-    };
-    /// The fastest of each column: the least disturbed round on a shared machine.
-    fn min(self, o: Row) -> Row {
-        Row {
-            reg: self.reg.min(o.reg),
-            post: self.post.min(o.post),
-            poll_empty: self.poll_empty.min(o.poll_empty),
-            round_trip: self.round_trip.min(o.round_trip),
-            cache_hit: self.cache_hit.min(o.cache_hit),
-        }
-    }
-}
-
-/// One way of running the verbs.
+/// One way of running the verbs: each method runs `n` operations and returns ns per
+/// operation.
 trait Path {
-    /// One round of `n` of each operation.
-    fn round(&mut self, n: u32) -> Row;
+    /// reg+dereg of 4 KiB.
+    fn reg(&mut self, n: u32) -> f64;
+    /// Posting an 8-byte RDMA WRITE (each post timed alone; its completion is awaited
+    /// untimed).
+    fn post(&mut self, n: u32) -> f64;
+    /// An empty poll (16 entries asked).
+    fn poll(&mut self, n: u32) -> f64;
+    /// post + poll until the completion.
+    fn round_trip(&mut self, n: u32) -> f64;
+    /// A registration-cache hit (`f64::NAN` where there is no cache).
+    fn cache_hit(&mut self, _n: u32) -> f64 {
+        f64::NAN
+    }
 }
 
 struct ProviderPath<'a> {
@@ -157,7 +164,7 @@ impl<'a> ProviderPath<'a> {
         let pd = dev.alloc_pd().unwrap();
         let buf = Buffer::new(4096).unwrap();
         // SAFETY: `buf` lives in the returned path, which deregisters nothing: the MR is
-        // deregistered (with the QP destroyed) by `finish` before the path drops.
+        // deregistered (with the QP destroyed) by `main` before the path drops.
         let mem = unsafe { UserMemory::new(buf.addr(), 4096) };
         let mr = dev
             .reg_mr(pd, mem, buf.addr(), A::LOCAL_WRITE | A::REMOTE_WRITE)
@@ -194,45 +201,51 @@ impl<'a> ProviderPath<'a> {
 }
 
 impl Path for ProviderPath<'_> {
-    fn round(&mut self, n: u32) -> Row {
+    fn reg(&mut self, n: u32) -> f64 {
         let (dev, pd, addr) = (self.dev, self.pd, self.buf.addr());
-        let reg = time(n, || {
-            // SAFETY: `buf` outlives the registration (deregistered at once).
-            let mem = unsafe { UserMemory::new(addr, 4096) };
-            let mr = dev.reg_mr(pd, mem, addr, A::LOCAL_WRITE).unwrap();
-            dev.dereg_mr(mr.lkey).unwrap();
-        });
-        let qpn = self.qpn;
-        let mut post = 0u128;
-        for _ in 0..n {
-            let t = Instant::now();
-            dev.post_send(qpn, std::slice::from_ref(&self.wr)).unwrap();
-            post += t.elapsed().as_nanos();
+        median_each(n, || {
+            timed(|| {
+                // SAFETY: `buf` outlives the registration (deregistered at once).
+                let mem = unsafe { UserMemory::new(addr, 4096) };
+                let mr = dev.reg_mr(pd, mem, addr, A::LOCAL_WRITE).unwrap();
+                dev.dereg_mr(mr.lkey).unwrap();
+            })
+        })
+    }
+    fn post(&mut self, n: u32) -> f64 {
+        median_each(n, || {
+            let ns = timed(|| {
+                self.dev
+                    .post_send(self.qpn, std::slice::from_ref(&self.wr))
+                    .unwrap()
+            });
             self.wait();
-        }
-        let (cq, out) = (self.cq, &mut self.out);
-        let poll_empty = time(n, || {
+            ns
+        })
+    }
+    fn poll(&mut self, n: u32) -> f64 {
+        let (dev, cq, out) = (self.dev, self.cq, &mut self.out);
+        median_each(n, || {
             out.clear();
-            assert_eq!(dev.poll_cq(cq, out, 16).unwrap(), 0);
-        });
+            timed(|| assert_eq!(dev.poll_cq(cq, out, 16).unwrap(), 0))
+        })
+    }
+    fn round_trip(&mut self, n: u32) -> f64 {
         let t = Instant::now();
         for _ in 0..n {
-            dev.post_send(qpn, std::slice::from_ref(&self.wr)).unwrap();
+            self.dev
+                .post_send(self.qpn, std::slice::from_ref(&self.wr))
+                .unwrap();
             self.wait();
         }
-        let round_trip = t.elapsed().as_nanos() as f64 / f64::from(n);
+        t.elapsed().as_nanos() as f64 / f64::from(n)
+    }
+    fn cache_hit(&mut self, n: u32) -> f64 {
         let (cache, mem) = (&self.cache, &self.mem);
-        let cache_hit = time(n, || {
+        time(n, || {
             let r = cache.get_ref(&mem[..4096], A::empty()).unwrap();
             std::hint::black_box(r.lkey());
-        });
-        Row {
-            reg,
-            post: post as f64 / f64::from(n),
-            poll_empty,
-            round_trip,
-            cache_hit,
-        }
+        })
     }
 }
 
@@ -251,13 +264,16 @@ struct DirectPath {
     pd: *mut ibv_pd,
     qp: *mut c_void,
     cq: *mut c_void,
-    buf: Buffer,
+    addr: u64,
     sge: Box<ibv_sge>,
     wr: Box<ibv_send_wr>,
 }
 
 impl DirectPath {
-    fn new(p: &RdmaCoreProvider) -> (DirectPath, u32, u32, u32) {
+    /// The direct path over the provider path `pp`'s own PD, buffer, MR, QP and CQ: both
+    /// paths post on the same QP and poll the same CQ (two QPs of one device differ by some
+    /// 20 ns a post, more than the difference to measure).
+    fn new(p: &RdmaCoreProvider, pp: &ProviderPath<'_>, lkey: u32, rkey: u32) -> DirectPath {
         // SAFETY: the library the provider loaded (dlopen returns that copy), kept loaded by
         // `_lib`; the symbol types are the v44 prototypes.
         let lib = unsafe { libloading::Library::new(p.library().path()) }.unwrap();
@@ -265,20 +281,13 @@ impl DirectPath {
         let reg_mr: RegFn = *unsafe { lib.get::<RegFn>(b"ibv_reg_mr_iova2\0") }.unwrap();
         // SAFETY: as above.
         let dereg_mr: DeregFn = *unsafe { lib.get::<DeregFn>(b"ibv_dereg_mr\0") }.unwrap();
-        let pd = p.alloc_pd().unwrap();
-        let buf = Buffer::new(4096).unwrap();
-        // SAFETY: `buf` lives in the path; the MR is deregistered by `main` before it drops.
-        let mem = unsafe { UserMemory::new(buf.addr(), 4096) };
-        let mr = p
-            .reg_mr(pd, mem, buf.addr(), A::LOCAL_WRITE | A::REMOTE_WRITE)
-            .unwrap();
-        let (cq, qpn) = self_qp(p, pd);
+        let addr = pp.buf.addr();
         // SAFETY: live context; the ops table as the header's inline ibv_post_send/ibv_poll_cq.
         let ops = unsafe { (*p.raw_context().cast::<ibv_context>()).ops };
         let mut sge = Box::new(ibv_sge {
-            addr: buf.addr(),
+            addr,
             length: 8,
-            lkey: mr.lkey,
+            lkey,
         });
         let wr = Box::new(ibv_send_wr {
             wr_id: 1,
@@ -288,27 +297,26 @@ impl DirectPath {
             opcode: IBV_WR_RDMA_WRITE,
             send_flags: 2,
             imm_data: 0,
-            wr: [buf.addr() + 2048, u64::from(mr.rkey), 0, 0],
+            wr: [addr + 2048, u64::from(rkey), 0, 0],
             qp_type: 0,
             _pad: 0,
             bind_mw: [0; 6],
         });
-        let path = DirectPath {
+        DirectPath {
             reg_mr,
             dereg_mr,
             post_send: ops.post_send.unwrap(),
             poll_cq: ops.poll_cq.unwrap(),
-            pd: p.raw_pd(pd).unwrap().cast(),
-            qp: p.raw_qp(qpn).unwrap(),
-            cq: p.raw_cq(cq).unwrap(),
-            buf,
+            pd: p.raw_pd(pp.pd).unwrap().cast(),
+            qp: p.raw_qp(pp.qpn).unwrap(),
+            cq: p.raw_cq(pp.cq).unwrap(),
+            addr,
             sge,
             wr,
             _lib: lib,
-        };
-        (path, cq, qpn, mr.lkey)
+        }
     }
-    fn post(&mut self) {
+    fn post_one(&mut self) {
         let mut bad = std::ptr::null_mut();
         // SAFETY: live QP; `wr` and its SGE valid for the call.
         let r = unsafe {
@@ -320,59 +328,102 @@ impl DirectPath {
         };
         assert_eq!(r, 0);
     }
-    fn poll(&self, wc: &mut [ibv_wc; 16]) -> i32 {
+    fn poll_c(&self, wc: &mut [ibv_wc; 16]) -> i32 {
         // SAFETY: live CQ; room for 16 entries.
         unsafe { (self.poll_cq)(self.cq, 16, wc.as_mut_ptr().cast()) }
     }
 }
 
 impl Path for DirectPath {
-    fn round(&mut self, n: u32) -> Row {
-        let (reg_mr, dereg_mr, pd, addr) = (self.reg_mr, self.dereg_mr, self.pd, self.buf.addr());
+    fn reg(&mut self, n: u32) -> f64 {
+        let (reg_mr, dereg_mr, pd, addr) = (self.reg_mr, self.dereg_mr, self.pd, self.addr);
         let _ = &self.sge;
-        let reg = time(n, || {
-            // SAFETY: a live PD; `buf` outlives the MR, deregistered at once.
-            unsafe {
-                let mr = reg_mr(pd, addr as *mut c_void, 4096, addr, 1);
-                assert!(!mr.is_null());
-                assert_eq!(dereg_mr(mr), 0);
-            }
-        });
+        median_each(n, || {
+            timed(|| {
+                // SAFETY: a live PD; `buf` outlives the MR, deregistered at once.
+                unsafe {
+                    let mr = reg_mr(pd, addr as *mut c_void, 4096, addr, 1);
+                    assert!(!mr.is_null());
+                    assert_eq!(dereg_mr(mr), 0);
+                }
+            })
+        })
+    }
+    fn post(&mut self, n: u32) -> f64 {
         let mut wc = [ibv_wc::default(); 16];
-        let mut post = 0u128;
-        for _ in 0..n {
-            let t = Instant::now();
-            self.post();
-            post += t.elapsed().as_nanos();
-            while self.poll(&mut wc) == 0 {}
+        median_each(n, || {
+            let ns = timed(|| self.post_one());
+            while self.poll_c(&mut wc) == 0 {}
             assert_eq!(wc[0].status, 0);
-        }
-        let poll_empty = time(n, || assert_eq!(self.poll(&mut wc), 0));
+            ns
+        })
+    }
+    fn poll(&mut self, n: u32) -> f64 {
+        let mut wc = [ibv_wc::default(); 16];
+        median_each(n, || timed(|| assert_eq!(self.poll_c(&mut wc), 0)))
+    }
+    fn round_trip(&mut self, n: u32) -> f64 {
+        let mut wc = [ibv_wc::default(); 16];
         let t = Instant::now();
         for _ in 0..n {
-            self.post();
-            while self.poll(&mut wc) == 0 {}
+            self.post_one();
+            while self.poll_c(&mut wc) == 0 {}
         }
-        let round_trip = t.elapsed().as_nanos() as f64 / f64::from(n);
-        Row {
-            reg,
-            post: post as f64 / f64::from(n),
-            poll_empty,
-            round_trip,
-            cache_hit: f64::NAN,
-        }
+        t.elapsed().as_nanos() as f64 / f64::from(n)
     }
+}
+
+/// `v`'s quantile `q` (0..=1), nearest rank.
+fn quantile(v: &[f64], q: f64) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    v[((v.len() - 1) as f64 * q).round() as usize]
+}
+
+/// One operation measured in `blocks` blocks of `n`, alternating the provider and the direct
+/// path block by block (the order flips every block, so a drift or a disturbance hits both
+/// alike); per block, the binding's cost is provider minus direct.
+struct Compare {
+    provider: Vec<f64>,
+    direct: Vec<f64>,
+    diff: Vec<f64>,
+}
+
+fn compare(
+    blocks: u32,
+    pr: &mut dyn Path,
+    pd: &mut dyn Path,
+    op: &mut dyn FnMut(&mut dyn Path) -> f64,
+) -> Compare {
+    let mut c = Compare {
+        provider: Vec::new(),
+        direct: Vec::new(),
+        diff: Vec::new(),
+    };
+    for b in 0..blocks {
+        let (p, d) = if b % 2 == 0 {
+            let p = op(pr);
+            (p, op(pd))
+        } else {
+            let d = op(pd);
+            (op(pr), d)
+        };
+        c.provider.push(p);
+        c.direct.push(d);
+        c.diff.push(p - d);
+    }
+    c
 }
 
 fn main() {
     let n: u32 = std::env::args()
         .nth(1)
         .and_then(|s| s.parse().ok())
-        .unwrap_or(1000);
+        .unwrap_or(200);
     let rounds: u32 = std::env::args()
         .nth(2)
         .and_then(|s| s.parse().ok())
-        .unwrap_or(20);
+        .unwrap_or(101);
     let path = drop_in();
     let lib = library_at(&path).unwrap_or_else(|e| panic!("{e}"));
     let rc = Arc::new(RdmaCoreProvider::open(lib, "mrkit0").unwrap());
@@ -382,63 +433,63 @@ fn main() {
 
     let (mut pn, n_qp, n_mr) = ProviderPath::new(&*native, &native_ctx);
     let (mut pr, r_qp, r_mr) = ProviderPath::new(&*rc, &rc_ctx);
-    let (mut pd, d_cq, d_qp, d_mr) = DirectPath::new(&rc);
-    let mut best = [Row::INF; 3];
-    let mut diffs: [Vec<f64>; 3] = Default::default();
-    // Rounds alternate between the paths, so a disturbance hits all of them alike; each
-    // column keeps its fastest round, and the binding's cost is also taken as the median of
-    // the per-round differences (provider minus direct, each pair measured back to back).
-    for _ in 0..rounds {
-        best[0] = best[0].min(pn.round(n));
-        let (p, d) = (pr.round(n), pd.round(n));
-        diffs[0].push(p.reg - d.reg);
-        diffs[1].push(p.post - d.post);
-        diffs[2].push(p.poll_empty - d.poll_empty);
-        best[1] = best[1].min(p);
-        best[2] = best[2].min(d);
+    let mut pd = DirectPath::new(&rc, &pr, r_mr, pr.wr.rkey);
+    let blocks = rounds;
+    println!(
+        "rdma-core provider over {path}: {blocks} blocks of {n} operations per path, provider \
+         and direct C ABI alternating block by block; ns per operation"
+    );
+    println!(
+        "{:<14} {:>14} {:>14} {:>12} {:>22}",
+        "operation", "direct (med)", "provider (med)", "binding", "binding p10..p90"
+    );
+    type Op<'o> = (&'static str, u32, Box<dyn FnMut(&mut dyn Path) -> f64 + 'o>);
+    let ops: Vec<Op> = vec![
+        (
+            "reg+dereg 4K",
+            n,
+            Box::new(move |p: &mut dyn Path| p.reg(n)),
+        ),
+        ("post", n, Box::new(move |p: &mut dyn Path| p.post(n))),
+        (
+            "poll empty",
+            n * 5,
+            Box::new(move |p: &mut dyn Path| p.poll(n * 5)),
+        ),
+    ];
+    for (name, _, mut op) in ops {
+        let c = compare(blocks, &mut pr, &mut pd, &mut *op);
+        println!(
+            "{name:<14} {:>14.0} {:>14.0} {:>+12.1} {:>+10.1} .. {:<+9.1}",
+            quantile(&c.direct, 0.5),
+            quantile(&c.provider, 0.5),
+            quantile(&c.diff, 0.5),
+            quantile(&c.diff, 0.1),
+            quantile(&c.diff, 0.9),
+        );
     }
-    let median = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
+    // For reference: the embedded mrkit0 on its own (no C ABI), the round trip, the cache.
+    let k = blocks.min(10);
+    let med = |p: &mut dyn Path, f: &dyn Fn(&mut dyn Path) -> f64| {
+        quantile(&(0..k).map(|_| f(p)).collect::<Vec<_>>(), 0.5)
     };
-    println!(
-        "rdma-core provider over {path}: {rounds} alternating rounds of {n}, fastest round; ns per operation"
-    );
-    println!(
-        "{:<24} {:>14} {:>10} {:>12} {:>12} {:>10}",
-        "path", "reg+dereg 4K", "post", "poll empty", "post+poll", "cache hit"
-    );
-    for (name, r) in [
-        "native mrkit0",
-        "rdma-core provider",
-        "drop-in, direct C ABI",
-    ]
-    .iter()
-    .zip(&best)
-    {
-        let hit = if r.cache_hit.is_finite() {
-            format!("{:.0}", r.cache_hit)
+    for (label, p) in [
+        ("native mrkit0", &mut pn as &mut dyn Path),
+        ("rdma-core provider", &mut pr),
+        ("direct C ABI", &mut pd),
+    ] {
+        let reg = med(p, &|p| p.reg(n));
+        let rt = med(p, &|p| p.round_trip(n));
+        let hit = med(p, &|p| p.cache_hit(n));
+        let hit = if hit.is_finite() {
+            format!("{hit:.0}")
         } else {
             "n/a".into()
         };
         println!(
-            "{name:<24} {:>14.0} {:>10.0} {:>12.0} {:>12.0} {hit:>10}",
-            r.reg, r.post, r.poll_empty, r.round_trip
+            "{label:<20} reg+dereg {reg:>6.0}  post+poll {rt:>7.0}  cache hit {hit:>4} (medians of {k} rounds)"
         );
     }
-    let (p, d) = (&best[1], &best[2]);
-    println!(
-        "binding (provider - direct), fastest rounds: reg+dereg {:+.0} ns, post {:+.0} ns, poll {:+.0} ns",
-        p.reg - d.reg,
-        p.post - d.post,
-        p.poll_empty - d.poll_empty
-    );
-    println!(
-        "binding (provider - direct), median of paired rounds: reg+dereg {:+.0} ns, post {:+.0} ns, poll {:+.0} ns",
-        median(&mut diffs[0]),
-        median(&mut diffs[1]),
-        median(&mut diffs[2])
-    );
     // Tear down in order: QPs and CQs, then the MRs over the paths' buffers.
     for (dev, qp, cq, mr) in [
         (&*native as &dyn Provider, n_qp, pn.cq, n_mr),
@@ -448,8 +499,5 @@ fn main() {
         dev.destroy_cq(cq).unwrap();
         dev.dereg_mr(mr).unwrap();
     }
-    rc.destroy_qp(d_qp).unwrap();
-    rc.destroy_cq(d_cq).unwrap();
-    rc.dereg_mr(d_mr).unwrap();
     drop((pn, pr, pd));
 }

@@ -46,6 +46,129 @@ fn unsupported(op: &str) -> Error {
 
 pub use mrkit_soft::PortAttr;
 
+/// What `ibv_query_device` and `ibv_query_device_ex` report beyond [`DeviceAttr`]: every
+/// other attribute `ibv_devinfo -v` prints, as the device reports it.
+///
+/// Where a library has no `ibv_query_device_ex` (or the device answers EOPNOTSUPP/ENOSYS),
+/// libibverbs' inline `ibv_query_device_ex` falls back to `ibv_query_device` with the whole
+/// extension zeroed; [`DeviceAttrEx::extended`] is then false and every extended field 0, which
+/// is what `ibv_devinfo` prints for such a device.
+///
+/// ```
+/// use mrkit::{Context, DeviceConfig};
+/// let ctx = Context::open(DeviceConfig::rxe());
+/// let ex = ctx.provider().query_device_ex();
+/// assert_eq!((ex.max_ah, ex.max_mcast_grp, ex.num_comp_vectors), (32767, 0, 1));
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct DeviceAttrEx {
+    /// `max_ee_rd_atom` (`ibv_device_attr`; the C fields are `int`).
+    pub max_ee_rd_atom: i32,
+    /// `max_ee_init_rd_atom`.
+    pub max_ee_init_rd_atom: i32,
+    /// `max_ee` (end-to-end contexts).
+    pub max_ee: i32,
+    /// `max_rdd` (reliable datagram domains).
+    pub max_rdd: i32,
+    /// `max_raw_ipv6_qp`.
+    pub max_raw_ipv6_qp: i32,
+    /// `max_raw_ethy_qp`.
+    pub max_raw_ethy_qp: i32,
+    /// `max_mcast_grp`.
+    pub max_mcast_grp: i32,
+    /// `max_mcast_qp_attach`.
+    pub max_mcast_qp_attach: i32,
+    /// `max_total_mcast_qp_attach`.
+    pub max_total_mcast_qp_attach: i32,
+    /// `max_ah` (address handles).
+    pub max_ah: i32,
+    /// `max_fmr`.
+    pub max_fmr: i32,
+    /// `max_map_per_fmr`.
+    pub max_map_per_fmr: i32,
+    /// The library answered `ibv_query_device_ex` (false: every field below up to
+    /// `phys_port_cnt_ex` is 0, as libibverbs' legacy fallback leaves it).
+    pub extended: bool,
+    /// `odp_caps.per_transport_caps.uc_odp_caps`.
+    pub uc_odp_caps: u32,
+    /// `odp_caps.per_transport_caps.ud_odp_caps`.
+    pub ud_odp_caps: u32,
+    /// `xrc_odp_caps`.
+    pub xrc_odp_caps: u32,
+    /// `completion_timestamp_mask` (0: no completion timestamps).
+    pub completion_timestamp_mask: u64,
+    /// `hca_core_clock` in kHz (0: unknown).
+    pub hca_core_clock: u64,
+    /// `device_cap_flags_ex` (its low 32 bits repeat `device_cap_flags`).
+    pub device_cap_flags_ex: u64,
+    /// `raw_packet_caps` (`IBV_RAW_PACKET_CAP_*`).
+    pub raw_packet_caps: u32,
+    /// `tso_caps.max_tso`.
+    pub max_tso: u32,
+    /// `tso_caps.supported_qpts` (bit n = QP type n).
+    pub tso_supported_qpts: u32,
+    /// `rss_caps.supported_qpts`.
+    pub rss_supported_qpts: u32,
+    /// `rss_caps.max_rwq_indirection_tables`.
+    pub max_rwq_indirection_tables: u32,
+    /// `rss_caps.max_rwq_indirection_table_size`.
+    pub max_rwq_indirection_table_size: u32,
+    /// `rss_caps.rx_hash_fields_mask`.
+    pub rx_hash_fields_mask: u64,
+    /// `rss_caps.rx_hash_function`.
+    pub rx_hash_function: u8,
+    /// `max_wq_type_rq`.
+    pub max_wq_type_rq: u32,
+    /// `packet_pacing_caps.qp_rate_limit_min` (kbps).
+    pub qp_rate_limit_min: u32,
+    /// `packet_pacing_caps.qp_rate_limit_max` (kbps).
+    pub qp_rate_limit_max: u32,
+    /// `packet_pacing_caps.supported_qpts`.
+    pub packet_pacing_supported_qpts: u32,
+    /// `tm_caps.max_rndv_hdr_size`.
+    pub tm_max_rndv_hdr_size: u32,
+    /// `tm_caps.max_num_tags` (0: no tag matching).
+    pub tm_max_num_tags: u32,
+    /// `tm_caps.flags` (`IBV_TM_CAP_RC` = 1).
+    pub tm_flags: u32,
+    /// `tm_caps.max_ops`.
+    pub tm_max_ops: u32,
+    /// `tm_caps.max_sge`.
+    pub tm_max_sge: u32,
+    /// `cq_mod_caps.max_cq_count`.
+    pub max_cq_count: u16,
+    /// `cq_mod_caps.max_cq_period` (µs).
+    pub max_cq_period: u16,
+    /// `max_dm_size` (device memory bytes).
+    pub max_dm_size: u64,
+    /// `pci_atomic_caps.fetch_add` (`IBV_PCI_ATOMIC_OPERATION_*_BYTE_SIZE_SUP` bits).
+    pub pci_atomic_fetch_add: u16,
+    /// `pci_atomic_caps.swap`.
+    pub pci_atomic_swap: u16,
+    /// `pci_atomic_caps.compare_swap`.
+    pub pci_atomic_compare_swap: u16,
+    /// `phys_port_cnt_ex`.
+    pub phys_port_cnt_ex: u32,
+    /// `ibv_context.num_comp_vectors`.
+    pub num_comp_vectors: i32,
+}
+
+impl DeviceAttrEx {
+    /// What mrkit0 (and the drop-in `libibverbs.so.1` over it) reports: no EE, RDD, raw,
+    /// multicast or FMR resources, 32767 address handles, no ODP but on RC, no timestamps, no
+    /// TSO/RSS/pacing/tag matching/CQ moderation/device memory, one completion vector.
+    pub fn mrkit0(a: &DeviceAttr) -> DeviceAttrEx {
+        DeviceAttrEx {
+            max_ah: 32767,
+            extended: true,
+            device_cap_flags_ex: a.device_cap_flags,
+            phys_port_cnt_ex: u32::from(a.phys_port_cnt),
+            num_comp_vectors: 1,
+            ..DeviceAttrEx::default()
+        }
+    }
+}
+
 /// Operations a device backend provides. Handles are plain integers (PD handle, MR key), as a
 /// kernel driver hands them out; the safe types in this crate own them.
 pub trait Provider: Send + Sync + std::fmt::Debug + 'static {
@@ -196,6 +319,11 @@ pub trait Provider: Send + Sync + std::fmt::Debug + 'static {
             error: unsupported("post_recv"),
         })
     }
+    /// The rest of `ibv_query_device` / `ibv_query_device_ex` ([`DeviceAttrEx`]). The default
+    /// is a device without the extended query: every field 0.
+    fn query_device_ex(&self) -> DeviceAttrEx {
+        DeviceAttrEx::default()
+    }
     /// `ibv_query_port`: EINVAL for a port the device does not have.
     fn query_port(&self, _port: u8) -> Result<PortAttr> {
         Err(unsupported("query_port"))
@@ -232,6 +360,9 @@ impl Provider for mrkit_soft::Context {
     }
     fn query_device(&self) -> DeviceAttr {
         mrkit_soft::Context::query_device(self)
+    }
+    fn query_device_ex(&self) -> DeviceAttrEx {
+        DeviceAttrEx::mrkit0(&mrkit_soft::Context::query_device(self))
     }
     fn alloc_pd(&self) -> Result<u32> {
         mrkit_soft::Context::alloc_pd(self)

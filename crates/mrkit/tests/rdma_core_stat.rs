@@ -1,6 +1,7 @@
 //! Two copies of the device in one process (the embedded mrkit0 and the one inside the
 //! drop-in library loaded by the rdma-core provider) share one statistics file name,
-//! `<pid>.stat`: exactly one of them may export it. One test: it sets the environment first.
+//! `<pid>.stat`: exactly one of them writes it, and the other joins it (its snapshot under
+//! `copies`). One test: it sets the environment first.
 mod providers_util;
 
 use std::time::Duration;
@@ -42,6 +43,19 @@ fn one_exporter_per_process_with_two_device_copies() {
         // Every snapshot is the native copy's (its registered source is there), never the
         // other copy's overwriting it.
         assert_eq!(v["sources"]["copy"], "native", "read {i}: {v}");
+        assert_eq!(v["registrations"], 3, "read {i}: {v}");
+        // The other copy (the drop-in's device) joined this export: its counters are in the
+        // same file under "copies" (from the second read on: it joined after the first), and
+        // the provider's own counters under sources.rdma_core.
+        if i > 0 {
+            let copies = v["copies"].as_array().expect("copies");
+            assert_eq!(copies.len(), 1, "read {i}: {v}");
+            assert_eq!(copies[0]["registrations"], 5, "read {i}: {v}");
+            assert!(copies[0]["sources"].get("copy").is_none(), "read {i}: {v}");
+        }
+        let dev = &v["sources"]["rdma_core"]["devices"][0];
+        assert_eq!(dev["device"], "rdma-core:mrkit0", "read {i}: {v}");
+        assert_eq!(dev["registrations"], 5, "read {i}: {v}");
         std::thread::sleep(Duration::from_millis(15));
     }
     mrkit::stat_export::shutdown();

@@ -9,7 +9,7 @@ use serde_json::{json, Map, Value};
 
 use super::device::Selected;
 use crate::{exit, outln};
-use mrkit::PortAttr;
+use mrkit::{DeviceAttrEx, PortAttr};
 
 #[derive(Args, Debug)]
 #[command(
@@ -134,6 +134,38 @@ fn cap_names(f: u64) -> Vec<&'static str> {
         .collect()
 }
 
+/// The `\t\t\t\t\tNAME` lines `ibv_devinfo` prints for the bits of `bits` it knows (in table
+/// order), then `Unknown flags: 0x..` for the rest (`hex` formats them as its printf does).
+fn flag_lines(bits: u64, names: &[(u64, &str)], hex: impl Fn(u64) -> String) -> String {
+    let mut o = String::new();
+    let mut known = 0;
+    for (b, n) in names {
+        known |= b;
+        if bits & b != 0 {
+            o += &format!("\t\t\t\t\t{n}\n");
+        }
+    }
+    if bits & !known != 0 {
+        o += &format!("\t\t\t\t\tUnknown flags: 0x{}\n", hex(bits & !known));
+    }
+    o
+}
+
+/// `device_cap_flags_ex` bits above the 32 of `device_cap_flags`.
+const CAP_EX_NAMES: &[(u64, &str)] = &[
+    (1 << 34, "RAW_SCATTER_FCS"),
+    (1 << 36, "PCI_WRITE_END_PADDING"),
+];
+/// `IBV_RAW_PACKET_CAP_*`.
+const RAW_PACKET_NAMES: &[(u64, &str)] = &[
+    (1, "C-VLAN stripping offload"),
+    (2, "Scatter FCS offload"),
+    (4, "IP csum offload"),
+    (8, "Delay drop"),
+];
+/// QP types of the TSO / RSS / packet pacing `supported_qpts` masks (bit = QP type).
+const QPT_NAMES: &[(u64, &str)] = &[(1 << 8, "SUPPORT_RAW_PACKET"), (1 << 4, "SUPPORT_UD")];
+
 /// `IBV_ODP_*` general capabilities and the per-transport `IBV_ODP_SUPPORT_*` bits.
 const ODP_GENERAL: &[(u64, &str)] = &[(1, "ODP_SUPPORT"), (2, "ODP_SUPPORT_IMPLICIT")];
 const ODP_TRANSPORT: &[(u64, &str)] = &[
@@ -232,6 +264,8 @@ pub struct Info {
     pub hca_id: String,
     /// `ibv_query_device`.
     pub attr: DeviceAttr,
+    /// The rest of `ibv_query_device` / `ibv_query_device_ex`, as the device reports it.
+    pub ex: DeviceAttrEx,
     /// `ibv_query_port` of each port (1-based), or why it failed.
     pub ports: Vec<Result<PortAttr, String>>,
     /// The GID table of port 1 (index 0), or why it is empty.
@@ -253,6 +287,7 @@ impl Info {
             ports,
             gid0: ctx.provider().query_gid().map_err(|e| e.to_string()),
             config: ctx.soft().and_then(|_| DeviceConfig::from_env().ok()),
+            ex: ctx.provider().query_device_ex(),
             attr,
         }
     }
@@ -320,6 +355,8 @@ pub fn to_json(i: &Info) -> Value {
         "pin_mode": cfg.map(|_| format!("{:?}", mrkit_soft::mem::pin::pin_mode()).to_ascii_lowercase()),
         "device_cap_flags": cap_names(a.device_cap_flags),
         "attributes": attrs,
+        // The rest of ibv_query_device(_ex), as the device reports it (fixed on mrkit0).
+        "attributes_ex": serde_json::to_value(i.ex).expect("json"),
         "ports": i.ports.iter().enumerate().map(|(n, p)| match p {
             Ok(p) => {
                 let mut v = port_json(p, &i.gid0);
@@ -369,9 +406,7 @@ pub fn text(i: &Info, verbose: bool) -> String {
         _ => String::new(),
     };
     let line = |k: &str, v: String, s: &str| format!("\t{k}:{}{v}{}\n", tabs(k), src(s));
-    // Attributes that DeviceAttr does not carry: the values mrkit0 (and its drop-in
-    // libibverbs) reports, the device having none of these resources.
-    let zero = || "0".to_string();
+    let x = &i.ex;
     let _ = writeln!(o, "hca_id:\t{}", i.hca_id);
     let _ = writeln!(o, "\ttransport:\t\t\tInfiniBand (0)");
     o += &line("fw_ver", a.fw_ver.clone(), "fw_ver");
@@ -407,9 +442,9 @@ pub fn text(i: &Info, verbose: bool) -> String {
             format!("{:#010x}", a.device_cap_flags as u32),
             "device_cap_flags",
         );
-        for n in cap_names(a.device_cap_flags) {
-            let _ = writeln!(o, "\t\t\t\t\t{n}");
-        }
+        o += &flag_lines(a.device_cap_flags & 0xffff_ffff, CAP_NAMES, |v| {
+            format!("{v:X}")
+        });
         o += &line("max_sge", a.max_sge.to_string(), "max_sge");
         o += &line("max_sge_rd", a.max_sge_rd.to_string(), "max_sge_rd");
         o += &line("max_cq", a.max_cq.to_string(), "max_cq");
@@ -421,7 +456,7 @@ pub fn text(i: &Info, verbose: bool) -> String {
             a.max_qp_rd_atom.to_string(),
             "max_qp_rd_atom",
         );
-        o += &line("max_ee_rd_atom", zero(), "");
+        o += &line("max_ee_rd_atom", x.max_ee_rd_atom.to_string(), "");
         o += &line(
             "max_res_rd_atom",
             a.max_res_rd_atom.to_string(),
@@ -432,7 +467,7 @@ pub fn text(i: &Info, verbose: bool) -> String {
             a.max_qp_init_rd_atom.to_string(),
             "max_qp_init_rd_atom",
         );
-        o += &line("max_ee_init_rd_atom", zero(), "");
+        o += &line("max_ee_init_rd_atom", x.max_ee_init_rd_atom.to_string(), "");
         o += &line(
             "atomic_cap",
             match a.atomic_cap {
@@ -443,60 +478,134 @@ pub fn text(i: &Info, verbose: bool) -> String {
             },
             "atomic_cap",
         );
-        o += &line("max_ee", zero(), "");
-        o += &line("max_rdd", zero(), "");
+        o += &line("max_ee", x.max_ee.to_string(), "");
+        o += &line("max_rdd", x.max_rdd.to_string(), "");
         o += &line("max_mw", a.max_mw.to_string(), "max_mw");
-        o += &line("max_raw_ipv6_qp", zero(), "");
-        o += &line("max_raw_ethy_qp", zero(), "");
-        o += &line("max_mcast_grp", zero(), "");
-        o += &line("max_mcast_qp_attach", zero(), "");
-        o += &line("max_total_mcast_qp_attach", zero(), "");
-        o += &line("max_ah", "32767".into(), "");
-        o += &line("max_fmr", zero(), "");
+        o += &line("max_raw_ipv6_qp", x.max_raw_ipv6_qp.to_string(), "");
+        o += &line("max_raw_ethy_qp", x.max_raw_ethy_qp.to_string(), "");
+        o += &line("max_mcast_grp", x.max_mcast_grp.to_string(), "");
+        o += &line("max_mcast_qp_attach", x.max_mcast_qp_attach.to_string(), "");
+        o += &line(
+            "max_total_mcast_qp_attach",
+            x.max_total_mcast_qp_attach.to_string(),
+            "",
+        );
+        o += &line("max_ah", x.max_ah.to_string(), "");
+        o += &line("max_fmr", x.max_fmr.to_string(), "");
+        if x.max_fmr != 0 {
+            o += &line("max_map_per_fmr", x.max_map_per_fmr.to_string(), "");
+        }
         o += &line("max_srq", a.max_srq.to_string(), "max_srq");
-        o += &line("max_srq_wr", a.max_srq_wr.to_string(), "max_srq_wr");
-        o += &line("max_srq_sge", a.max_srq_sge.to_string(), "max_srq_sge");
+        if a.max_srq != 0 {
+            o += &line("max_srq_wr", a.max_srq_wr.to_string(), "max_srq_wr");
+            o += &line("max_srq_sge", a.max_srq_sge.to_string(), "max_srq_sge");
+        }
         o += &line("max_pkeys", a.max_pkeys.to_string(), "max_pkeys");
         o += &line(
             "local_ca_ack_delay",
             a.local_ca_ack_delay.to_string(),
             "local_ca_ack_delay",
         );
-        let caps = |o: &mut String, k: &str, bits: u64, names: &[(u64, &str)]| {
+        let hex32 = |v: u64| format!("{v:X}");
+        let _ = writeln!(o, "\tgeneral_odp_caps:{}", src("odp_caps"));
+        o += &flag_lines(a.odp_general_caps, ODP_GENERAL, hex32);
+        let transport = |o: &mut String, k: &str, bits: u32| {
             let _ = writeln!(o, "\t{k}:{}", src("odp_caps"));
-            let set: Vec<_> = names.iter().filter(|(b, _)| bits & b != 0).collect();
-            if set.is_empty() {
+            if bits == 0 {
                 let _ = writeln!(o, "\t\t\t\t\tNO SUPPORT");
-            }
-            for (_, n) in set {
-                let _ = writeln!(o, "\t\t\t\t\t{n}");
+            } else {
+                *o += &flag_lines(u64::from(bits), ODP_TRANSPORT, hex32);
             }
         };
-        caps(&mut o, "general_odp_caps", a.odp_general_caps, ODP_GENERAL);
-        let rc = if a.odp_general_caps != 0 {
-            u64::from(a.odp_rc_caps)
+        // mrkit0 reports its RC caps only with ODP on (the drop-in does the same).
+        let rc = if a.odp_general_caps != 0 || i.config.is_none() {
+            a.odp_rc_caps
         } else {
             0
         };
-        caps(&mut o, "rc_odp_caps", rc, ODP_TRANSPORT);
-        caps(&mut o, "uc_odp_caps", 0, ODP_TRANSPORT);
-        caps(&mut o, "ud_odp_caps", 0, ODP_TRANSPORT);
-        caps(&mut o, "xrc_odp_caps", 0, ODP_TRANSPORT);
-        let _ = writeln!(o, "\tcompletion_timestamp_mask not supported");
-        let _ = writeln!(o, "\tcore clock not supported");
-        let _ = writeln!(o, "\tdevice_cap_flags_ex:\t\t0x{:X}", a.device_cap_flags);
-        let _ = writeln!(o, "\ttso_caps:\n\t\tmax_tso:\t\t\t0");
+        transport(&mut o, "rc_odp_caps", rc);
+        transport(&mut o, "uc_odp_caps", x.uc_odp_caps);
+        transport(&mut o, "ud_odp_caps", x.ud_odp_caps);
+        transport(&mut o, "xrc_odp_caps", x.xrc_odp_caps);
+        if x.completion_timestamp_mask != 0 {
+            let _ = writeln!(
+                o,
+                "\tcompletion timestamp_mask:\t\t\t0x{:016x}",
+                x.completion_timestamp_mask
+            );
+        } else {
+            let _ = writeln!(o, "\tcompletion_timestamp_mask not supported");
+        }
+        if x.hca_core_clock != 0 {
+            let _ = writeln!(o, "\thca_core_clock:\t\t\t{}kHZ", x.hca_core_clock);
+        } else {
+            let _ = writeln!(o, "\tcore clock not supported");
+        }
+        if x.raw_packet_caps != 0 {
+            let _ = writeln!(o, "\traw packet caps:");
+            for (b, n) in RAW_PACKET_NAMES {
+                if u64::from(x.raw_packet_caps) & b != 0 {
+                    let _ = writeln!(o, "\t\t\t\t\t{n}");
+                }
+            }
+        }
+        let _ = writeln!(o, "\tdevice_cap_flags_ex:\t\t0x{:X}", x.device_cap_flags_ex);
+        o += &flag_lines(x.device_cap_flags_ex & !0xffff_ffff, CAP_EX_NAMES, hex32);
+        let qpts = |o: &mut String, bits: u32| {
+            let _ = writeln!(o, "\t\tsupported_qp:");
+            *o += &flag_lines(u64::from(bits), QPT_NAMES, hex32);
+        };
+        let _ = writeln!(o, "\ttso_caps:\n\t\tmax_tso:\t\t\t{}", x.max_tso as i32);
+        if x.max_tso != 0 {
+            qpts(&mut o, x.tso_supported_qpts);
+        }
         let _ = writeln!(
             o,
-            "\trss_caps:\n\t\tmax_rwq_indirection_tables:\t\t\t0\n\t\tmax_rwq_indirection_table_size:\t\t\t0\n\t\trx_hash_function:\t\t\t\t0x0\n\t\trx_hash_fields_mask:\t\t\t\t0x0"
+            "\trss_caps:\n\t\tmax_rwq_indirection_tables:\t\t\t{}\n\t\tmax_rwq_indirection_table_size:\t\t\t{}\n\t\trx_hash_function:\t\t\t\t0x{:x}\n\t\trx_hash_fields_mask:\t\t\t\t0x{:X}",
+            x.max_rwq_indirection_tables,
+            x.max_rwq_indirection_table_size,
+            x.rx_hash_function,
+            x.rx_hash_fields_mask
         );
-        let _ = writeln!(o, "\tmax_wq_type_rq:\t\t\t0");
+        if x.rss_supported_qpts != 0 {
+            qpts(&mut o, x.rss_supported_qpts);
+        }
+        let _ = writeln!(o, "\tmax_wq_type_rq:\t\t\t{}", x.max_wq_type_rq);
         let _ = writeln!(
             o,
-            "\tpacket_pacing_caps:\n\t\tqp_rate_limit_min:\t0kbps\n\t\tqp_rate_limit_max:\t0kbps"
+            "\tpacket_pacing_caps:\n\t\tqp_rate_limit_min:\t{}kbps\n\t\tqp_rate_limit_max:\t{}kbps",
+            x.qp_rate_limit_min, x.qp_rate_limit_max
         );
-        let _ = writeln!(o, "\ttag matching not supported");
-        let _ = writeln!(o, "\tnum_comp_vectors:\t\t1");
+        if x.qp_rate_limit_max != 0 {
+            qpts(&mut o, x.packet_pacing_supported_qpts);
+        }
+        if x.tm_max_num_tags != 0 {
+            let _ = writeln!(o, "\tmax_rndv_hdr_size:\t\t{}", x.tm_max_rndv_hdr_size);
+            let _ = writeln!(o, "\tmax_num_tags:\t\t\t{}", x.tm_max_num_tags);
+            let _ = writeln!(o, "\tmax_ops:\t\t\t{}", x.tm_max_ops);
+            let _ = writeln!(o, "\tmax_sge:\t\t\t{}", x.tm_max_sge);
+            let _ = writeln!(o, "\tflags:");
+            if x.tm_flags & 1 != 0 {
+                let _ = writeln!(o, "\t\t\t\t\tIBV_TM_CAP_RC");
+            }
+        } else {
+            let _ = writeln!(o, "\ttag matching not supported");
+        }
+        if x.max_cq_count != 0 && x.max_cq_period != 0 {
+            let _ = writeln!(
+                o,
+                "\n\tcq moderation caps:\n\t\tmax_cq_count:\t{}\n\t\tmax_cq_period:\t{} us\n",
+                x.max_cq_count, x.max_cq_period
+            );
+        }
+        if x.max_dm_size != 0 {
+            let _ = writeln!(
+                o,
+                "\tmaximum available device memory:\t{}Bytes\n",
+                x.max_dm_size
+            );
+        }
+        let _ = writeln!(o, "\tnum_comp_vectors:\t\t{}", x.num_comp_vectors);
     }
     for (n, p) in i.ports.iter().enumerate() {
         let _ = writeln!(o, "\t\tport:\t{}", n + 1);

@@ -14,7 +14,7 @@ use crate::exit;
 
 #[derive(Args, Debug)]
 #[command(
-    after_help = "Examples:\n  mrkit stat\n  mrkit stat --pid 4242 --json\n  mrkit stat --watch 1\n  mrkit stat --counters --pid 4242\n  mrkit stat --counters --watch 1\n  mrkit stat --mrs --pid 4242\n  mrkit stat --kernel                      # every MR on the kernel's RDMA devices\n  mrkit stat --kernel --device mlx5_0\n\nProcesses appear once they open mrkit0 (programs on the drop-in libibverbs, on the mrkit crate,
+    after_help = "Examples:\n  mrkit stat\n  mrkit stat --pid 4242 --json\n  mrkit stat --watch 1\n  mrkit stat --counters --pid 4242\n  mrkit stat --counters --watch 1\n  mrkit stat --mrs --pid 4242\n  mrkit stat --kernel                      # every MR on the kernel's RDMA devices\n  mrkit stat --kernel --device mlx5_0\n\nProcesses appear once they open mrkit0 or an rdma-core device (programs on the drop-in libibverbs, on the mrkit crate,
 and mrkit's own verbs); MRKIT_STAT=0 disables it.\nFiles live in $MRKIT_STAT_DIR, else $XDG_RUNTIME_DIR/mrkit, else /tmp/mrkit-$UID; other users'\nprocesses are visible only if their owner exported with MRKIT_STAT_SHARE=1."
 )]
 pub struct StatArgs {
@@ -199,6 +199,37 @@ fn ns(v: u64) -> String {
     }
 }
 
+/// The devices a process's file describes, as `(name, section)`: the exporting copy's
+/// mrkit0 (the file's top level; left out when that copy opened no mrkit0 and has other
+/// devices), the rdma-core provider's devices (`sources.rdma_core.devices`, named
+/// `rdma-core:NAME`), and the same for every other copy of mrkit in the process that joined
+/// the export (`copies`: e.g. the drop-in libibverbs' own mrkit0 inside an mrkit program).
+fn sections(p: &Value) -> Vec<(String, &Value)> {
+    fn one<'a>(v: &'a Value, copy: bool, out: &mut Vec<(String, &'a Value)>) {
+        let rc: Vec<&Value> = v["sources"]["rdma_core"]["devices"]
+            .as_array()
+            .map(|a| a.iter().collect())
+            .unwrap_or_default();
+        if v["mrkit0_open"] != false || (rc.is_empty() && !copy) {
+            let name = if copy {
+                "mrkit0 (second copy of mrkit in this process)"
+            } else {
+                "mrkit0"
+            };
+            out.push((name.to_string(), v));
+        }
+        for d in rc {
+            out.push((d["device"].as_str().unwrap_or("rdma-core:?").to_string(), d));
+        }
+    }
+    let mut out = Vec::new();
+    one(p, false, &mut out);
+    for c in p["copies"].as_array().into_iter().flatten() {
+        one(c, true, &mut out);
+    }
+    out
+}
+
 /// Print one line of text output, escaped (stat files are written by other processes).
 macro_rules! say {
     ($($arg:tt)*) => {
@@ -210,12 +241,38 @@ macro_rules! say {
 /// (per second, against `prev`) when watching.
 fn print_counters(procs: &[Value], prev: Option<&[Value]>, dt: f64) {
     for p in procs {
-        let c = &p["counters"];
+        let copies: Vec<&Value> = sections(p)
+            .into_iter()
+            .filter(|(n, _)| n.starts_with("mrkit0"))
+            .map(|(_, v)| v)
+            .collect();
+        for (k, c) in copies.iter().enumerate() {
+            let prev_copy = prev.map(|ps| {
+                ps.iter()
+                    .filter(|q| q["pid"] == p["pid"])
+                    .filter_map(|q| {
+                        sections(q)
+                            .into_iter()
+                            .filter(|(n, _)| n.starts_with("mrkit0"))
+                            .nth(k)
+                            .map(|(_, v)| v.clone())
+                    })
+                    .collect::<Vec<Value>>()
+            });
+            print_counters_of(p, c, prev_copy.as_deref(), dt);
+        }
+    }
+}
+
+/// The counter line of one copy's mrkit0 (`c`) of process `p`.
+fn print_counters_of(p: &Value, c: &Value, prev: Option<&[Value]>, dt: f64) {
+    {
+        let old = prev.and_then(|o| o.first());
+        let c = &c["counters"];
         let Some(vals) = c["values"].as_object() else {
             say!("pid {}: no counters (an older mrkit)", p["pid"]);
-            continue;
+            return;
         };
-        let old = prev.and_then(|ps| ps.iter().find(|q| q["pid"] == p["pid"]));
         let mut line = format!(
             "link {}/{} pid {} ({})",
             c["device"].as_str().unwrap_or("mrkit0"),
@@ -240,12 +297,22 @@ fn print_counters(procs: &[Value], prev: Option<&[Value]>, dt: f64) {
 /// `rdma resource show mr` style, one line per MR.
 fn print_mrs(procs: &[Value]) {
     for p in procs {
-        let m = &p["mrs"];
+        for (dev, s) in sections(p) {
+            print_mrs_of(p, &dev, s);
+        }
+    }
+}
+
+/// The MR lines of one device section `s` (named `dev`) of process `p`.
+fn print_mrs_of(p: &Value, dev: &str, s: &Value) {
+    let dev = dev.split(' ').next().unwrap_or(dev);
+    {
+        let m = &s["mrs"];
         let list = m["list"].as_array().cloned().unwrap_or_default();
         for mr in &list {
             let t = &mr["reg_timing_ns"];
             say!(
-                "dev mrkit0 pid {} comm {} lkey {:#x} rkey {:#x} pdn {} iova {:#x} mrlen {} access {} page_size {} pinned {} kind {} age {:.1}s reg {}",
+                "dev {dev} pid {} comm {} lkey {:#x} rkey {:#x} pdn {} iova {:#x} mrlen {} access {} page_size {} pinned {} kind {} age {:.1}s reg {}",
                 p["pid"],
                 p["comm"].as_str().unwrap_or("?"),
                 mr["lkey"].as_u64().unwrap_or(0),
@@ -267,7 +334,7 @@ fn print_mrs(procs: &[Value]) {
         let total = m["total"].as_u64().unwrap_or(0);
         if total > list.len() as u64 {
             say!(
-                "pid {}: {} more MRs not listed",
+                "pid {} dev {dev}: {} more MRs not listed",
                 p["pid"],
                 total - list.len() as u64
             );
@@ -322,50 +389,110 @@ fn print_text(procs: &[Value], dirs: &[PathBuf]) {
                 "[exited]"
             }
         );
-        let fails: Vec<String> = p["failures"]
-            .as_object()
-            .map(|m| {
-                m.iter()
-                    .filter(|(_, c)| c.as_u64().unwrap_or(0) > 0)
-                    .map(|(k, c)| format!("{k}={c}"))
-                    .collect()
-            })
-            .unwrap_or_default();
-        say!(
-            "  mr: live {}  registered {}  deregistered {}  failed {}",
-            u("mrs_live"),
-            u("registrations"),
-            u("deregistrations"),
-            if fails.is_empty() {
-                "0".to_string()
+        // The exporting copy's mrkit0 keeps the lines it always had; every other device gets
+        // a `device NAME` header and its lines indented under it.
+        let mut top_sources = true;
+        for (k, (dev, sec)) in sections(p).into_iter().enumerate() {
+            if dev.starts_with("mrkit0") {
+                if k == 0 && dev == "mrkit0" {
+                    print_mrkit0(sec, "  ");
+                    print_sources(sec, "  ");
+                    top_sources = false;
+                } else {
+                    say!("  device {dev}:");
+                    print_mrkit0(sec, "    ");
+                    print_sources(sec, "    ");
+                }
             } else {
-                fails.join(" ")
+                print_rdma_core(&dev, sec);
             }
-        );
-        say!(
-            "  pinned {} (peak {})  translation entries {}  pins io_uring {} mlock {}  odp faults {}",
-            human(u("pinned_bytes")),
-            human(u("pinned_bytes_peak")),
-            u("mtt_used"),
-            u("pins_io_uring"),
-            u("pins_mlock"),
-            u("odp_faults")
-        );
-        let l = &p["latency_ns"];
-        say!(
-            "  reg latency p50 {} p99 {} (n={})",
-            ns(l["p50"].as_u64().unwrap_or(0)),
-            ns(l["p99"].as_u64().unwrap_or(0)),
-            l["count"].as_u64().unwrap_or(0)
-        );
-        if let Some(m) = p["sources"].as_object() {
-            for (k, v) in m {
-                say!("  {k}: {v}");
-            }
+        }
+        if top_sources {
+            print_sources(p, "  ");
         }
         if let Some(h) = foreign_id_hint(p) {
             say!("  hint: {h}");
         }
+    }
+}
+
+/// The text lines of one copy's mrkit0 (`v`: a file's top level or one of its `copies`).
+fn print_mrkit0(v: &Value, ind: &str) {
+    let u = |k: &str| v[k].as_u64().unwrap_or(0);
+    say!(
+        "{ind}mr: live {}  registered {}  deregistered {}  failed {}",
+        u("mrs_live"),
+        u("registrations"),
+        u("deregistrations"),
+        failures_text(v)
+    );
+    say!(
+        "{ind}pinned {} (peak {})  translation entries {}  pins io_uring {} mlock {}  odp faults {}",
+        human(u("pinned_bytes")),
+        human(u("pinned_bytes_peak")),
+        u("mtt_used"),
+        u("pins_io_uring"),
+        u("pins_mlock"),
+        u("odp_faults")
+    );
+    let l = &v["latency_ns"];
+    say!(
+        "{ind}reg latency p50 {} p99 {} (n={})",
+        ns(l["p50"].as_u64().unwrap_or(0)),
+        ns(l["p99"].as_u64().unwrap_or(0)),
+        l["count"].as_u64().unwrap_or(0)
+    );
+}
+
+/// The sections a copy registered (`sources`), but the rdma-core devices (shown as devices).
+fn print_sources(v: &Value, ind: &str) {
+    if let Some(m) = v["sources"].as_object() {
+        for (k, v) in m.iter().filter(|(k, _)| *k != "rdma_core") {
+            say!("{ind}{k}: {v}");
+        }
+    }
+}
+
+/// The text lines of one rdma-core device section (`sources.rdma_core.devices[i]`).
+fn print_rdma_core(dev: &str, d: &Value) {
+    let u = |k: &str| d[k].as_u64().unwrap_or(0);
+    say!("  device {dev} ({}):", d["library"].as_str().unwrap_or("?"));
+    say!(
+        "    mr: live {}  registered {}  deregistered {}  failed {}",
+        u("mrs_live"),
+        u("registrations"),
+        u("deregistrations"),
+        failures_text(d)
+    );
+    say!(
+        "    bytes registered {} (live {})",
+        human(u("bytes_registered")),
+        human(u("bytes_live"))
+    );
+    let l = &d["latency_ns"];
+    say!(
+        "    ibv_reg_mr latency p50 {} p99 {} (n={})",
+        ns(l["p50"].as_u64().unwrap_or(0)),
+        ns(l["p99"].as_u64().unwrap_or(0)),
+        l["count"].as_u64().unwrap_or(0)
+    );
+}
+
+/// `EINVAL=1 ENOMEM=2`, or `0`.
+fn failures_text(v: &Value) -> String {
+    let fails: Vec<String> = v["failures"]
+        .as_object()
+        .map(|m| {
+            m.iter()
+                .filter(|(_, c)| c.as_u64().unwrap_or(0) > 0)
+                .map(|(k, c)| format!("{k}={c}"))
+                .collect()
+        })
+        .unwrap_or_default();
+    if fails.is_empty() {
+        "0".to_string()
+    } else {
+        fails.join(" ")
     }
 }
 

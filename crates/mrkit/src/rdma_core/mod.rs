@@ -19,12 +19,16 @@
 //! `pinned_bytes` are 0, `pin_path` is `None`, `pfns_known` is false, `reg_timing` is `None`.
 #![deny(clippy::undocumented_unsafe_blocks, clippy::missing_safety_doc)]
 
+mod handles;
 mod loader;
+mod stats;
+mod ticks;
 
 use std::collections::HashMap;
 use std::ffi::{c_int, c_void, CStr};
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use mrkit_soft::cq::{WcOpcode, WcStatus};
@@ -36,8 +40,8 @@ use mrkit_verbs_abi::*;
 use parking_lot::{Mutex, RwLock};
 
 use crate::provider::{
-    AddressVector, PortAttr, PostError, Provider, QpAttr, QpCap, QpInitAttr, RecvWr, SendWr, Wc,
-    WrOpcode,
+    AddressVector, DeviceAttrEx, PortAttr, PostError, Provider, QpAttr, QpCap, QpInitAttr, RecvWr,
+    SendWr, Wc, WrOpcode,
 };
 
 pub use loader::{configured_path, Library, DEFAULT_LIB, LIB_ENV};
@@ -218,6 +222,30 @@ struct MrRec {
     /// Keeps the memory's owner until deregistration.
     _mem: UserMemory,
     info: MrInfo,
+    /// When it was registered ([`ticks::now`]), and how long `ibv_reg_mr` took in ns
+    /// (`mrkit stat --mrs`).
+    at: u64,
+    took_ns: u64,
+}
+
+/// The MRs and the counters kept with them (see `stats.rs`); derefs to the map.
+#[derive(Default)]
+struct MrTable {
+    map: HandleMap<MrRec>,
+    counts: stats::Counts,
+}
+
+impl std::ops::Deref for MrTable {
+    type Target = HandleMap<MrRec>;
+    fn deref(&self) -> &HandleMap<MrRec> {
+        &self.map
+    }
+}
+
+impl std::ops::DerefMut for MrTable {
+    fn deref_mut(&mut self) -> &mut HandleMap<MrRec> {
+        &mut self.map
+    }
 }
 
 struct MwRec {
@@ -238,14 +266,24 @@ pub struct RdmaCoreProvider {
     name: String,
     ctx: Ptr<ibv_context>,
     attr: DeviceAttr,
+    /// The rest of `ibv_query_device(_ex)`, queried at open.
+    attr_ex: DeviceAttrEx,
     pds: Mutex<HandleMap<Ptr<ibv_pd>>>,
-    mrs: Mutex<HandleMap<MrRec>>,
+    /// Shared with the statistics export, which lists the live MRs when asked.
+    mrs: Arc<Mutex<MrTable>>,
+    /// This device's registration counters (`mrkit stat`).
+    stats: Arc<stats::DeviceStats>,
     mws: Mutex<HandleMap<MwRec>>,
     channels: Mutex<HashMap<u32, Ptr<ibv_comp_channel>>>,
     /// Next channel number; only counts (Relaxed: no memory is published through it).
     next_channel: AtomicU32,
     cqs: RwLock<HandleMap<Ptr<ibv_cq>>>,
     qps: RwLock<HandleMap<Ptr<ibv_qp>>>,
+    /// Lock-free data-path lookups in front of `pds`, `cqs`, `qps` (written under their
+    /// locks; see `handles.rs`).
+    pd_ix: handles::FastIndex,
+    cq_ix: handles::FastIndex,
+    qp_ix: handles::FastIndex,
     /// Per PD: the (CQ, QP) that executes type-1 window binds for [`Provider::bind_mw`].
     bind_qps: Mutex<HashMap<u32, (u32, u32)>>,
 }
@@ -291,6 +329,10 @@ impl RdmaCoreProvider {
     /// Open the device `name` of `lib`. ENODEV (listing the library's devices) when it has
     /// none of that name.
     pub fn open(lib: &'static Library, name: &str) -> Result<RdmaCoreProvider> {
+        // This process's statistics export starts here (before the library opens a device of
+        // its own, which may carry a second copy of the exporter: it joins this one).
+        crate::stat_export::start_for_process();
+        ticks::init();
         let v = &lib.verbs;
         let mut n: c_int = 0;
         // SAFETY: a valid out-pointer; the list is freed below.
@@ -352,16 +394,43 @@ impl RdmaCoreProvider {
             // Replaced just below; built first so that a failed query drops `p`, which closes
             // the device.
             attr: mrkit_soft::DeviceConfig::rxe().attr().clone(),
+            attr_ex: DeviceAttrEx::default(),
             pds: Mutex::new(HandleMap::default()),
-            mrs: Mutex::new(HandleMap::default()),
+            mrs: Arc::new(Mutex::new(MrTable::default())),
+            stats: Arc::new(stats::DeviceStats {
+                device: format!("{PROVIDER}:{name}"),
+                library: lib.path.clone(),
+                ..Default::default()
+            }),
             mws: Mutex::new(HandleMap::default()),
             channels: Mutex::new(HashMap::new()),
             next_channel: AtomicU32::new(1),
             cqs: RwLock::new(HandleMap::default()),
             qps: RwLock::new(HandleMap::default()),
+            pd_ix: handles::FastIndex::default(),
+            cq_ix: handles::FastIndex::default(),
+            qp_ix: handles::FastIndex::default(),
             bind_qps: Mutex::new(HashMap::new()),
         };
-        p.attr = p.fetch_attr()?;
+        (p.attr, p.attr_ex) = p.fetch_attr()?;
+        let mrs = Arc::downgrade(&p.mrs);
+        stats::track(
+            &p.stats,
+            Box::new(move |max| {
+                let mrs = mrs.upgrade()?;
+                let g = mrs.lock();
+                let list = g
+                    .values()
+                    .take(max)
+                    .map(|r| stats::LiveMr {
+                        info: r.info.clone(),
+                        age: Duration::from_nanos(ticks::to_ns(ticks::now().wrapping_sub(r.at))),
+                        reg: Duration::from_nanos(r.took_ns),
+                    })
+                    .collect();
+                Some((list, g.len(), g.counts))
+            }),
+        );
         Ok(p)
     }
 
@@ -391,7 +460,7 @@ impl RdmaCoreProvider {
         self.qps.read().get(&qpn).map(|p| p.0.cast())
     }
 
-    fn fetch_attr(&self) -> Result<DeviceAttr> {
+    fn fetch_attr(&self) -> Result<(DeviceAttr, DeviceAttrEx)> {
         let v = &self.lib.verbs;
         // SAFETY: all-zero is a valid value of these plain C structs.
         let mut a: ibv_device_attr = unsafe { std::mem::zeroed() };
@@ -400,10 +469,13 @@ impl RdmaCoreProvider {
         if r != 0 {
             return Err(ret_error("ibv_query_device", r));
         }
-        let (mut odp_general, mut odp_rc) = (0u64, 0u32);
+        // As the header's inline `ibv_query_device_ex`: the extended op if the context has it;
+        // a missing op, EOPNOTSUPP or ENOSYS means the legacy path (the extension all zeros).
+        // Any other failure is treated the same (the basic attributes above are known).
+        // SAFETY: all-zero is a valid value of these plain C structs.
+        let mut ex: ibv_device_attr_ex = unsafe { std::mem::zeroed() };
+        let mut extended = false;
         if let Some(q) = vctx_op!(self.ctx.0, query_device_ex) {
-            // SAFETY: all-zero is a valid value of these plain C structs.
-            let mut ex: ibv_device_attr_ex = unsafe { std::mem::zeroed() };
             let input = ibv_query_device_ex_input { comp_mask: 0 };
             // SAFETY: the header's `ibv_query_device_ex`: open context, valid pointers, the
             // size of our structure.
@@ -416,10 +488,64 @@ impl RdmaCoreProvider {
                 )
             };
             if r == 0 {
-                odp_general = ex.odp_caps.general_caps;
-                odp_rc = ex.odp_caps.per_transport_caps.rc_odp_caps;
+                extended = true;
+            } else {
+                // SAFETY: all-zero is a valid value of this plain C struct.
+                ex = unsafe { std::mem::zeroed() };
             }
         }
+        let (odp_general, odp_rc) = (
+            ex.odp_caps.general_caps,
+            ex.odp_caps.per_transport_caps.rc_odp_caps,
+        );
+        // SAFETY: an open context (read once: libibverbs sets it at open).
+        let num_comp_vectors = unsafe { (*self.ctx.0).num_comp_vectors };
+        let attr_ex = DeviceAttrEx {
+            max_ee_rd_atom: a.max_ee_rd_atom,
+            max_ee_init_rd_atom: a.max_ee_init_rd_atom,
+            max_ee: a.max_ee,
+            max_rdd: a.max_rdd,
+            max_raw_ipv6_qp: a.max_raw_ipv6_qp,
+            max_raw_ethy_qp: a.max_raw_ethy_qp,
+            max_mcast_grp: a.max_mcast_grp,
+            max_mcast_qp_attach: a.max_mcast_qp_attach,
+            max_total_mcast_qp_attach: a.max_total_mcast_qp_attach,
+            max_ah: a.max_ah,
+            max_fmr: a.max_fmr,
+            max_map_per_fmr: a.max_map_per_fmr,
+            extended,
+            uc_odp_caps: ex.odp_caps.per_transport_caps.uc_odp_caps,
+            ud_odp_caps: ex.odp_caps.per_transport_caps.ud_odp_caps,
+            xrc_odp_caps: ex.xrc_odp_caps,
+            completion_timestamp_mask: ex.completion_timestamp_mask,
+            hca_core_clock: ex.hca_core_clock,
+            device_cap_flags_ex: ex.device_cap_flags_ex,
+            raw_packet_caps: ex.raw_packet_caps,
+            max_tso: ex.tso_caps.max_tso,
+            tso_supported_qpts: ex.tso_caps.supported_qpts,
+            rss_supported_qpts: ex.rss_caps.supported_qpts,
+            max_rwq_indirection_tables: ex.rss_caps.max_rwq_indirection_tables,
+            max_rwq_indirection_table_size: ex.rss_caps.max_rwq_indirection_table_size,
+            rx_hash_fields_mask: ex.rss_caps.rx_hash_fields_mask,
+            rx_hash_function: ex.rss_caps.rx_hash_function,
+            max_wq_type_rq: ex.max_wq_type_rq,
+            qp_rate_limit_min: ex.packet_pacing_caps.qp_rate_limit_min,
+            qp_rate_limit_max: ex.packet_pacing_caps.qp_rate_limit_max,
+            packet_pacing_supported_qpts: ex.packet_pacing_caps.supported_qpts,
+            tm_max_rndv_hdr_size: ex.tm_caps.max_rndv_hdr_size,
+            tm_max_num_tags: ex.tm_caps.max_num_tags,
+            tm_flags: ex.tm_caps.flags,
+            tm_max_ops: ex.tm_caps.max_ops,
+            tm_max_sge: ex.tm_caps.max_sge,
+            max_cq_count: ex.cq_mod_caps.max_cq_count,
+            max_cq_period: ex.cq_mod_caps.max_cq_period,
+            max_dm_size: ex.max_dm_size,
+            pci_atomic_fetch_add: ex.pci_atomic_caps.fetch_add,
+            pci_atomic_swap: ex.pci_atomic_caps.swap,
+            pci_atomic_compare_swap: ex.pci_atomic_caps.compare_swap,
+            phys_port_cnt_ex: ex.phys_port_cnt_ex,
+            num_comp_vectors,
+        };
         // SAFETY: all-zero is a valid value of this plain C struct.
         let mut port: ibv_port_attr = unsafe { std::mem::zeroed() };
         // SAFETY: the exported compat entry fills at most its 48-byte prefix of our struct.
@@ -435,47 +561,60 @@ impl RdmaCoreProvider {
             .take_while(|&&c| c != 0)
             .map(|&c| c as u8)
             .collect::<Vec<_>>();
-        Ok(DeviceAttr {
-            fw_ver: String::from_utf8_lossy(&fw).into_owned(),
-            node_guid: u64::from_be(a.node_guid),
-            sys_image_guid: u64::from_be(a.sys_image_guid),
-            max_mr_size: a.max_mr_size,
-            page_size_cap: a.page_size_cap,
-            vendor_id: a.vendor_id,
-            vendor_part_id: a.vendor_part_id,
-            hw_ver: a.hw_ver,
-            max_qp: u(a.max_qp),
-            max_qp_wr: u(a.max_qp_wr),
-            device_cap_flags: u64::from(a.device_cap_flags),
-            max_sge: u(a.max_sge),
-            max_sge_rd: u(a.max_sge_rd),
-            max_cq: u(a.max_cq),
-            max_cqe: u(a.max_cqe),
-            max_mr: u(a.max_mr),
-            max_pd: u(a.max_pd),
-            max_qp_rd_atom: u(a.max_qp_rd_atom),
-            max_qp_init_rd_atom: u(a.max_qp_init_rd_atom),
-            max_res_rd_atom: u(a.max_res_rd_atom),
-            atomic_cap: u(a.atomic_cap),
-            max_mw: u(a.max_mw),
-            max_srq: u(a.max_srq),
-            max_srq_wr: u(a.max_srq_wr),
-            max_srq_sge: u(a.max_srq_sge),
-            max_pkeys: a.max_pkeys,
-            local_ca_ack_delay: a.local_ca_ack_delay,
-            phys_port_cnt: a.phys_port_cnt,
-            // libibverbs reports no device-wide inline limit (a QP's cap says it).
-            max_inline_data: 0,
-            odp_general_caps: odp_general,
-            odp_rc_caps: odp_rc,
-            // The translation capacity is not in the verbs API (0 = unknown).
-            max_mtt: 0,
-            log_num_mtt: 0,
-            max_msg_sz,
-        })
+        Ok((
+            DeviceAttr {
+                fw_ver: String::from_utf8_lossy(&fw).into_owned(),
+                node_guid: u64::from_be(a.node_guid),
+                sys_image_guid: u64::from_be(a.sys_image_guid),
+                max_mr_size: a.max_mr_size,
+                page_size_cap: a.page_size_cap,
+                vendor_id: a.vendor_id,
+                vendor_part_id: a.vendor_part_id,
+                hw_ver: a.hw_ver,
+                max_qp: u(a.max_qp),
+                max_qp_wr: u(a.max_qp_wr),
+                device_cap_flags: u64::from(a.device_cap_flags),
+                max_sge: u(a.max_sge),
+                max_sge_rd: u(a.max_sge_rd),
+                max_cq: u(a.max_cq),
+                max_cqe: u(a.max_cqe),
+                max_mr: u(a.max_mr),
+                max_pd: u(a.max_pd),
+                max_qp_rd_atom: u(a.max_qp_rd_atom),
+                max_qp_init_rd_atom: u(a.max_qp_init_rd_atom),
+                max_res_rd_atom: u(a.max_res_rd_atom),
+                atomic_cap: u(a.atomic_cap),
+                max_mw: u(a.max_mw),
+                max_srq: u(a.max_srq),
+                max_srq_wr: u(a.max_srq_wr),
+                max_srq_sge: u(a.max_srq_sge),
+                max_pkeys: a.max_pkeys,
+                local_ca_ack_delay: a.local_ca_ack_delay,
+                phys_port_cnt: a.phys_port_cnt,
+                // libibverbs reports no device-wide inline limit (a QP's cap says it).
+                max_inline_data: 0,
+                odp_general_caps: odp_general,
+                odp_rc_caps: odp_rc,
+                // The translation capacity is not in the verbs API (0 = unknown).
+                max_mtt: 0,
+                log_num_mtt: 0,
+                max_msg_sz,
+            },
+            attr_ex,
+        ))
     }
 
+    #[inline]
     fn pd(&self, pd: u32) -> Result<Ptr<ibv_pd>> {
+        match self.pd_ix.get(pd) {
+            Some(a) => Ok(Ptr(a as *mut _)),
+            None => self.pd_slow(pd),
+        }
+    }
+
+    /// The map behind [`Self::pd`]'s index (a slot shared with another handle).
+    #[cold]
+    fn pd_slow(&self, pd: u32) -> Result<Ptr<ibv_pd>> {
         self.pds
             .lock()
             .get(&pd)
@@ -483,7 +622,17 @@ impl RdmaCoreProvider {
             .ok_or_else(|| Error::new(Errno::EINVAL, format!("no protection domain {pd}")))
     }
 
+    #[inline]
     fn cq(&self, cq: u32) -> Result<Ptr<ibv_cq>> {
+        match self.cq_ix.get(cq) {
+            Some(a) => Ok(Ptr(a as *mut _)),
+            None => self.cq_slow(cq),
+        }
+    }
+
+    /// The map behind [`Self::cq`]'s index (a slot shared with another handle).
+    #[cold]
+    fn cq_slow(&self, cq: u32) -> Result<Ptr<ibv_cq>> {
         self.cqs
             .read()
             .get(&cq)
@@ -491,7 +640,17 @@ impl RdmaCoreProvider {
             .ok_or_else(|| Error::new(Errno::EINVAL, format!("no completion queue {cq}")))
     }
 
+    #[inline]
     fn qp(&self, qpn: u32) -> Result<Ptr<ibv_qp>> {
+        match self.qp_ix.get(qpn) {
+            Some(a) => Ok(Ptr(a as *mut _)),
+            None => self.qp_slow(qpn),
+        }
+    }
+
+    /// The map behind [`Self::qp`]'s index (a slot shared with another handle).
+    #[cold]
+    fn qp_slow(&self, qpn: u32) -> Result<Ptr<ibv_qp>> {
         self.qps
             .read()
             .get(&qpn)
@@ -519,6 +678,34 @@ impl RdmaCoreProvider {
             .map(|r| r.mw)
     }
 
+    fn reg_mr_inner(
+        &self,
+        pd: u32,
+        mem: UserMemory,
+        iova: u64,
+        access: AccessFlags,
+    ) -> Result<MrInfo> {
+        let p = self.pd(pd)?;
+        let len = usize::try_from(mem.len())
+            .map_err(|_| Error::new(Errno::EINVAL, "length does not fit the address space"))?;
+        let at = ticks::now();
+        // SAFETY: a live PD; `mem` guarantees the range stays valid until dereg (we keep it).
+        let mr = unsafe {
+            (self.lib.verbs.ibv_reg_mr_iova2)(
+                p.0,
+                mem.addr() as usize as *mut c_void,
+                len,
+                iova,
+                access.bits(),
+            )
+        };
+        if mr.is_null() {
+            return Err(os_error("ibv_reg_mr"));
+        }
+        let took_ns = ticks::to_ns(ticks::now().wrapping_sub(at));
+        Ok(self.record_mr(pd, mr, mem, iova, access, (at, took_ns)))
+    }
+
     fn record_mr(
         &self,
         pd: u32,
@@ -526,6 +713,7 @@ impl RdmaCoreProvider {
         mem: UserMemory,
         iova: u64,
         access: AccessFlags,
+        (at, took_ns): (u64, u64),
     ) -> MrInfo {
         // SAFETY: a live MR this provider just created.
         let (lkey, rkey) = unsafe { ((*mr).lkey, (*mr).rkey) };
@@ -555,12 +743,16 @@ impl RdmaCoreProvider {
             bound_mws: 0,
             reg_timing: None,
         };
-        self.mrs.lock().insert(
+        let mut g = self.mrs.lock();
+        g.counts.registered(length, took_ns);
+        g.insert(
             lkey,
             MrRec {
                 mr: Ptr(mr),
                 _mem: mem,
                 info: info.clone(),
+                at,
+                took_ns,
             },
         );
         info
@@ -781,6 +973,7 @@ const STACK_SGES: usize = 8;
 
 impl RdmaCoreProvider {
     /// Translate `w` into `c` (its gather list in `sges`, which must not move until posted).
+    #[inline]
     fn send_wr_to_c(&self, w: &SendWr, c: &mut ibv_send_wr, sges: &mut [ibv_sge]) -> Result<()> {
         let inline = w.flags & send_flags::INLINE != 0;
         let n = if inline && w.inline_data.is_empty() {
@@ -892,6 +1085,9 @@ impl Provider for RdmaCoreProvider {
     fn query_device(&self) -> DeviceAttr {
         self.attr.clone()
     }
+    fn query_device_ex(&self) -> DeviceAttrEx {
+        self.attr_ex
+    }
     fn alloc_pd(&self) -> Result<u32> {
         // SAFETY: open context.
         let pd = unsafe { (self.lib.verbs.ibv_alloc_pd)(self.ctx.0) };
@@ -900,7 +1096,9 @@ impl Provider for RdmaCoreProvider {
         }
         // SAFETY: a live PD.
         let h = unsafe { (*pd).handle };
-        self.pds.lock().insert(h, Ptr(pd));
+        let mut g = self.pds.lock();
+        g.insert(h, Ptr(pd));
+        self.pd_ix.insert(h, pd as usize);
         Ok(h)
     }
     fn dealloc_pd(&self, pd: u32) -> Result<()> {
@@ -909,32 +1107,22 @@ impl Provider for RdmaCoreProvider {
         let p = *g
             .get(&pd)
             .ok_or_else(|| Error::new(Errno::EINVAL, format!("no protection domain {pd}")))?;
+        self.pd_ix.remove(pd);
         // SAFETY: a live PD of this provider (removed from the map only on success).
         let r = unsafe { (self.lib.verbs.ibv_dealloc_pd)(p.0) };
         if r != 0 {
+            self.pd_ix.insert(pd, p.0 as usize);
             return Err(ret_error("ibv_dealloc_pd", r));
         }
         g.remove(&pd);
         Ok(())
     }
     fn reg_mr(&self, pd: u32, mem: UserMemory, iova: u64, access: AccessFlags) -> Result<MrInfo> {
-        let p = self.pd(pd)?;
-        let len = usize::try_from(mem.len())
-            .map_err(|_| Error::new(Errno::EINVAL, "length does not fit the address space"))?;
-        // SAFETY: a live PD; `mem` guarantees the range stays valid until dereg (we keep it).
-        let mr = unsafe {
-            (self.lib.verbs.ibv_reg_mr_iova2)(
-                p.0,
-                mem.addr() as usize as *mut c_void,
-                len,
-                iova,
-                access.bits(),
-            )
-        };
-        if mr.is_null() {
-            return Err(os_error("ibv_reg_mr"));
+        let r = self.reg_mr_inner(pd, mem, iova, access);
+        if let Err(e) = &r {
+            self.stats.failed(e.errno());
         }
-        Ok(self.record_mr(pd, mr, mem, iova, access))
+        r
     }
     fn dereg_mr(&self, lkey: u32) -> Result<()> {
         let mut g = self.mrs.lock();
@@ -946,7 +1134,9 @@ impl Provider for RdmaCoreProvider {
         if r != 0 {
             return Err(ret_error("ibv_dereg_mr", r));
         }
-        g.remove(&lkey);
+        if let Some(rec) = g.remove(&lkey) {
+            g.counts.deregistered(rec.info.length);
+        }
         Ok(())
     }
     fn rereg_mr(
@@ -1014,12 +1204,17 @@ impl Provider for RdmaCoreProvider {
         } else {
             rec._mem
         };
+        if translate {
+            g.counts.rereg_translation(rec.info.length, info.length);
+        }
         g.insert(
             nl,
             MrRec {
                 mr: rec.mr,
                 _mem: keep,
                 info: info.clone(),
+                at: rec.at,
+                took_ns: rec.took_ns,
             },
         );
         Ok(info)
@@ -1302,7 +1497,9 @@ impl Provider for RdmaCoreProvider {
         }
         // SAFETY: a live CQ.
         let h = unsafe { (*cq).handle };
-        self.cqs.write().insert(h, Ptr(cq));
+        let mut g = self.cqs.write();
+        g.insert(h, Ptr(cq));
+        self.cq_ix.insert(h, cq as usize);
         Ok(h)
     }
     fn destroy_cq(&self, cq: u32) -> Result<()> {
@@ -1310,9 +1507,11 @@ impl Provider for RdmaCoreProvider {
         let p = *g
             .get(&cq)
             .ok_or_else(|| Error::new(Errno::EINVAL, format!("no completion queue {cq}")))?;
+        self.cq_ix.remove(cq);
         // SAFETY: a live CQ (forgotten only on success).
         let r = unsafe { (self.lib.verbs.ibv_destroy_cq)(p.0) };
         if r != 0 {
+            self.cq_ix.insert(cq, p.0 as usize);
             return Err(ret_error("ibv_destroy_cq", r));
         }
         g.remove(&cq);
@@ -1381,7 +1580,10 @@ impl Provider for RdmaCoreProvider {
         }
         // SAFETY: a live QP.
         let qpn = unsafe { (*qp).qp_num };
-        self.qps.write().insert(qpn, Ptr(qp));
+        let mut g = self.qps.write();
+        g.insert(qpn, Ptr(qp));
+        self.qp_ix.insert(qpn, qp as usize);
+        drop(g);
         Ok((qpn, cap_from_c(&a.cap)))
     }
     fn destroy_qp(&self, qpn: u32) -> Result<()> {
@@ -1389,9 +1591,11 @@ impl Provider for RdmaCoreProvider {
         let p = *g
             .get(&qpn)
             .ok_or_else(|| Error::new(Errno::EINVAL, format!("no queue pair {qpn}")))?;
+        self.qp_ix.remove(qpn);
         // SAFETY: a live QP (forgotten only on success).
         let r = unsafe { (self.lib.verbs.ibv_destroy_qp)(p.0) };
         if r != 0 {
+            self.qp_ix.insert(qpn, p.0 as usize);
             return Err(ret_error("ibv_destroy_qp", r));
         }
         g.remove(&qpn);
@@ -1690,7 +1894,7 @@ impl Drop for RdmaCoreProvider {
                     op(m.mw.0);
                 }
             }
-            for (_, m) in self.mrs.get_mut().drain() {
+            for (_, m) in self.mrs.lock().drain() {
                 if (v.ibv_dereg_mr)(m.mr.0) != 0 {
                     // Still registered: keep its memory (and owner) forever rather than free
                     // memory the device may still write.
