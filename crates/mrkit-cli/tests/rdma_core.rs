@@ -167,6 +167,29 @@ fn verbs_run_on_rdma_core() {
     assert!(out.path().join("report.md").exists());
 }
 
+/// `demo` on an rdma-core device: an unknown translation capacity is not "2^0", and the
+/// closing line counts the device's own registrations with the embedded instances'.
+#[test]
+fn demo_on_rdma_core_counts_its_device() {
+    let dir = drop_in_dir();
+    let o = run_ok(
+        mrkit_at(dir.path(), "127.0.91.9")
+            .args(["demo", "--device", "rdma-core:mrkit0"])
+            .env("MRKIT_STAT", "0"),
+    );
+    let t = text(&o);
+    assert!(t.contains("translation entries not reported"), "{t}");
+    assert!(!t.contains("translation entries 2^0"), "{t}");
+    let line = t
+        .lines()
+        .find(|l| l.starts_with("statistics of this run:"))
+        .unwrap_or_else(|| panic!("{t}"));
+    assert!(
+        line.contains("on rdma-core:mrkit0 and the embedded mrkit0 instances"),
+        "{line}"
+    );
+}
+
 /// A name that matches nothing: status 1 and the list of devices, rdma-core's included.
 #[test]
 fn unknown_name_lists_both_providers() {

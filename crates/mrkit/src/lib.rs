@@ -46,7 +46,7 @@ pub use mrkit_soft::qp::{QpCap, QpState};
 pub use mrkit_soft::{
     AccessFlags, DeviceAttr, DeviceConfig, Errno, Error, MwType, Result, StatusModel,
 };
-pub use provider::{DeviceAttrEx, PortAttr, Provider};
+pub use provider::{DeviceAttrEx, PortAttr, Provider, RegCounts};
 pub use qp::endpoint::{ConnectOpts, Endpoint, Mtu};
 pub use qp::registered::{DeviceWritable, Registered};
 pub use qp::tcp;

@@ -60,6 +60,26 @@ pub use mrkit_soft::PortAttr;
 /// let ex = ctx.provider().query_device_ex();
 /// assert_eq!((ex.max_ah, ex.max_mcast_grp, ex.num_comp_vectors), (32767, 0, 1));
 /// ```
+/// Registration counts of one open device ([`Provider::registration_counts`]).
+///
+/// ```
+/// use mrkit::{AccessFlags, Buffer, Context};
+/// let ctx = Context::open_default().unwrap();
+/// let before = ctx.provider().registration_counts().unwrap();
+/// let pd = ctx.alloc_pd().unwrap();
+/// let mr = pd.register(Buffer::new(4096).unwrap(), AccessFlags::LOCAL_WRITE).unwrap();
+/// let after = ctx.provider().registration_counts().unwrap();
+/// assert_eq!(after.registrations - before.registrations, 1);
+/// # drop(mr);
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct RegCounts {
+    /// Successful registrations (`reg_mr`, including re-registrations that translate anew).
+    pub registrations: u64,
+    /// Failed registrations, any errno.
+    pub failures: u64,
+}
+
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct DeviceAttrEx {
     /// `max_ee_rd_atom` (`ibv_device_attr`; the C fields are `int`).
@@ -348,6 +368,11 @@ pub trait Provider: Send + Sync + std::fmt::Debug + 'static {
             port_num: 1,
         })
     }
+    /// Registrations this open device has counted: successful ones and failures (what
+    /// `mrkit stat` shows for it). The default is `None`: the provider keeps no count.
+    fn registration_counts(&self) -> Option<RegCounts> {
+        None
+    }
     /// The embedded software device, when this provider is one (statistics, data path).
     fn soft(&self) -> Option<&mrkit_soft::Context> {
         None
@@ -476,6 +501,13 @@ impl Provider for mrkit_soft::Context {
             dest_node: self.node_id(),
             dgid: None,
             port_num: 1,
+        })
+    }
+    fn registration_counts(&self) -> Option<RegCounts> {
+        let st = self.stats();
+        Some(RegCounts {
+            registrations: st.registrations,
+            failures: st.failures.iter().map(|(_, n)| n).sum(),
         })
     }
     fn soft(&self) -> Option<&mrkit_soft::Context> {

@@ -44,7 +44,7 @@ pub fn run(_a: DemoArgs, dev: &super::device::Selected) -> u8 {
         Ok(c) => c,
         Err(code) => return code,
     };
-    match run_inner(ctx) {
+    match run_inner(ctx, dev.name()) {
         Ok(()) => exit::OK,
         Err(e) => {
             eprintln!("mrkit demo: unexpected failure: {e}");
@@ -82,8 +82,16 @@ impl Tally {
     }
 }
 
-fn run_inner(ctx: Context) -> mrkit::Result<()> {
+fn run_inner(ctx: Context, selected: &str) -> mrkit::Result<()> {
     let start = Tally::embedded_now();
+    // Another device counts its own registrations (mrkit0 is in the process-wide tally).
+    let other = |ctx: &Context| {
+        ctx.soft()
+            .is_none()
+            .then(|| ctx.provider().registration_counts())
+            .flatten()
+    };
+    let start_other = other(&ctx);
     let attr = ctx.query_device();
     crate::outln!(
         "mrkit demo: memory registration on {} ({})",
@@ -94,11 +102,16 @@ fn run_inner(ctx: Context) -> mrkit::Result<()> {
             "the selected device; the device-limit steps run on embedded mrkit0 instances"
         }
     );
+    // libibverbs does not report a translation capacity: 0 means unknown, not 2^0.
+    let mtt = if ctx.soft().is_some() || attr.log_num_mtt != 0 {
+        format!("2^{}", attr.log_num_mtt)
+    } else {
+        "not reported".to_string()
+    };
     crate::outln!(
-        "   max_mr {}  max_mr_size {:#x}  translation entries 2^{}  ODP caps {:#x}",
+        "   max_mr {}  max_mr_size {:#x}  translation entries {mtt}  ODP caps {:#x}",
         attr.max_mr,
         attr.max_mr_size,
-        attr.log_num_mtt,
         attr.odp_general_caps
     );
 
@@ -250,20 +263,22 @@ fn run_inner(ctx: Context) -> mrkit::Result<()> {
     // The whole run: every mrkit0 instance the demo opened. Another device's registrations
     // are counted by its own driver, not here: say so rather than print a partial number as
     // the total.
-    let run = start.since(Tally::embedded_now());
+    let mut run = start.since(Tally::embedded_now());
+    let note = match (start_other, other(&ctx)) {
+        (Some(a), Some(b)) => {
+            run.registrations += b.registrations.saturating_sub(a.registrations);
+            run.failures += b.failures.saturating_sub(a.failures);
+            format!(" (on {selected} and the embedded mrkit0 instances)")
+        }
+        _ if ctx.soft().is_some() => String::new(),
+        _ => format!(" (on the embedded mrkit0 instances; {selected} keeps no count)"),
+    };
     crate::outln!(
         "\nstatistics of this run: {} registrations, {} failures, peak pinned {} bytes{}",
         run.registrations,
         run.failures,
         mrkit_soft::stats::process().snapshot().pinned_bytes_peak,
-        if ctx.soft().is_some() {
-            String::new()
-        } else {
-            format!(
-                " (on the mrkit0 instances; {}'s own are not counted here)",
-                ctx.name()
-            )
-        }
+        note
     );
     Ok(())
 }

@@ -1079,6 +1079,21 @@ const ZERO_SGE: ibv_sge = ibv_sge {
 };
 
 impl Provider for RdmaCoreProvider {
+    fn registration_counts(&self) -> Option<crate::provider::RegCounts> {
+        let registrations = self.mrs.lock().counts.registrations;
+        let failures = self
+            .stats
+            .failures
+            .snapshot()
+            .failures
+            .iter()
+            .map(|(_, n)| n)
+            .sum();
+        Some(crate::provider::RegCounts {
+            registrations,
+            failures,
+        })
+    }
     fn name(&self) -> &str {
         &self.name
     }
