@@ -110,28 +110,21 @@ fn mrkit_bin() -> &'static str {
     env!("CARGO_BIN_EXE_mrkit")
 }
 
-/// Run with a deadline (a hang is a failure, not a stuck test run).
+/// Run with a deadline (a hang is a failure, not a stuck test run). The pipes are drained
+/// while the child runs: `mrkit stat` as root also lists every other root process that
+/// exports to `/tmp/mrkit-0` (one with a thousand live MRs writes well over a pipe's 64 KiB).
 fn run_bounded(c: &mut Command, limit: Duration) -> Output {
-    let mut child = c
+    let child = c
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let end = Instant::now() + limit;
-    loop {
-        if child.try_wait().unwrap().is_some() {
-            return child.wait_with_output().unwrap();
-        }
-        if Instant::now() > end {
-            let _ = child.kill();
-            let o = child.wait_with_output().unwrap();
-            panic!(
-                "{c:?} did not finish within {limit:?} (stderr: {})",
-                String::from_utf8_lossy(&o.stderr)
-            );
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    mrkit_testsupport::output_within(child, limit).unwrap_or_else(|o| {
+        panic!(
+            "{c:?} did not finish within {limit:?} (stderr: {})",
+            String::from_utf8_lossy(&o.stderr)
+        )
+    })
 }
 
 /// `mrkit stat ARGS` as root: own runtime directory an empty scratch directory, so only

@@ -85,23 +85,14 @@ fn wait_listen(prefix: &[&str], port: u16, server: &mut Child) {
     }
 }
 
-fn wait_timeout(mut c: Child, limit: Duration) -> Output {
-    let end = Instant::now() + limit;
-    loop {
-        if c.try_wait().expect("wait").is_some() {
-            return c.wait_with_output().expect("output");
-        }
-        if Instant::now() > end {
-            let _ = c.kill();
-            let o = c.wait_with_output().expect("output");
-            panic!(
-                "timed out after {limit:?}:\n{}{}",
-                String::from_utf8_lossy(&o.stdout),
-                String::from_utf8_lossy(&o.stderr)
-            );
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
+fn wait_timeout(c: Child, limit: Duration) -> Output {
+    mrkit_testsupport::output_within(c, limit).unwrap_or_else(|o| {
+        panic!(
+            "timed out after {limit:?}:\n{}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        )
+    })
 }
 
 fn text(o: &Output) -> String {

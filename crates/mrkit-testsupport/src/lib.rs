@@ -28,7 +28,10 @@
 
 #![forbid(unsafe_code)]
 
+pub mod child;
 pub mod ibverbs_shim;
+
+pub use child::output_within;
 
 use std::process::{Command, Stdio};
 
