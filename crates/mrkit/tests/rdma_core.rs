@@ -406,3 +406,90 @@ fn pool_windows_on_both_providers() {
         );
     }
 }
+
+/// Posts the device refuses: the errno and the index of the refused request (`bad_wr`) reach
+/// the caller through the rdma-core binding as they do natively — a single request (the
+/// binding's one-struct path) and a chain whose second request has more SGEs than the QP
+/// allows (the general path: the first request is posted and completes).
+#[test]
+fn refused_posts_on_both_providers() {
+    use mrkit::provider::{send_flags, SendWr, Sge, WrOpcode};
+    let mut answers = Vec::new();
+    for (provider, ctx) in both() {
+        let pd = ctx.alloc_pd().unwrap();
+        let cap = QpCap {
+            max_send_sge: 2,
+            ..QpCap::default()
+        };
+        let fresh: QueuePair = QueuePair::new(&pd, cap).unwrap();
+        let (q1, q2): (QueuePair, QueuePair) = (
+            QueuePair::new(&pd, cap).unwrap(),
+            QueuePair::new(&pd, cap).unwrap(),
+        );
+        QueuePair::connect(&q1, &q2, A::REMOTE_WRITE).unwrap();
+        let src = mr(&pd, 4096, 0x33);
+        let dst = mr(&pd, 4096, 0);
+        let sge = Sge {
+            addr: src.info().iova,
+            length: 8,
+            lkey: src.lkey(),
+        };
+        let write = |wr_id: u64, sges: usize| {
+            let mut w = SendWr::new(wr_id, WrOpcode::RdmaWrite);
+            w.sg_list = vec![sge; sges];
+            w.remote_addr = dst.info().iova;
+            w.rkey = dst.rkey();
+            w
+        };
+        let dev = ctx.provider();
+        // One request on a QP that was never connected (RESET).
+        let e = dev
+            .post_send(fresh.raw_handles().qpn, &[write(1, 1)])
+            .unwrap_err();
+        let reset = (e.bad_wr, e.error.errno());
+        // A chain: the second request has 3 SGEs where the QP allows 2.
+        let h = q1.raw_handles();
+        let e = dev
+            .post_send(h.qpn, &[write(2, 1), write(3, 3)])
+            .unwrap_err();
+        let chain = (e.bad_wr, e.error.errno());
+        let mut wcs = Vec::new();
+        let deadline = std::time::Instant::now() + WAIT;
+        while wcs.is_empty() && std::time::Instant::now() < deadline {
+            dev.poll_cq(h.send_cq, &mut wcs, 16).unwrap();
+        }
+        assert_eq!(
+            wcs.len(),
+            1,
+            "{provider}: the first request of the chain completes"
+        );
+        assert_eq!(
+            (wcs[0].wr_id, wcs[0].status),
+            (2, WcStatus::Success),
+            "{provider}"
+        );
+        assert_eq!(dst.as_slice()[..8], [0x33; 8], "{provider}");
+        // A zero-length request (no SGE) through the one-struct path is accepted.
+        let mut empty = write(4, 0);
+        empty.flags = send_flags::SIGNALED;
+        dev.post_send(h.qpn, &[empty]).unwrap();
+        wcs.clear();
+        while wcs.is_empty() && std::time::Instant::now() < deadline {
+            dev.poll_cq(h.send_cq, &mut wcs, 16).unwrap();
+        }
+        assert_eq!(
+            (wcs[0].wr_id, wcs[0].status),
+            (4, WcStatus::Success),
+            "{provider}"
+        );
+        answers.push((provider, reset, chain));
+    }
+    let (native, rdma_core) = (answers[0], answers[1]);
+    assert_eq!(native.1 .0, 0, "{native:?}");
+    assert_eq!(native.2 .0, 1, "{native:?}");
+    assert_eq!(
+        (native.1, native.2),
+        (rdma_core.1, rdma_core.2),
+        "{answers:?}"
+    );
+}

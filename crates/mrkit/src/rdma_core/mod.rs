@@ -606,56 +606,23 @@ impl RdmaCoreProvider {
 
     #[inline]
     fn pd(&self, pd: u32) -> Result<Ptr<ibv_pd>> {
-        match self.pd_ix.get(pd) {
-            Some(a) => Ok(Ptr(a as *mut _)),
-            None => self.pd_slow(pd),
-        }
-    }
-
-    /// The map behind [`Self::pd`]'s index (a slot shared with another handle).
-    #[cold]
-    fn pd_slow(&self, pd: u32) -> Result<Ptr<ibv_pd>> {
-        self.pds
-            .lock()
-            .get(&pd)
-            .copied()
-            .ok_or_else(|| Error::new(Errno::EINVAL, format!("no protection domain {pd}")))
+        indexed(&self.pd_ix, pd, "protection domain", |h| {
+            self.pds.lock().get(&h).copied()
+        })
     }
 
     #[inline]
     fn cq(&self, cq: u32) -> Result<Ptr<ibv_cq>> {
-        match self.cq_ix.get(cq) {
-            Some(a) => Ok(Ptr(a as *mut _)),
-            None => self.cq_slow(cq),
-        }
-    }
-
-    /// The map behind [`Self::cq`]'s index (a slot shared with another handle).
-    #[cold]
-    fn cq_slow(&self, cq: u32) -> Result<Ptr<ibv_cq>> {
-        self.cqs
-            .read()
-            .get(&cq)
-            .copied()
-            .ok_or_else(|| Error::new(Errno::EINVAL, format!("no completion queue {cq}")))
+        indexed(&self.cq_ix, cq, "completion queue", |h| {
+            self.cqs.read().get(&h).copied()
+        })
     }
 
     #[inline]
     fn qp(&self, qpn: u32) -> Result<Ptr<ibv_qp>> {
-        match self.qp_ix.get(qpn) {
-            Some(a) => Ok(Ptr(a as *mut _)),
-            None => self.qp_slow(qpn),
-        }
-    }
-
-    /// The map behind [`Self::qp`]'s index (a slot shared with another handle).
-    #[cold]
-    fn qp_slow(&self, qpn: u32) -> Result<Ptr<ibv_qp>> {
-        self.qps
-            .read()
-            .get(&qpn)
-            .copied()
-            .ok_or_else(|| Error::new(Errno::EINVAL, format!("no queue pair {qpn}")))
+        indexed(&self.qp_ix, qpn, "queue pair", |h| {
+            self.qps.read().get(&h).copied()
+        })
     }
 
     fn channel(&self, ch: u32) -> Result<Ptr<ibv_comp_channel>> {
@@ -1008,52 +975,79 @@ impl RdmaCoreProvider {
         c.num_sge = c_int::try_from(n).map_err(|_| Error::new(Errno::EINVAL, "too many SGEs"))?;
         c.opcode = w.opcode as u32;
         c.send_flags = w.flags;
-        c.imm_data = match w.opcode {
-            WrOpcode::RdmaWriteWithImm | WrOpcode::SendWithImm => w.imm_data.to_be(),
-            WrOpcode::SendWithInv | WrOpcode::LocalInv => w.invalidate_rkey,
-            _ => 0,
-        };
-        c.wr = [0; 4];
+        (c.imm_data, c.wr) = send_wr_words(w);
         c.bind_mw = [0; 6];
-        match w.opcode {
-            WrOpcode::RdmaWrite | WrOpcode::RdmaWriteWithImm | WrOpcode::RdmaRead => {
-                c.wr[0] = w.remote_addr;
-                c.wr[1] = u64::from(w.rkey);
-            }
-            WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd => {
-                c.wr = [w.remote_addr, w.compare_add, w.swap, u64::from(w.rkey)];
-            }
-            WrOpcode::BindMw => {
-                let b = w
-                    .bind
-                    .as_ref()
-                    .ok_or_else(|| Error::new(Errno::EINVAL, "BIND_MW without a bind"))?;
-                let mw = self
-                    .mw_by_rkey(b.mw_rkey)
-                    .ok_or_else(|| Error::new(Errno::EINVAL, "BIND_MW of an unknown window"))?;
-                let mr = if b.info.length == 0 {
-                    std::ptr::null_mut()
-                } else {
-                    self.mrs
-                        .lock()
-                        .get(&b.info.mr_lkey)
-                        .map_or(std::ptr::null_mut(), |r| r.mr.0)
-                };
-                // SAFETY: a live window of this provider.
-                let cur = unsafe { (*mw.0).rkey };
-                c.bind_mw = [
-                    mw.0 as u64,
-                    u64::from((cur & !0xff) | u32::from(b.new_key)),
-                    mr as u64,
-                    b.info.addr,
-                    b.info.length,
-                    u64::from(b.info.access.bits()),
-                ];
-            }
-            _ => {}
+        if w.opcode == WrOpcode::BindMw {
+            let b = w
+                .bind
+                .as_ref()
+                .ok_or_else(|| Error::new(Errno::EINVAL, "BIND_MW without a bind"))?;
+            let mw = self
+                .mw_by_rkey(b.mw_rkey)
+                .ok_or_else(|| Error::new(Errno::EINVAL, "BIND_MW of an unknown window"))?;
+            let mr = if b.info.length == 0 {
+                std::ptr::null_mut()
+            } else {
+                self.mrs
+                    .lock()
+                    .get(&b.info.mr_lkey)
+                    .map_or(std::ptr::null_mut(), |r| r.mr.0)
+            };
+            // SAFETY: a live window of this provider.
+            let cur = unsafe { (*mw.0).rkey };
+            c.bind_mw = [
+                mw.0 as u64,
+                u64::from((cur & !0xff) | u32::from(b.new_key)),
+                mr as u64,
+                b.info.addr,
+                b.info.length,
+                u64::from(b.info.access.bits()),
+            ];
         }
         Ok(())
     }
+}
+
+/// The object of handle `h`: from the lock-free index, else (a slot shared with another
+/// handle) from the provider's map through `map`, the authority; EINVAL naming `what` when
+/// neither has it.
+#[inline]
+fn indexed<T>(
+    ix: &handles::FastIndex,
+    h: u32,
+    what: &str,
+    map: impl FnOnce(u32) -> Option<Ptr<T>>,
+) -> Result<Ptr<T>> {
+    match ix.get(h) {
+        Some(a) => Ok(Ptr(a as *mut T)),
+        None => not_indexed(h, what, map),
+    }
+}
+
+#[cold]
+fn not_indexed<T>(h: u32, what: &str, map: impl FnOnce(u32) -> Option<Ptr<T>>) -> Result<Ptr<T>> {
+    map(h).ok_or_else(|| Error::new(Errno::EINVAL, format!("no {what} {h}")))
+}
+
+/// `ibv_send_wr`'s `imm_data` (immediate data in network order, or the rkey to invalidate)
+/// and its `wr` union for RDMA and atomic requests (zero for the others).
+#[inline]
+fn send_wr_words(w: &SendWr) -> (u32, [u64; 4]) {
+    let imm = match w.opcode {
+        WrOpcode::RdmaWriteWithImm | WrOpcode::SendWithImm => w.imm_data.to_be(),
+        WrOpcode::SendWithInv | WrOpcode::LocalInv => w.invalidate_rkey,
+        _ => 0,
+    };
+    let words = match w.opcode {
+        WrOpcode::RdmaWrite | WrOpcode::RdmaWriteWithImm | WrOpcode::RdmaRead => {
+            [w.remote_addr, u64::from(w.rkey), 0, 0]
+        }
+        WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd => {
+            [w.remote_addr, w.compare_add, w.swap, u64::from(w.rkey)]
+        }
+        _ => [0; 4],
+    };
+    (imm, words)
 }
 
 fn empty_send_wr() -> ibv_send_wr {
@@ -1717,6 +1711,49 @@ impl Provider for RdmaCoreProvider {
                 error: unsupported("ibv_post_send"),
             });
         };
+        // The common post, one request with at most one SGE (not inline, not a bind), is
+        // built in one struct literal: no stack arrays to clear, no chain to link.
+        if let [w] = wrs {
+            if w.sg_list.len() <= 1
+                && w.flags & send_flags::INLINE == 0
+                && w.opcode != WrOpcode::BindMw
+            {
+                let mut sge = w.sg_list.first().map_or(ZERO_SGE, |s| ibv_sge {
+                    addr: s.addr,
+                    length: s.length,
+                    lkey: s.lkey,
+                });
+                let (imm_data, words) = send_wr_words(w);
+                let mut c = ibv_send_wr {
+                    wr_id: w.wr_id,
+                    next: std::ptr::null_mut(),
+                    sg_list: if w.sg_list.is_empty() {
+                        std::ptr::null_mut()
+                    } else {
+                        &mut sge
+                    },
+                    num_sge: w.sg_list.len() as c_int, // 0 or 1
+                    opcode: w.opcode as u32,
+                    send_flags: w.flags,
+                    imm_data,
+                    wr: words,
+                    qp_type: 0,
+                    _pad: 0,
+                    bind_mw: [0; 6],
+                };
+                let mut bad: *mut c_void = std::ptr::null_mut();
+                // SAFETY: a live QP; `c` and its SGE live until the call returns.
+                let r = unsafe { op(p.0.cast(), (&mut c as *mut ibv_send_wr).cast(), &mut bad) };
+                return if r == 0 {
+                    Ok(())
+                } else {
+                    Err(PostError {
+                        bad_wr: 0,
+                        error: ret_error("ibv_post_send", r),
+                    })
+                };
+            }
+        }
         let nsge = match wrs {
             [w] => w.sg_list.len().max(1),
             _ => wrs.iter().map(|w| w.sg_list.len().max(1)).sum::<usize>(),
