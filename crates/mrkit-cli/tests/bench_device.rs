@@ -3,20 +3,13 @@
 //! device; the experiments that describe mrkit0's software transport (raw UDP floors, the
 //! copy-and-ICRC ceiling, the ratios to them, UCX over TCP) say `"mrkit0 only: <reason>"`.
 
-use std::process::Command;
-
 mod support;
-use support::{drop_in_dir, lib};
+use support::{drop_in_dir, lib, mrkit_clean};
 
 #[test]
 fn bench_transport_on_rdma_core() {
     let dir = drop_in_dir();
-    let mut c = Command::new(env!("CARGO_BIN_EXE_mrkit"));
-    for (k, _) in std::env::vars() {
-        if k.starts_with("MRKIT_") {
-            c.env_remove(k);
-        }
-    }
+    let mut c = mrkit_clean();
     let o = c
         .args(["bench", "transport", "--quick", "--json"])
         .args(["--device", "rdma-core:mrkit0"])
@@ -65,12 +58,7 @@ fn bench_transport_on_rdma_core() {
 #[test]
 fn bench_pool_cache_on_rdma_core() {
     let dir = drop_in_dir();
-    let mut c = Command::new(env!("CARGO_BIN_EXE_mrkit"));
-    for (k, _) in std::env::vars() {
-        if k.starts_with("MRKIT_") {
-            c.env_remove(k);
-        }
-    }
+    let mut c = mrkit_clean();
     let o = c
         .args(["bench", "pool-cache", "--json"])
         .args(["--device", "rdma-core:mrkit0"])

@@ -5,17 +5,13 @@
 //! the extended ops (then `ibv_devinfo` prints the legacy path's zeros). Either way the output
 //! is compared line by line with ibverbs-utils' `ibv_devinfo -v` over the same library.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output};
 
 use mrkit_testsupport::ibverbs_shim::{Mode, Shim};
 
-fn drop_in() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let so = exe.parent().unwrap().join("libibverbs.so");
-    assert!(so.exists(), "{} missing", so.display());
-    so
-}
+mod support;
+use support::{drop_in_so, mrkit_clean};
 
 fn run_ok(c: &mut Command) -> String {
     let o: Output = c.output().unwrap();
@@ -32,12 +28,7 @@ fn run_ok(c: &mut Command) -> String {
 /// `mrkit devinfo -v --device rdma-core:mrkit0` and `ibv_devinfo -v -d mrkit0`, both over
 /// `shim`, with the device at `addr`.
 fn both(shim: &Shim, addr: &str) -> (String, String) {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_mrkit"));
-    for (k, _) in std::env::vars() {
-        if k.starts_with("MRKIT_") {
-            c.env_remove(k);
-        }
-    }
+    let mut c = mrkit_clean();
     c.envs(shim.env())
         .env("MRKIT_RDMA_CORE_LIB", &shim.path)
         .env("MRKIT_ADDR", addr)
@@ -76,7 +67,7 @@ fn same_lines(ours: &str, theirs: &str) {
 #[test]
 fn devinfo_shows_the_devices_own_values() {
     let dir = tempfile::tempdir().unwrap();
-    let shim = Shim::build(dir.path(), &drop_in(), Mode::Values);
+    let shim = Shim::build(dir.path(), &drop_in_so(), Mode::Values);
     let (ours, theirs) = both(&shim, "127.0.91.21");
     for want in [
         "\tmax_ee_rd_atom:\t\t\t1",
@@ -99,7 +90,7 @@ fn devinfo_shows_the_devices_own_values() {
 #[test]
 fn devinfo_on_a_legacy_library_prints_what_ibv_devinfo_prints() {
     let dir = tempfile::tempdir().unwrap();
-    let shim = Shim::build(dir.path(), &drop_in(), Mode::Legacy);
+    let shim = Shim::build(dir.path(), &drop_in_so(), Mode::Legacy);
     let (ours, theirs) = both(&shim, "127.0.91.22");
     // No ibv_query_device_ex: the extension reads as zeros (no ODP, no extended flags).
     for want in [

@@ -12,7 +12,7 @@ use std::process::{Command, Output};
 const ADDR: &str = "127.0.91.7";
 
 mod support;
-use support::{drop_in_dir, lib};
+use support::{drop_in_dir, lib, mrkit_clean};
 
 /// `mrkit` with a clean MRKIT_* environment, rdma-core = the drop-in, a fixed device address.
 fn mrkit(dir: &Path) -> Command {
@@ -21,12 +21,7 @@ fn mrkit(dir: &Path) -> Command {
 
 /// [`mrkit`] with the device at `addr`.
 fn mrkit_at(dir: &Path, addr: &str) -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_mrkit"));
-    for (k, _) in std::env::vars() {
-        if k.starts_with("MRKIT_") {
-            c.env_remove(k);
-        }
-    }
+    let mut c = mrkit_clean();
     c.env("MRKIT_RDMA_CORE_LIB", lib(dir))
         .env("MRKIT_ADDR", addr)
         .env("MRKIT_STAT", "0");

@@ -7,6 +7,9 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+mod support;
+use support::{drop_in_so, mrkit_clean};
+
 struct Child(std::process::Child);
 impl Drop for Child {
     fn drop(&mut self) {
@@ -16,15 +19,8 @@ impl Drop for Child {
 }
 
 fn mrkit(dir: &Path) -> Command {
-    let exe = std::env::current_exe().unwrap();
-    let so = exe.parent().unwrap().join("libibverbs.so");
-    assert!(so.exists(), "{} missing", so.display());
-    let mut c = Command::new(env!("CARGO_BIN_EXE_mrkit"));
-    for (k, _) in std::env::vars() {
-        if k.starts_with("MRKIT_") {
-            c.env_remove(k);
-        }
-    }
+    let so = drop_in_so();
+    let mut c = mrkit_clean();
     c.env("MRKIT_RDMA_CORE_LIB", so)
         .env("MRKIT_ADDR", "127.0.91.31")
         .env("MRKIT_STAT_DIR", dir);

@@ -6,12 +6,18 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// A directory holding `libibverbs.so.1`: a link to the drop-in's cdylib, which cargo builds
-/// next to the test binaries (`mrkit-ibverbs` is a dev-dependency of the CLI for that).
-pub fn drop_in_dir() -> tempfile::TempDir {
+/// The drop-in's cdylib, which cargo builds next to the test binaries (`mrkit-ibverbs` is a
+/// dev-dependency of the CLI for that).
+pub fn drop_in_so() -> PathBuf {
     let exe = std::env::current_exe().unwrap();
     let so = exe.parent().unwrap().join("libibverbs.so");
     assert!(so.exists(), "{} missing", so.display());
+    so
+}
+
+/// A directory holding `libibverbs.so.1`: a link to [`drop_in_so`].
+pub fn drop_in_dir() -> tempfile::TempDir {
+    let so = drop_in_so();
     let dir = tempfile::tempdir().unwrap();
     std::os::unix::fs::symlink(&so, dir.path().join("libibverbs.so.1")).unwrap();
     dir
@@ -20,6 +26,24 @@ pub fn drop_in_dir() -> tempfile::TempDir {
 /// The library in a [`drop_in_dir`].
 pub fn lib(dir: &Path) -> PathBuf {
     dir.join("libibverbs.so.1")
+}
+
+/// Remove every `MRKIT_*` variable of the test's own environment from `c` but those in `keep`,
+/// so that a developer's or CI's settings (`MRKIT_DEVICE`, `MRKIT_ADDR`, ...) cannot steer the
+/// command.
+pub fn clear_mrkit_env(c: &mut Command, keep: &[&str]) {
+    for (k, _) in std::env::vars() {
+        if k.starts_with("MRKIT_") && !keep.contains(&k.as_str()) {
+            c.env_remove(k);
+        }
+    }
+}
+
+/// The `mrkit` binary with no `MRKIT_*` variable of the test's environment.
+pub fn mrkit_clean() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_mrkit"));
+    clear_mrkit_env(&mut c, &[]);
+    c
 }
 
 /// Where a side of a test runs: the embedded mrkit0, or the drop-in's mrkit0 reached through
@@ -36,11 +60,7 @@ impl Dev {
     /// Point `c` (an `mrkit` command) at this device with RoCEv2 address `addr`; `dir` holds
     /// the drop-in (see [`drop_in_dir`]).
     pub fn apply(self, c: &mut Command, addr: &str, dir: &Path) {
-        for (k, _) in std::env::vars() {
-            if k.starts_with("MRKIT_") && k != "MRKIT_FAULTS" {
-                c.env_remove(k);
-            }
-        }
+        clear_mrkit_env(c, &["MRKIT_FAULTS"]);
         match self {
             Dev::Native => {
                 c.args(["--addr", addr]);
