@@ -464,16 +464,22 @@ mod tests {
                 } else {
                     Vec::new()
                 };
-                let inputs = IcrcInputs::ipv4(
-                    Ipv4Addr::new(127, 1, 1, 1),
-                    Ipv4Addr::new(127, 1, 1, 2),
-                    0xc001,
-                    4791,
-                );
-                let mut v = vec![mode];
-                v.extend(b.to_vec(&pl, &inputs).unwrap_or_default());
-                v
+                harness_input(mode, b, &pl).unwrap_or_else(|| vec![mode])
             })
+    }
+
+    /// A harness input: the mode byte, then `b`'s datagram with `payload` and the ICRC of a
+    /// packet from 127.1.1.1:0xc001 to 127.1.1.2:4791 (`None` when `b` cannot build it).
+    fn harness_input(mode: u8, b: PacketBuilder, payload: &[u8]) -> Option<Vec<u8>> {
+        let inputs = IcrcInputs::ipv4(
+            Ipv4Addr::new(127, 1, 1, 1),
+            Ipv4Addr::new(127, 1, 1, 2),
+            0xc001,
+            4791,
+        );
+        let mut v = vec![mode];
+        v.extend(b.to_vec(payload, &inputs).ok()?);
+        Some(v)
     }
 
     fn statuses(data: &[u8]) -> Vec<(u64, crate::cq::WcStatus)> {
@@ -540,7 +546,6 @@ mod tests {
     #[test]
     fn fuzzed_requests_go_through_the_receive_checks() {
         let write = |mode: u8, pkey: u16| {
-            let mut v = vec![mode];
             let reth = Reth {
                 va: 0,
                 rkey: 0,
@@ -549,19 +554,7 @@ mod tests {
             let b = PacketBuilder::new(Opcode::RdmaWriteOnly, 0, 0)
                 .pkey(pkey)
                 .reth(reth);
-            v.extend(
-                b.to_vec(
-                    &[0xEE; 8],
-                    &IcrcInputs::ipv4(
-                        Ipv4Addr::new(127, 1, 1, 1),
-                        Ipv4Addr::new(127, 1, 1, 2),
-                        0xc001,
-                        4791,
-                    ),
-                )
-                .unwrap(),
-            );
-            v
+            harness_input(mode, b, &[0xEE; 8]).unwrap()
         };
         let stats = || H.with(|h| h.borrow().as_ref().map(|h| h.resp.net_stats()).unwrap());
         fuzz_responder(&write(0x7, 0xFFFF));
@@ -584,21 +577,8 @@ mod tests {
             rkey: 0,
             dma_len: 8,
         };
-        let mut v = vec![0x7];
         let b = PacketBuilder::new(Opcode::RdmaWriteOnly, 0, 0).reth(reth);
-        v.extend(
-            b.to_vec(
-                &[0xEE; 8],
-                &IcrcInputs::ipv4(
-                    Ipv4Addr::new(127, 1, 1, 1),
-                    Ipv4Addr::new(127, 1, 1, 2),
-                    0xc001,
-                    4791,
-                ),
-            )
-            .unwrap(),
-        );
-        fuzz_responder(&v);
+        fuzz_responder(&harness_input(0x7, b, &[0xEE; 8]).unwrap());
         H.with(|h| {
             let g = h.borrow();
             let m = &g.as_ref().unwrap().mem;
