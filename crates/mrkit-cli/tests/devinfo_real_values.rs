@@ -11,7 +11,7 @@ use std::process::{Command, Output};
 use mrkit_testsupport::ibverbs_shim::{Mode, Shim};
 
 mod support;
-use support::{drop_in_so, mrkit_clean};
+use support::{drop_in_so, mrkit_clean, same_lines};
 
 fn run_ok(c: &mut Command) -> String {
     let o: Output = c.output().unwrap();
@@ -49,19 +49,6 @@ fn both(shim: &Shim, addr: &str) -> (String, String) {
             .env("MRKIT_STAT", "0"),
     );
     (ours, theirs)
-}
-
-fn same_lines(ours: &str, theirs: &str) {
-    let (a, b): (Vec<&str>, Vec<&str>) = (ours.lines().collect(), theirs.lines().collect());
-    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
-        assert_eq!(
-            x,
-            y,
-            "line {} differs\nmrkit:\n{ours}\nibv_devinfo:\n{theirs}",
-            i + 1
-        );
-    }
-    assert_eq!(a.len(), b.len(), "mrkit:\n{ours}\nibv_devinfo:\n{theirs}");
 }
 
 #[test]

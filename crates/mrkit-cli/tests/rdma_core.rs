@@ -12,7 +12,7 @@ use std::process::{Command, Output};
 const ADDR: &str = "127.0.91.7";
 
 mod support;
-use support::{drop_in_dir, lib, mrkit_clean};
+use support::{drop_in_dir, lib, mrkit_clean, same_lines};
 
 /// `mrkit` with a clean MRKIT_* environment, rdma-core = the drop-in, a fixed device address.
 fn mrkit(dir: &Path) -> Command {
@@ -82,16 +82,7 @@ fn devinfo_v_on_rdma_core_is_ibv_devinfo_v() {
             .env("MRKIT_ADDR", ADDR)
             .env("MRKIT_STAT", "0"),
     ));
-    let (a, b): (Vec<&str>, Vec<&str>) = (ours.lines().collect(), theirs.lines().collect());
-    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
-        assert_eq!(
-            x,
-            y,
-            "line {} differs\nmrkit:\n{ours}\nibv_devinfo:\n{theirs}",
-            i + 1
-        );
-    }
-    assert_eq!(a.len(), b.len(), "mrkit:\n{ours}\nibv_devinfo:\n{theirs}");
+    same_lines(&ours, &theirs);
 }
 
 /// `reg`, `capacity`, `doctor` and `bench --quick` run on the rdma-core device.

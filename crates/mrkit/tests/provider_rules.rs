@@ -15,11 +15,13 @@
 mod providers_util;
 
 use std::process::Command;
+
+use providers_util::populated;
 use std::time::Duration;
 
 use mrkit::{
-    AccessFlags as A, BindInfo, Buffer, BufferOptions, Context, Errno, MemoryRegion, MwType,
-    ProtectionDomain, QpCap, QueuePair, RemoteSlice, WcStatus,
+    AccessFlags as A, BindInfo, Context, Errno, MemoryRegion, MwType, ProtectionDomain, QpCap,
+    QueuePair, RemoteSlice, WcStatus,
 };
 
 /// What a provider answered.
@@ -111,17 +113,6 @@ fn reg(f: &Fix, addr: u64, len: u64, iova: u64, access: A) -> Answer {
     // SAFETY: the fixture's mappings outlive every MR made here (each is dropped at once);
     // what cannot be registered must fail.
     answer(unsafe { f.pd.register_raw(addr, len, iova, access) })
-}
-
-fn populated(len: usize) -> Buffer {
-    Buffer::with_options(
-        len,
-        BufferOptions {
-            populate: true,
-            ..Default::default()
-        },
-    )
-    .unwrap()
 }
 
 fn mr(pd: &ProtectionDomain, len: usize, access: A) -> MemoryRegion {

@@ -12,23 +12,12 @@ use mrkit::cache::{CacheConfig, RegCache};
 use mrkit::pool::{MrPool, PoolConfig};
 use mrkit::qp::Owned;
 use mrkit::{
-    AccessFlags as A, Buffer, BufferOptions, ConnectOpts, Context, Errno, MrKind, MwType,
-    ProtectionDomain, QpCap, QueuePair, WcStatus,
+    AccessFlags as A, ConnectOpts, Context, Errno, MrKind, MwType, ProtectionDomain, QpCap,
+    QueuePair, WcStatus,
 };
-use providers_util::{both, native, rdma_core};
+use providers_util::{both, native, populated, rdma_core};
 
 const WAIT: Duration = Duration::from_secs(60);
-
-fn populated(len: usize) -> Buffer {
-    Buffer::with_options(
-        len,
-        BufferOptions {
-            populate: true,
-            ..Default::default()
-        },
-    )
-    .unwrap()
-}
 
 #[test]
 fn query_mr_reports_what_each_provider_knows() {

@@ -90,3 +90,17 @@ impl Dev {
         }
     }
 }
+
+/// `mrkit devinfo` output `ours` and `ibv_devinfo` output `theirs` agree line for line.
+pub fn same_lines(ours: &str, theirs: &str) {
+    let (a, b): (Vec<&str>, Vec<&str>) = (ours.lines().collect(), theirs.lines().collect());
+    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+        assert_eq!(
+            x,
+            y,
+            "line {} differs\nmrkit:\n{ours}\nibv_devinfo:\n{theirs}",
+            i + 1
+        );
+    }
+    assert_eq!(a.len(), b.len(), "mrkit:\n{ours}\nibv_devinfo:\n{theirs}");
+}

@@ -176,3 +176,16 @@ pub fn pass_device(c: &mut std::process::Command) {
         }
     }
 }
+
+/// A buffer of `len` bytes with its pages populated (registration rules that need present
+/// pages).
+pub fn populated(len: usize) -> mrkit::Buffer {
+    mrkit::Buffer::with_options(
+        len,
+        mrkit::BufferOptions {
+            populate: true,
+            ..Default::default()
+        },
+    )
+    .unwrap()
+}
