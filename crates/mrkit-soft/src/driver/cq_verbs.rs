@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::Context;
-use crate::cq::{CqObject, Wc};
+use crate::cq::{CompChannel, CqObject, Wc};
 use crate::error::{err, Result};
 
 impl Context {
@@ -28,16 +28,20 @@ impl Context {
         n
     }
 
-    /// `ibv_get_cq_event`: block until an armed CQ of this channel fires; returns its number.
-    pub fn get_cq_event(&self, channel: u32, timeout: Option<Duration>) -> Result<Option<u32>> {
-        let ch = self
-            .dev
+    /// Completion channel `channel`, EINVAL for an unknown one.
+    fn channel(&self, channel: u32) -> Result<Arc<CompChannel>> {
+        self.dev
             .dp
             .channels
             .read()
             .get(&channel)
             .cloned()
-            .ok_or_else(|| err!(EINVAL, "completion channel {channel} does not exist"))?;
+            .ok_or_else(|| err!(EINVAL, "completion channel {channel} does not exist"))
+    }
+
+    /// `ibv_get_cq_event`: block until an armed CQ of this channel fires; returns its number.
+    pub fn get_cq_event(&self, channel: u32, timeout: Option<Duration>) -> Result<Option<u32>> {
+        let ch = self.channel(channel)?;
         self.dev.dp.app_blocks();
         // About to block: held ACKs must not wait for this thread.
         self.flush_acks(None);
@@ -72,14 +76,7 @@ impl Context {
     /// caller): readable while the channel holds events, for `poll`/`epoll`/async runtimes.
     /// Drain the events with [`Context::get_cq_event`] (timeout zero does not block).
     pub fn comp_channel_fd(&self, channel: u32) -> Result<rustix::fd::OwnedFd> {
-        let ch = self
-            .dev
-            .dp
-            .channels
-            .read()
-            .get(&channel)
-            .cloned()
-            .ok_or_else(|| err!(EINVAL, "completion channel {channel} does not exist"))?;
+        let ch = self.channel(channel)?;
         ch.fd()
             .map_err(|e| err!(ENOMEM, "no descriptor for the completion channel: {e}"))
     }
