@@ -217,15 +217,49 @@ unsafe impl<T> Send for Ptr<T> {}
 // SAFETY: as above.
 unsafe impl<T> Sync for Ptr<T> {}
 
+/// What the provider records of an MR: the facts of [`MrInfo`] it can know, compactly (a
+/// registration moves this into the table; [`MrRec::info`] builds the full answer when asked).
 struct MrRec {
     mr: Ptr<ibv_mr>,
-    /// Keeps the memory's owner until deregistration.
-    _mem: UserMemory,
-    info: MrInfo,
+    /// The registered range (`addr`, `length`); keeps the memory's owner until deregistration.
+    mem: UserMemory,
+    iova: u64,
+    access: AccessFlags,
+    pd: u32,
+    kind: MrKind,
     /// When it was registered ([`ticks::now`]), and how long `ibv_reg_mr` took in ns
     /// (`mrkit stat --mrs`).
     at: u64,
     took_ns: u64,
+}
+
+impl MrRec {
+    /// The MR as [`Provider::query_mr`] reports it: keys read from the live `ibv_mr` (a
+    /// re-registration may have changed them), what libibverbs cannot tell zero or `None`
+    /// (see the module doc).
+    fn info(&self) -> MrInfo {
+        // SAFETY: a recorded MR is live (removed from the table before `ibv_dereg_mr` returns
+        // success, and read only under the table's lock).
+        let (lkey, rkey) = unsafe { ((*self.mr.0).lkey, (*self.mr.0).rkey) };
+        MrInfo {
+            lkey,
+            rkey,
+            pd: self.pd,
+            addr: self.mem.addr(),
+            length: self.mem.len(),
+            iova: self.iova,
+            access: self.access,
+            kind: self.kind,
+            pin_path: None,
+            writable: self.kind == MrKind::Pinned && self.access.is_writable(),
+            page_size: 0,
+            entries: 0,
+            pinned_bytes: 0,
+            pfns_known: false,
+            bound_mws: 0,
+            reg_timing: None,
+        }
+    }
 }
 
 /// The MRs and the counters kept with them (see `stats.rs`); derefs to the map.
@@ -423,7 +457,7 @@ impl RdmaCoreProvider {
                     .values()
                     .take(max)
                     .map(|r| stats::LiveMr {
-                        info: r.info.clone(),
+                        info: r.info(),
                         age: Duration::from_nanos(ticks::to_ns(ticks::now().wrapping_sub(r.at))),
                         reg: Duration::from_nanos(r.took_ns),
                     })
@@ -682,46 +716,27 @@ impl RdmaCoreProvider {
         access: AccessFlags,
         (at, took_ns): (u64, u64),
     ) -> MrInfo {
-        // SAFETY: a live MR this provider just created.
-        let (lkey, rkey) = unsafe { ((*mr).lkey, (*mr).rkey) };
-        let (addr, length) = (mem.addr(), mem.len());
         let kind = if !access.contains(AccessFlags::ON_DEMAND) {
             MrKind::Pinned
-        } else if addr == 0 && length == u64::MAX {
+        } else if mem.addr() == 0 && mem.len() == u64::MAX {
             MrKind::ImplicitOdp
         } else {
             MrKind::Odp
         };
-        let info = MrInfo {
-            lkey,
-            rkey,
-            pd,
-            addr,
-            length,
+        let rec = MrRec {
+            mr: Ptr(mr),
+            mem,
             iova,
             access,
+            pd,
             kind,
-            pin_path: None,
-            writable: kind == MrKind::Pinned && access.is_writable(),
-            page_size: 0,
-            entries: 0,
-            pinned_bytes: 0,
-            pfns_known: false,
-            bound_mws: 0,
-            reg_timing: None,
+            at,
+            took_ns,
         };
+        let info = rec.info();
         let mut g = self.mrs.lock();
-        g.counts.registered(length, took_ns);
-        g.insert(
-            lkey,
-            MrRec {
-                mr: Ptr(mr),
-                _mem: mem,
-                info: info.clone(),
-                at,
-                took_ns,
-            },
-        );
+        g.counts.registered(info.length, took_ns);
+        g.insert(info.lkey, rec);
         info
     }
 }
@@ -1135,17 +1150,20 @@ impl Provider for RdmaCoreProvider {
     }
     fn dereg_mr(&self, lkey: u32) -> Result<()> {
         let mut g = self.mrs.lock();
+        // Taken out first (one lookup), filed back if the library refuses.
         let rec = g
-            .get(&lkey)
+            .remove(&lkey)
             .ok_or_else(|| Error::new(Errno::EINVAL, format!("no memory region {lkey:#x}")))?;
         // SAFETY: a live MR of this provider (forgotten only on success).
         let r = unsafe { (self.lib.verbs.ibv_dereg_mr)(rec.mr.0) };
         if r != 0 {
+            g.insert(lkey, rec);
             return Err(ret_error("ibv_dereg_mr", r));
         }
-        if let Some(rec) = g.remove(&lkey) {
-            g.counts.deregistered(rec.info.length);
-        }
+        g.counts.deregistered(rec.mem.len());
+        // The memory's owner is released after the lock.
+        drop(g);
+        drop(rec);
         Ok(())
     }
     fn rereg_mr(
@@ -1158,7 +1176,7 @@ impl Provider for RdmaCoreProvider {
         access: AccessFlags,
     ) -> Result<MrInfo> {
         let mut g = self.mrs.lock();
-        let rec = g
+        let mut rec = g
             .remove(&lkey)
             .ok_or_else(|| Error::new(Errno::EINVAL, format!("no memory region {lkey:#x}")))?;
         let new_pd = if flags & ReregFlags::CHANGE_PD != 0 {
@@ -1193,46 +1211,27 @@ impl Provider for RdmaCoreProvider {
             g.insert(lkey, rec);
             return Err(e);
         }
-        let mut info = rec.info.clone();
-        // SAFETY: the MR is live (rereg succeeded); keys may have changed.
-        let (nl, nr) = unsafe { ((*rec.mr.0).lkey, (*rec.mr.0).rkey) };
-        info.lkey = nl;
-        info.rkey = nr;
         if flags & ReregFlags::CHANGE_PD != 0 {
-            info.pd = pd;
+            rec.pd = pd;
         }
         if flags & ReregFlags::CHANGE_ACCESS != 0 {
-            info.access = access;
-            info.writable = info.kind == MrKind::Pinned && access.is_writable();
+            rec.access = access;
         }
-        let keep = if translate {
-            info.addr = mem.addr();
-            info.length = mem.len();
-            info.iova = iova;
-            mem
-        } else {
-            rec._mem
-        };
         if translate {
-            g.counts.rereg_translation(rec.info.length, info.length);
+            g.counts.rereg_translation(rec.mem.len(), mem.len());
+            rec.mem = mem;
+            rec.iova = iova;
         }
-        g.insert(
-            nl,
-            MrRec {
-                mr: rec.mr,
-                _mem: keep,
-                info: info.clone(),
-                at: rec.at,
-                took_ns: rec.took_ns,
-            },
-        );
+        // Keys may have changed: the record is filed under the new lkey.
+        let info = rec.info();
+        g.insert(info.lkey, rec);
         Ok(info)
     }
     fn query_mr(&self, lkey: u32) -> Result<MrInfo> {
         self.mrs
             .lock()
             .get(&lkey)
-            .map(|r| r.info.clone())
+            .map(MrRec::info)
             .ok_or_else(|| Error::new(Errno::EINVAL, format!("no memory region {lkey:#x}")))
     }
     fn advise_mr(&self, pd: u32, advice: u32, flags: u32, sges: &[(u32, u64, u32)]) -> Result<()> {
