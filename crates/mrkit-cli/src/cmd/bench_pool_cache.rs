@@ -14,14 +14,22 @@
 //!   (mean of the two threads' medians): the case where a cache line written by every hit
 //!   (a shared reference count) bounces between the cores.
 //! * Working-set sweep (userfaultfd monitor, page-rounded entries, room for every buffer):
-//!   N registered 4 KiB buffers (N = 1, 16, 64, 1,024, 4,096, 65,536), warmed up (each
-//!   thread looks up every buffer once, then 4,000 in its random order), then
-//!   200,000 lookups (`get` + drop) in a random order, timed in batches of 1,000; the key is
-//!   the median of the batch means.
+//!   N registered 4 KiB buffers (N = 1, 16, 64, 1,024, 4,096, 65,536); two worker threads
+//!   warm up alike (each looks up every buffer once, then max(2N, 4,000) in its random
+//!   order); the first then makes 200,000 lookups (`get` + drop) in a random order alone,
+//!   timed in batches of 1,000, while the second waits; then both do so at once. The key is
+//!   the median of the batch means. One and two threads are thus measured after the same
+//!   warm-up (before session 12 the one-thread figure came from the thread that had created
+//!   the entries, after more passes than the fresh two-thread pair had made).
 //!   * `cache_hit_ns_p50_n{N}`: one thread; `cache_hit_ns_p50_n{N}_2threads`: two threads
 //!     at once over the same N buffers (each its own random order; mean of the two medians);
 //!   * `cache_fast_share_n{N}`: share of the one-thread lookups served by the per-thread
 //!     path;
+//!   * `hit_floor_ns_n{N}` (and `_2threads`): the memory floor under a hit in the same
+//!     protocol and run ([`HitFloor`]: the hit's two accesses and two atomics over the cache's
+//!     own table and THP-advised arrays, no cache); `cache_over_floor_n{N}` (and
+//!     `_2threads`): the cache divided by it. At 65,536 buffers (~8 MiB per thread) both are
+//!     bound by the memory system, which moves ~3x between states of the VM;
 //!   * `ucx_rcache_hit_ns_p50_n{N}` (and `_2threads`): UCX's `ucs_rcache` in the same shape
 //!     and the same run, with a no-op registration callback and no memory events, when
 //!     `libucx-dev` and a C compiler are installed (a small C program built at run time);
@@ -42,6 +50,7 @@ use std::hint::black_box;
 use std::sync::Arc;
 use std::time::Instant;
 
+use mrkit::cache::test_support::HitFloor;
 use mrkit::cache::{CacheConfig, RegCache};
 use mrkit::pool::{MrPool, OwnedSlot, PoolConfig, Slot};
 use mrkit::{AccessFlags, Buffer, Context, DeviceConfig, ProtectionDomain};
@@ -168,35 +177,106 @@ fn page(mem: &[u8], i: u32) -> &[u8] {
     &mem[i as usize * 4096..][..4096]
 }
 
-/// Median of the batch means of `get_ref` + drop over `order` (indices of the `n` 4 KiB
-/// buffers of `mem`), after a warm-up (every buffer once, then the first batches of the order).
-fn hit_random(
-    cache: &RegCache,
-    mem: &[u8],
-    n: usize,
-    order: &[u32],
-    go: Option<&std::sync::Barrier>,
-) -> f64 {
-    let acc = AccessFlags::empty();
-    for i in (0..n as u32).chain(order.iter().take(4 * BATCH).copied()) {
-        drop(cache.get_ref(page(mem, i), acc).expect("cache get"));
+/// Warm a thread up on `n` buffers: every buffer once (its entry enters the thread's table),
+/// then `2n` (at least 4 batches) lookups in random order, so that the thread's table and
+/// leases have been walked a few times before anything is timed (the first passes over fresh
+/// memory cost up to 3x the steady state on this kind of virtual machine).
+fn warm_thread(n: usize, seed: u64, lookup: &impl Fn(u32)) {
+    for i in (0..n as u32).chain(random_order(n, (2 * n).max(4 * BATCH), seed)) {
+        lookup(i);
     }
-    if let Some(g) = go {
-        g.wait();
-    }
+}
+
+/// Median of the batch means of `lookup` over `order` (buffer indices).
+fn hit_random(order: &[u32], lookup: &impl Fn(u32)) -> f64 {
     let mut per_batch = Vec::with_capacity(order.len() / BATCH);
     for chunk in order.chunks_exact(BATCH) {
         let t0 = Instant::now();
         for &i in chunk {
-            let h = cache
-                .get_ref(page(mem, black_box(i)), acc)
-                .expect("cache get");
-            black_box(&h);
-            drop(h);
+            lookup(black_box(i));
         }
         per_batch.push(t0.elapsed().as_nanos() as f64 / BATCH as f64);
     }
     median(&mut per_batch)
+}
+
+/// One thread and two threads looking up `n` buffers, from the same two warm threads: each
+/// sets up its state (`setup`), both warm up alike ([`warm_thread`]), then the first measures
+/// alone while the second waits, then both measure at once (each over its own random order).
+/// `alone` wraps the one-thread measurement (to read counters around it). Returns the
+/// one-thread figure (with what `alone` added) and the mean of the two threads' figures.
+fn one_and_two<S, A: Send>(
+    n: usize,
+    lookups: usize,
+    setup: impl Fn() -> S + Sync,
+    lookup: impl Fn(&S, u32) + Sync,
+    alone: impl Fn(&dyn Fn() -> f64) -> (f64, A) + Sync,
+) -> ((f64, Option<A>), f64) {
+    let go = std::sync::Barrier::new(2);
+    let (setup, lookup, alone, go) = (&setup, &lookup, &alone, &go);
+    std::thread::scope(|s| {
+        let ts: Vec<_> = [0x2545_f491_4f6c_dd1d_u64, 0x1405_7b7e_f767_814f]
+            .into_iter()
+            .enumerate()
+            .map(|(k, seed)| {
+                s.spawn(move || {
+                    let st = setup();
+                    let look = |i: u32| lookup(&st, i);
+                    warm_thread(n, seed, &look);
+                    let order = random_order(n, 2 * lookups, seed.rotate_left(17));
+                    let (first, second) = order.split_at(lookups);
+                    go.wait();
+                    let one = (k == 0).then(|| alone(&|| hit_random(first, &look)));
+                    go.wait();
+                    (one, hit_random(second, &look))
+                })
+            })
+            .collect();
+        let mut r = ts.into_iter().map(|t| t.join().ok());
+        match (r.next().flatten(), r.next().flatten()) {
+            (Some((Some((one, a)), t0)), Some((_, t1))) => ((one, Some(a)), (t0 + t1) / 2.0),
+            _ => ((f64::NAN, None), f64::NAN),
+        }
+    })
+}
+
+/// The cache's hits ([`one_and_two`] over `get_ref` + drop); returns the one-thread figure,
+/// the two-thread figure and the share of the one-thread lookups served by the per-thread
+/// path.
+fn cache_one_and_two(cache: &RegCache, mem: &[u8], n: usize, lookups: usize) -> (f64, f64, f64) {
+    let acc = AccessFlags::empty();
+    let ((one, share), two) = one_and_two(
+        n,
+        lookups,
+        || (),
+        |(), i| {
+            let h = cache.get_ref(page(mem, i), acc).expect("cache get");
+            black_box(&h);
+            drop(h);
+        },
+        |measure| {
+            let s0 = cache.stats();
+            let ns = measure();
+            let s1 = cache.stats();
+            let hits = (s1.hits - s0.hits).max(1) as f64;
+            (ns, (s1.fast_hits - s0.fast_hits) as f64 / hits)
+        },
+    );
+    (one, two, share.unwrap_or(f64::NAN))
+}
+
+/// The memory floor under those hits ([`HitFloor`]: the same two accesses per lookup, each
+/// thread its own table and leases, no cache) in the same protocol: (one thread, two threads).
+fn floor_one_and_two(mem: &[u8], n: usize, lookups: usize) -> (f64, f64) {
+    let base = mem.as_ptr() as u64;
+    let ((one, _), two) = one_and_two(
+        n,
+        lookups,
+        || HitFloor::new(base, n),
+        |f, i| assert!(f.hit(base + u64::from(i) * 4096, 4096)),
+        |measure| (measure(), ()),
+    );
+    (one, two)
 }
 
 /// Resident bytes of this process (`/proc/self/statm`).
@@ -217,6 +297,8 @@ pub struct SweepPoint {
     pub two: f64,
     /// Share of the one-thread lookups served by the per-thread path.
     pub fast_share: f64,
+    /// The memory floor under a hit ([`HitFloor`]), one thread and two threads at once.
+    pub floor: (f64, f64),
     /// Resident bytes gained per entry while the entries were created.
     pub bytes_per_entry: Option<f64>,
 }
@@ -256,33 +338,14 @@ pub fn hit_sweep(
             (Some(a), Some(b)) => Some(b.saturating_sub(a) as f64 / n as f64),
             _ => None,
         };
-        let order = random_order(n, lookups, 0x9e37_79b9_7f4a_7c15);
-        let s0 = cache.stats();
-        let one = hit_random(&cache, mem, n, &order, None);
-        let s1 = cache.stats();
-        let fast_share = (s1.fast_hits - s0.fast_hits) as f64 / ((s1.hits - s0.hits).max(1)) as f64;
-        let go = std::sync::Barrier::new(2);
-        let two = std::thread::scope(|s| {
-            let (c, g) = (&cache, &go);
-            let ts: Vec<_> = [0x2545_f491_4f6c_dd1d_u64, 0x1405_7b7e_f767_814f]
-                .into_iter()
-                .map(|seed| {
-                    s.spawn(move || {
-                        let order = random_order(n, lookups, seed);
-                        hit_random(c, mem, n, &order, Some(g))
-                    })
-                })
-                .collect();
-            ts.into_iter()
-                .map(|t| t.join().unwrap_or(f64::NAN))
-                .sum::<f64>()
-                / 2.0
-        });
+        let (one, two, fast_share) = cache_one_and_two(&cache, mem, n, lookups);
+        let (floor_one, floor_two) = floor_one_and_two(mem, n, lookups);
         out.push(SweepPoint {
             buffers: n,
             one,
             two,
             fast_share,
+            floor: (floor_one, floor_two),
             bytes_per_entry,
         });
         drop(cache);
@@ -368,7 +431,7 @@ pub fn ucx_sweep(sizes: &[usize], lookups: usize) -> Result<Vec<UcxPoint>, Strin
     res
 }
 
-/// The UCX side of the sweep, in the same shape as [`hit_random`].
+/// The UCX side of the sweep, in the same shape as [`one_and_two`].
 const UCX_BENCH_C: &str = r#"
 #include <ucs/memory/rcache.h>
 #include <pthread.h>
@@ -396,7 +459,7 @@ static long rss(void)
 { long a = 0, b = 0; FILE *f = fopen("/proc/self/statm", "r");
   if (f) { if (fscanf(f, "%ld %ld", &a, &b) != 2) b = 0; fclose(f); } return b * sysconf(_SC_PAGESIZE); }
 
-struct job { ucs_rcache_t *rc; char *base; size_t n; uint64_t seed; pthread_barrier_t *bar; double res; };
+struct job { ucs_rcache_t *rc; char *base; size_t n; uint64_t seed; int first; pthread_barrier_t *bar; double one, two; };
 
 static void one_get(ucs_rcache_t *rc, void *addr)
 {
@@ -407,19 +470,15 @@ static void one_get(ucs_rcache_t *rc, void *addr)
     ucs_rcache_region_put(rc, r);
 }
 
-static void *run(void *p)
+static void order_of(uint32_t *order, size_t len, uint64_t s, size_t n)
 {
-    struct job *j = p;
-    uint32_t *order = malloc(lookups * sizeof(*order));
-    double *v = malloc((lookups / batch + 1) * sizeof(*v));
-    uint64_t s = j->seed;
+    size_t i;
+    for (i = 0; i < len; i++) { s ^= s << 13; s ^= s >> 7; s ^= s << 17; order[i] = (uint32_t)(s % n); }
+}
+
+static double measure(struct job *j, const uint32_t *order, double *v)
+{
     size_t i, b, nb = lookups / batch;
-    for (i = 0; i < lookups; i++) {
-        s ^= s << 13; s ^= s >> 7; s ^= s << 17; order[i] = (uint32_t)(s % j->n);
-    }
-    for (i = 0; i < j->n; i++) one_get(j->rc, j->base + i * 4096);
-    for (i = 0; i < lookups && i < 4 * batch; i++) one_get(j->rc, j->base + (size_t)order[i] * 4096);
-    if (j->bar) pthread_barrier_wait(j->bar);
     for (b = 0; b < nb; b++) {
         double t0 = now_ns();
         for (i = b * batch; i < (b + 1) * batch; i++)
@@ -427,8 +486,26 @@ static void *run(void *p)
         v[b] = (now_ns() - t0) / batch;
     }
     qsort(v, nb, sizeof(*v), cmp);
-    j->res = v[nb / 2];
-    free(order); free(v);
+    return v[nb / 2];
+}
+
+/* As the mrkit side: warm up (every buffer once, then max(2n, 4 batches) in random order),
+   the first thread measures alone while the second waits, then both measure at once. */
+static void *run(void *p)
+{
+    struct job *j = p;
+    size_t warm = 2 * j->n > 4 * batch ? 2 * j->n : 4 * batch, i;
+    uint32_t *w = malloc(warm * sizeof(*w)), *order = malloc(2 * lookups * sizeof(*order));
+    double *v = malloc((lookups / batch + 1) * sizeof(*v));
+    order_of(w, warm, j->seed, j->n);
+    order_of(order, 2 * lookups, (j->seed << 17) | (j->seed >> 47), j->n);
+    for (i = 0; i < j->n; i++) one_get(j->rc, j->base + i * 4096);
+    for (i = 0; i < warm; i++) one_get(j->rc, j->base + (size_t)w[i] * 4096);
+    pthread_barrier_wait(j->bar);
+    if (j->first) j->one = measure(j, order, v);
+    pthread_barrier_wait(j->bar);
+    j->two = measure(j, order + lookups, v);
+    free(w); free(order); free(v);
     return NULL;
 }
 
@@ -463,16 +540,14 @@ int main(int argc, char **argv)
         for (i = 0; i < n; i++) one_get(rc, base + i * 4096);
         {
             double bpe = (double)(rss() - r0) / n;
-            struct job a = { rc, base, n, 0x9e3779b97f4a7c15ULL, NULL, 0 };
-            struct job t[2] = { { rc, base, n, 0x2545f4914f6cdd1dULL, NULL, 0 },
-                                { rc, base, n, 0x14057b7ef767814fULL, NULL, 0 } };
             pthread_barrier_t bar; pthread_t th[2];
-            run(&a);
+            struct job t[2] = { { rc, base, n, 0x2545f4914f6cdd1dULL, 1, &bar, 0, 0 },
+                                { rc, base, n, 0x14057b7ef767814fULL, 0, &bar, 0, 0 } };
             pthread_barrier_init(&bar, NULL, 2);
-            t[0].bar = t[1].bar = &bar;
             pthread_create(&th[0], NULL, run, &t[0]); pthread_create(&th[1], NULL, run, &t[1]);
             pthread_join(th[0], NULL); pthread_join(th[1], NULL);
-            printf("%zu %.2f %.2f %.1f\n", n, a.res, (t[0].res + t[1].res) / 2, bpe);
+            pthread_barrier_destroy(&bar);
+            printf("%zu %.2f %.2f %.1f\n", n, t[0].one, (t[0].two + t[1].two) / 2, bpe);
             fflush(stdout);
         }
         ucs_rcache_destroy(rc);
@@ -572,6 +647,10 @@ pub fn sweep_rows(
         rows.push((format!("cache_hit_ns_p50_n{n}"), p.one));
         rows.push((format!("cache_hit_ns_p50_n{n}_2threads"), p.two));
         rows.push((format!("cache_fast_share_n{n}"), p.fast_share));
+        rows.push((format!("hit_floor_ns_n{n}"), p.floor.0));
+        rows.push((format!("hit_floor_ns_n{n}_2threads"), p.floor.1));
+        rows.push((format!("cache_over_floor_n{n}"), p.one / p.floor.0));
+        rows.push((format!("cache_over_floor_n{n}_2threads"), p.two / p.floor.1));
         if let Ok(u) = &ucx {
             if let Some(u) = u.iter().find(|u| u.buffers == n) {
                 rows.push((format!("ucx_rcache_hit_ns_p50_n{n}"), u.one));
@@ -624,6 +703,8 @@ pub fn sweep_json(sizes: &[usize], lookups: usize) -> serde_json::Value {
                 "ns": p.one,
                 "ns_2threads": p.two,
                 "fast_share": p.fast_share,
+                "floor_ns": p.floor.0,
+                "floor_ns_2threads": p.floor.1,
                 "ucx_ns": u.map(|u| u.one),
                 "ucx_ns_2threads": u.map(|u| u.two),
                 "over_ucx": u.map(|u| p.one / u.one),

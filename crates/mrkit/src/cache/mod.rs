@@ -173,6 +173,7 @@ mod bounce;
 mod config;
 mod entry;
 mod evict;
+mod floor;
 mod get;
 mod handle;
 mod index;
@@ -198,9 +199,12 @@ pub use shape::vma_bounds;
 pub use stats::CacheStats;
 
 /// Not API: the cache's internals, reachable for this crate's own tests only (the loom model
-/// checks the real lease code; the monitor tests count its attachments). No stability promise.
+/// checks the real lease code; the monitor tests count its attachments) and for `mrkit bench`
+/// (the memory floor under a hit). No stability promise.
 #[doc(hidden)]
 pub mod test_support {
+    pub use crate::cache::floor::HitFloor;
+
     /// The lease core (see the `lease` module of the cache).
     pub mod lease {
         pub use crate::cache::lease::{lease, Handle, Hold, LeaseSet, Retire};

@@ -1,0 +1,92 @@
+//! The memory floor under a per-thread hit, for the benchmark: the accesses a hit of
+//! [`RegCache::get_ref`](super::RegCache::get_ref) makes, over the same layout, without the
+//! cache around them.
+//!
+//! A hit on a large working set is bound by memory, not instructions: a slot of the thread's
+//! page table at random, then the entry's 64-byte lease line, each a likely cache miss. This
+//! model makes exactly those accesses with the cache's own [`PageTable`] and THP-advised
+//! arrays ([`Slots`]): the slot, a coverage check on the lease line, the hit's
+//! `fetch_add` and the handle drop's compare-exchange on the lease word. `mrkit bench
+//! pool-cache` runs it beside the cache in the same run and the same thread protocol, so
+//! that what the machine's memory costs (and what a second thread on it costs) is told apart
+//! from what the cache adds.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use super::lease::mem::Slots;
+use super::tls::{page_key, PageTable};
+
+/// A lease line as the hit sees it: the count word and the entry's range.
+#[repr(align(64))]
+struct FloorLease {
+    /// Handles taken (the model's only writer is its own thread; AcqRel as the real hit).
+    n: AtomicU64,
+    start: u64,
+    end: u64,
+}
+
+/// One thread's table and leases over `n` 4 KiB entries starting at `base`.
+///
+/// ```
+/// use mrkit::cache::test_support::HitFloor;
+/// let f = HitFloor::new(0x7f00_0000_0000, 64);
+/// assert!(f.hit(0x7f00_0000_0000 + 5 * 4096, 4096));
+/// assert!(!f.hit(0x7f00_0000_0000 + 64 * 4096, 4096)); // not an entry
+/// assert!(!f.hit(0x7f00_0000_0000 + 5 * 4096 + 1, 4096)); // not covered
+/// ```
+pub struct HitFloor {
+    table: PageTable<u32>,
+    leases: Slots<FloorLease>,
+}
+
+impl std::fmt::Debug for HitFloor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HitFloor")
+            .field("entries", &self.leases.len())
+            .finish()
+    }
+}
+
+impl HitFloor {
+    /// A table of `n` page-sized entries at `base`, `base + 4096`, … (at most `u32::MAX`).
+    pub fn new(base: u64, n: usize) -> HitFloor {
+        let n32 = u32::try_from(n).expect("at most u32::MAX entries");
+        let mut i = 0u64;
+        let leases = Slots::new(n, || {
+            let start = base + i * 4096;
+            i += 1;
+            FloorLease {
+                n: AtomicU64::new(0),
+                start,
+                end: start + 4096,
+            }
+        });
+        let mut table = PageTable::default();
+        for k in 0..n32 {
+            table.insert(page_key(base + u64::from(k) * 4096), k);
+        }
+        HitFloor { table, leases }
+    }
+
+    /// The hit's accesses for `addr..addr + len`: false when no entry covers it.
+    #[inline]
+    pub fn hit(&self, addr: u64, len: u64) -> bool {
+        let Some(&i) = self.table.get(page_key(addr)) else {
+            return false;
+        };
+        let l = &self.leases[i as usize];
+        if !(l.start <= addr && addr.saturating_add(len) <= l.end) {
+            return false;
+        }
+        // The hit's increment, then the handle drop's decrement, as in `lease::Hold::get` and
+        // `lease::Handle::drop`.
+        let old = l.n.fetch_add(1, Ordering::AcqRel);
+        let mut cur = old + 1;
+        while let Err(v) =
+            l.n.compare_exchange_weak(cur, cur - 1, Ordering::AcqRel, Ordering::Relaxed)
+        {
+            cur = v;
+        }
+        true
+    }
+}
