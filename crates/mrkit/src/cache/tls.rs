@@ -194,6 +194,21 @@ thread_local! {
     pub(super) static TLS: RefCell<Vec<TlsCache>> = const { RefCell::new(Vec::new()) };
 }
 
+/// The ring's hold covering `addr..end` with `access`, if any: lookups inside a large entry
+/// at a page the table does not hold yet. Out of line, so that the table hit (the common case)
+/// stays small enough to be inlined into the lookups.
+#[inline(never)]
+fn ring_match(
+    ring: &[Option<Hold<Entry>>; RING],
+    addr: u64,
+    end: u64,
+    access: AccessFlags,
+) -> Option<&Hold<Entry>> {
+    ring.iter()
+        .flatten()
+        .find(|h| h.meta().covers(addr, end, access))
+}
+
 impl RegCache {
     /// The per-thread path: the thread's table slot for `addr`, checked for coverage and
     /// rights, then a handle through the slot's lease (no lock, no shared write; see
@@ -211,11 +226,7 @@ impl RegCache {
             }
             let hold = match rec.map.get(page_key(addr)) {
                 Some(h) if h.meta().covers(addr, end, access) => h,
-                _ => rec
-                    .ring
-                    .iter()
-                    .flatten()
-                    .find(|h| h.meta().covers(addr, end, access))?,
+                _ => ring_match(&rec.ring, addr, end, access)?,
             };
             // Dead (invalidated, evicted, superseded): miss; the slow path replaces the hold.
             let h = hold.get()?;
