@@ -15,6 +15,7 @@ use mrkit::{
     AccessFlags as A, ConnectOpts, Context, Errno, MrKind, MwType, ProtectionDomain, QpCap,
     QueuePair, WcStatus,
 };
+use mrkit_soft::mr::ReregFlags;
 use providers_util::{both, native, populated, rdma_core};
 
 const WAIT: Duration = Duration::from_secs(60);
@@ -55,6 +56,51 @@ fn query_mr_reports_what_each_provider_knows() {
             A::LOCAL_WRITE | A::REMOTE_WRITE,
             "{provider}"
         );
+        // A re-registration that moves an MR (translation and rights at once): what it
+        // returns and what the provider records afterwards agree, under the new lkey.
+        let first = std::sync::Arc::new(populated(4096));
+        let lkey = ctx
+            .provider()
+            .reg_mr(
+                pd.handle(),
+                mrkit_soft::UserMemory::owned(first),
+                0x10_0000,
+                A::LOCAL_WRITE | A::REMOTE_READ,
+            )
+            .unwrap()
+            .lkey;
+        let other = std::sync::Arc::new(populated(16384));
+        let addr = other.addr();
+        let moved = ctx
+            .provider()
+            .rereg_mr(
+                lkey,
+                ReregFlags::CHANGE_TRANSLATION | ReregFlags::CHANGE_ACCESS,
+                0,
+                mrkit_soft::UserMemory::owned(other),
+                0x20_0000,
+                A::LOCAL_WRITE,
+            )
+            .unwrap();
+        let q = ctx.provider().query_mr(moved.lkey).unwrap();
+        assert_eq!(
+            (q.lkey, q.rkey, q.addr, q.length, q.iova, q.access, q.pd),
+            (
+                moved.lkey,
+                moved.rkey,
+                addr,
+                16384,
+                0x20_0000,
+                A::LOCAL_WRITE,
+                pd.handle()
+            ),
+            "{provider}"
+        );
+        assert_eq!((q.kind, q.writable), (MrKind::Pinned, true), "{provider}");
+        if moved.lkey != lkey {
+            assert!(ctx.provider().query_mr(lkey).is_err(), "{provider}");
+        }
+        ctx.provider().dereg_mr(moved.lkey).unwrap();
     }
 }
 
