@@ -25,6 +25,11 @@
 //!     at once over the same N buffers (each its own random order; mean of the two medians);
 //!   * `cache_fast_share_n{N}`: share of the one-thread lookups served by the per-thread
 //!     path;
+//!   * `cache_hit_isolated_ns_n{N}`: the first thread alone again, over 50,000 further lookups
+//!     each followed by `LFENCE` (`serialize`): no overlap between lookups, each pays its
+//!     misses in full, as in a program that looks a buffer up and then posts; the same key
+//!     for the floor (`hit_floor_isolated_ns_n{N}`) and UCX (`ucx_rcache_hit_isolated_ns_n{N}`),
+//!     with `cache_over_floor_isolated_n{N}` and `cache_over_ucx_isolated_n{N}`;
 //!   * `hit_floor_ns_n{N}` (and `_2threads`): the memory floor under a hit in the same
 //!     protocol and run ([`HitFloor`]: the hit's two accesses and two atomics over the cache's
 //!     own table and THP-advised arrays, no cache); `cache_over_floor_n{N}` (and
@@ -50,7 +55,7 @@ use std::hint::black_box;
 use std::sync::Arc;
 use std::time::Instant;
 
-use mrkit::cache::test_support::HitFloor;
+use mrkit::cache::test_support::{serialize, HitFloor};
 use mrkit::cache::{CacheConfig, RegCache};
 use mrkit::pool::{MrPool, OwnedSlot, PoolConfig, Slot};
 use mrkit::{AccessFlags, Buffer, Context, DeviceConfig, ProtectionDomain};
@@ -65,6 +70,8 @@ pub const SWEEP_SIZES: [usize; 6] = [1, 16, 64, 1024, 4096, 65536];
 const SWEEP_LOOKUPS: usize = 200_000;
 /// Lookups per timed batch.
 const BATCH: usize = 1000;
+/// The isolated pass makes 1/ISOLATED of a point's lookups (each pays its misses in full).
+const ISOLATED: usize = 4;
 
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
@@ -203,15 +210,17 @@ fn hit_random(order: &[u32], lookup: &impl Fn(u32)) -> f64 {
 /// One thread and two threads looking up `n` buffers, from the same two warm threads: each
 /// sets up its state (`setup`), both warm up alike ([`warm_thread`]), then the first measures
 /// alone while the second waits, then both measure at once (each over its own random order).
-/// `alone` wraps the one-thread measurement (to read counters around it). Returns the
-/// one-thread figure (with what `alone` added) and the mean of the two threads' figures.
+/// `alone` wraps the one-thread measurement (to read counters around it). Alone, the first
+/// thread also measures isolated lookups (each followed by [`serialize`], over lookups the
+/// first pass did not just make). Returns the one-thread figure (with what `alone` added),
+/// the isolated figure and the mean of the two threads' figures.
 fn one_and_two<S, A: Send>(
     n: usize,
     lookups: usize,
     setup: impl Fn() -> S + Sync,
     lookup: impl Fn(&S, u32) + Sync,
     alone: impl Fn(&dyn Fn() -> f64) -> (f64, A) + Sync,
-) -> ((f64, Option<A>), f64) {
+) -> ((f64, f64, Option<A>), f64) {
     let go = std::sync::Barrier::new(2);
     let (setup, lookup, alone, go) = (&setup, &lookup, &alone, &go);
     std::thread::scope(|s| {
@@ -223,10 +232,20 @@ fn one_and_two<S, A: Send>(
                     let st = setup();
                     let look = |i: u32| lookup(&st, i);
                     warm_thread(n, seed, &look);
-                    let order = random_order(n, 2 * lookups, seed.rotate_left(17));
-                    let (first, second) = order.split_at(lookups);
+                    // Three parts: alone, isolated, then both threads at once.
+                    let few = (lookups / ISOLATED).max(BATCH).min(lookups);
+                    let order = random_order(n, 2 * lookups + few, seed.rotate_left(17));
+                    let (first, rest) = order.split_at(lookups);
+                    let (few, second) = rest.split_at(few);
                     go.wait();
-                    let one = (k == 0).then(|| alone(&|| hit_random(first, &look)));
+                    let one = (k == 0).then(|| {
+                        let (one, a) = alone(&|| hit_random(first, &look));
+                        let isolated = hit_random(few, &|i| {
+                            look(i);
+                            serialize();
+                        });
+                        (one, isolated, a)
+                    });
                     go.wait();
                     (one, hit_random(second, &look))
                 })
@@ -234,18 +253,18 @@ fn one_and_two<S, A: Send>(
             .collect();
         let mut r = ts.into_iter().map(|t| t.join().ok());
         match (r.next().flatten(), r.next().flatten()) {
-            (Some((Some((one, a)), t0)), Some((_, t1))) => ((one, Some(a)), (t0 + t1) / 2.0),
-            _ => ((f64::NAN, None), f64::NAN),
+            (Some((Some((one, iso, a)), t0)), Some((_, t1))) => {
+                ((one, iso, Some(a)), (t0 + t1) / 2.0)
+            }
+            _ => ((f64::NAN, f64::NAN, None), f64::NAN),
         }
     })
 }
 
-/// The cache's hits ([`one_and_two`] over `get_ref` + drop); returns the one-thread figure,
-/// the two-thread figure and the share of the one-thread lookups served by the per-thread
-/// path.
-fn cache_one_and_two(cache: &RegCache, mem: &[u8], n: usize, lookups: usize) -> (f64, f64, f64) {
+/// The cache's hits ([`one_and_two`] over `get_ref` + drop).
+fn cache_one_and_two(cache: &RegCache, mem: &[u8], n: usize, lookups: usize) -> HitFigures {
     let acc = AccessFlags::empty();
-    let ((one, share), two) = one_and_two(
+    let ((one, isolated, share), two) = one_and_two(
         n,
         lookups,
         || (),
@@ -262,21 +281,44 @@ fn cache_one_and_two(cache: &RegCache, mem: &[u8], n: usize, lookups: usize) -> 
             (ns, (s1.fast_hits - s0.fast_hits) as f64 / hits)
         },
     );
-    (one, two, share.unwrap_or(f64::NAN))
+    HitFigures {
+        one,
+        two,
+        isolated,
+        fast_share: share.unwrap_or(f64::NAN),
+    }
+}
+
+/// One point's figures for one structure (ns per lookup).
+#[derive(Debug, Clone, Copy)]
+pub struct HitFigures {
+    /// One thread, back-to-back lookups.
+    pub one: f64,
+    /// Two threads at once (mean of the two).
+    pub two: f64,
+    /// One thread, lookups separated by [`serialize`] (no overlap between lookups).
+    pub isolated: f64,
+    /// Share of the one-thread lookups served by the per-thread path (the cache only).
+    pub fast_share: f64,
 }
 
 /// The memory floor under those hits ([`HitFloor`]: the same two accesses per lookup, each
-/// thread its own table and leases, no cache) in the same protocol: (one thread, two threads).
-fn floor_one_and_two(mem: &[u8], n: usize, lookups: usize) -> (f64, f64) {
+/// thread its own table and leases, no cache) in the same protocol.
+fn floor_one_and_two(mem: &[u8], n: usize, lookups: usize) -> HitFigures {
     let base = mem.as_ptr() as u64;
-    let ((one, _), two) = one_and_two(
+    let ((one, isolated, _), two) = one_and_two(
         n,
         lookups,
         || HitFloor::new(base, n),
         |f, i| assert!(f.hit(base + u64::from(i) * 4096, 4096)),
         |measure| (measure(), ()),
     );
-    (one, two)
+    HitFigures {
+        one,
+        two,
+        isolated,
+        fast_share: f64::NAN,
+    }
 }
 
 /// Resident bytes of this process (`/proc/self/statm`).
@@ -291,14 +333,10 @@ fn rss_bytes() -> Option<u64> {
 pub struct SweepPoint {
     /// Registered buffers (4 KiB each).
     pub buffers: usize,
-    /// ns per hit, one thread.
-    pub one: f64,
-    /// ns per hit, two threads at once.
-    pub two: f64,
-    /// Share of the one-thread lookups served by the per-thread path.
-    pub fast_share: f64,
-    /// The memory floor under a hit ([`HitFloor`]), one thread and two threads at once.
-    pub floor: (f64, f64),
+    /// The cache's hits.
+    pub cache: HitFigures,
+    /// The memory floor under a hit ([`HitFloor`]) in the same protocol.
+    pub floor: HitFigures,
     /// Resident bytes gained per entry while the entries were created.
     pub bytes_per_entry: Option<f64>,
 }
@@ -338,14 +376,12 @@ pub fn hit_sweep(
             (Some(a), Some(b)) => Some(b.saturating_sub(a) as f64 / n as f64),
             _ => None,
         };
-        let (one, two, fast_share) = cache_one_and_two(&cache, mem, n, lookups);
-        let (floor_one, floor_two) = floor_one_and_two(mem, n, lookups);
+        let cache_figs = cache_one_and_two(&cache, mem, n, lookups);
+        let floor = floor_one_and_two(mem, n, lookups);
         out.push(SweepPoint {
             buffers: n,
-            one,
-            two,
-            fast_share,
-            floor: (floor_one, floor_two),
+            cache: cache_figs,
+            floor,
             bytes_per_entry,
         });
         drop(cache);
@@ -363,6 +399,8 @@ pub struct UcxPoint {
     pub one: f64,
     /// ns per hit, two threads.
     pub two: f64,
+    /// ns per hit, one thread, each lookup followed by `lfence` (as [`serialize`]).
+    pub isolated: f64,
     /// Resident bytes per region.
     pub bytes_per_entry: f64,
 }
@@ -412,11 +450,12 @@ pub fn ucx_sweep(sizes: &[usize], lookups: usize) -> Result<Vec<UcxPoint>, Strin
                     .split_whitespace()
                     .filter_map(|x| x.parse().ok())
                     .collect();
-                (v.len() == 4).then(|| UcxPoint {
+                (v.len() == 5).then(|| UcxPoint {
                     buffers: v[0] as usize,
                     one: v[1],
                     two: v[2],
                     bytes_per_entry: v[3],
+                    isolated: v[4],
                 })
             })
             .collect();
@@ -450,6 +489,13 @@ static void dump(void *c, ucs_rcache_t *r, ucs_rcache_region_t *g, char *b, size
 { (void)c; (void)r; (void)g; if (m) b[0] = 0; }
 static const ucs_rcache_ops_t ops = { reg, dereg, dump };
 
+/* As mrkit's cache::test_support::serialize: lfence, a full fence elsewhere. */
+#if defined(__x86_64__) || defined(__i386__)
+#define SERIALIZE() __builtin_ia32_lfence()
+#else
+#define SERIALIZE() __atomic_thread_fence(__ATOMIC_SEQ_CST)
+#endif
+
 static size_t lookups, batch;
 static double now_ns(void)
 { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec * 1e9 + t.tv_nsec; }
@@ -459,7 +505,7 @@ static long rss(void)
 { long a = 0, b = 0; FILE *f = fopen("/proc/self/statm", "r");
   if (f) { if (fscanf(f, "%ld %ld", &a, &b) != 2) b = 0; fclose(f); } return b * sysconf(_SC_PAGESIZE); }
 
-struct job { ucs_rcache_t *rc; char *base; size_t n; uint64_t seed; int first; pthread_barrier_t *bar; double one, two; };
+struct job { ucs_rcache_t *rc; char *base; size_t n; uint64_t seed; int first; pthread_barrier_t *bar; double one, two, iso; };
 
 static void one_get(ucs_rcache_t *rc, void *addr)
 {
@@ -476,13 +522,16 @@ static void order_of(uint32_t *order, size_t len, uint64_t s, size_t n)
     for (i = 0; i < len; i++) { s ^= s << 13; s ^= s >> 7; s ^= s << 17; order[i] = (uint32_t)(s % n); }
 }
 
-static double measure(struct job *j, const uint32_t *order, double *v)
+/* `len` lookups of `order`; with `fenced`, an lfence after each (isolated lookups). */
+static double measure(struct job *j, const uint32_t *order, size_t len, int fenced, double *v)
 {
-    size_t i, b, nb = lookups / batch;
+    size_t i, b, nb = len / batch;
     for (b = 0; b < nb; b++) {
         double t0 = now_ns();
-        for (i = b * batch; i < (b + 1) * batch; i++)
+        for (i = b * batch; i < (b + 1) * batch; i++) {
             one_get(j->rc, j->base + (size_t)order[i] * 4096);
+            if (fenced) SERIALIZE();
+        }
         v[b] = (now_ns() - t0) / batch;
     }
     qsort(v, nb, sizeof(*v), cmp);
@@ -495,16 +544,23 @@ static void *run(void *p)
 {
     struct job *j = p;
     size_t warm = 2 * j->n > 4 * batch ? 2 * j->n : 4 * batch, i;
-    uint32_t *w = malloc(warm * sizeof(*w)), *order = malloc(2 * lookups * sizeof(*order));
+    size_t few = lookups / 4 > batch ? lookups / 4 : batch;
+    uint32_t *w = malloc(warm * sizeof(*w)), *order;
     double *v = malloc((lookups / batch + 1) * sizeof(*v));
     order_of(w, warm, j->seed, j->n);
-    order_of(order, 2 * lookups, (j->seed << 17) | (j->seed >> 47), j->n);
+    if (few > lookups) few = lookups;
+    /* Three parts, as the mrkit side: alone, isolated, both threads at once. */
+    order = malloc((2 * lookups + few) * sizeof(*order));
+    order_of(order, 2 * lookups + few, (j->seed << 17) | (j->seed >> 47), j->n);
     for (i = 0; i < j->n; i++) one_get(j->rc, j->base + i * 4096);
     for (i = 0; i < warm; i++) one_get(j->rc, j->base + (size_t)w[i] * 4096);
     pthread_barrier_wait(j->bar);
-    if (j->first) j->one = measure(j, order, v);
+    if (j->first) {
+        j->one = measure(j, order, lookups, 0, v);
+        j->iso = measure(j, order + lookups, few, 1, v);
+    }
     pthread_barrier_wait(j->bar);
-    j->two = measure(j, order + lookups, v);
+    j->two = measure(j, order + lookups + few, lookups, 0, v);
     free(w); free(order); free(v);
     return NULL;
 }
@@ -541,13 +597,13 @@ int main(int argc, char **argv)
         {
             double bpe = (double)(rss() - r0) / n;
             pthread_barrier_t bar; pthread_t th[2];
-            struct job t[2] = { { rc, base, n, 0x2545f4914f6cdd1dULL, 1, &bar, 0, 0 },
-                                { rc, base, n, 0x14057b7ef767814fULL, 0, &bar, 0, 0 } };
+            struct job t[2] = { { rc, base, n, 0x2545f4914f6cdd1dULL, 1, &bar, 0, 0, 0 },
+                                { rc, base, n, 0x14057b7ef767814fULL, 0, &bar, 0, 0, 0 } };
             pthread_barrier_init(&bar, NULL, 2);
             pthread_create(&th[0], NULL, run, &t[0]); pthread_create(&th[1], NULL, run, &t[1]);
             pthread_join(th[0], NULL); pthread_join(th[1], NULL);
             pthread_barrier_destroy(&bar);
-            printf("%zu %.2f %.2f %.1f\n", n, t[0].one, (t[0].two + t[1].two) / 2, bpe);
+            printf("%zu %.2f %.2f %.1f %.2f\n", n, t[0].one, (t[0].two + t[1].two) / 2, bpe, t[0].iso);
             fflush(stdout);
         }
         ucs_rcache_destroy(rc);
@@ -644,19 +700,31 @@ pub fn sweep_rows(
     let mut rows = Rows::new();
     for p in &pts {
         let n = p.buffers;
-        rows.push((format!("cache_hit_ns_p50_n{n}"), p.one));
-        rows.push((format!("cache_hit_ns_p50_n{n}_2threads"), p.two));
-        rows.push((format!("cache_fast_share_n{n}"), p.fast_share));
-        rows.push((format!("hit_floor_ns_n{n}"), p.floor.0));
-        rows.push((format!("hit_floor_ns_n{n}_2threads"), p.floor.1));
-        rows.push((format!("cache_over_floor_n{n}"), p.one / p.floor.0));
-        rows.push((format!("cache_over_floor_n{n}_2threads"), p.two / p.floor.1));
+        let (c, f) = (&p.cache, &p.floor);
+        rows.push((format!("cache_hit_ns_p50_n{n}"), c.one));
+        rows.push((format!("cache_hit_ns_p50_n{n}_2threads"), c.two));
+        rows.push((format!("cache_hit_isolated_ns_n{n}"), c.isolated));
+        rows.push((format!("cache_fast_share_n{n}"), c.fast_share));
+        rows.push((format!("hit_floor_ns_n{n}"), f.one));
+        rows.push((format!("hit_floor_ns_n{n}_2threads"), f.two));
+        rows.push((format!("hit_floor_isolated_ns_n{n}"), f.isolated));
+        rows.push((format!("cache_over_floor_n{n}"), c.one / f.one));
+        rows.push((format!("cache_over_floor_n{n}_2threads"), c.two / f.two));
+        rows.push((
+            format!("cache_over_floor_isolated_n{n}"),
+            c.isolated / f.isolated,
+        ));
         if let Ok(u) = &ucx {
             if let Some(u) = u.iter().find(|u| u.buffers == n) {
                 rows.push((format!("ucx_rcache_hit_ns_p50_n{n}"), u.one));
                 rows.push((format!("ucx_rcache_hit_ns_p50_n{n}_2threads"), u.two));
-                rows.push((format!("cache_over_ucx_n{n}"), p.one / u.one));
-                rows.push((format!("cache_over_ucx_n{n}_2threads"), p.two / u.two));
+                rows.push((format!("ucx_rcache_hit_isolated_ns_n{n}"), u.isolated));
+                rows.push((format!("cache_over_ucx_n{n}"), c.one / u.one));
+                rows.push((format!("cache_over_ucx_n{n}_2threads"), c.two / u.two));
+                rows.push((
+                    format!("cache_over_ucx_isolated_n{n}"),
+                    c.isolated / u.isolated,
+                ));
             }
         }
     }
@@ -700,15 +768,18 @@ pub fn sweep_json(sizes: &[usize], lookups: usize) -> serde_json::Value {
             let u = ucx_at(p.buffers);
             json!({
                 "buffers": p.buffers,
-                "ns": p.one,
-                "ns_2threads": p.two,
-                "fast_share": p.fast_share,
-                "floor_ns": p.floor.0,
-                "floor_ns_2threads": p.floor.1,
+                "ns": p.cache.one,
+                "ns_2threads": p.cache.two,
+                "ns_isolated": p.cache.isolated,
+                "fast_share": p.cache.fast_share,
+                "floor_ns": p.floor.one,
+                "floor_ns_2threads": p.floor.two,
+                "floor_ns_isolated": p.floor.isolated,
                 "ucx_ns": u.map(|u| u.one),
                 "ucx_ns_2threads": u.map(|u| u.two),
-                "over_ucx": u.map(|u| p.one / u.one),
-                "over_ucx_2threads": u.map(|u| p.two / u.two),
+                "ucx_ns_isolated": u.map(|u| u.isolated),
+                "over_ucx": u.map(|u| p.cache.one / u.one),
+                "over_ucx_2threads": u.map(|u| p.cache.two / u.two),
             })
         })
         .collect();

@@ -9,7 +9,7 @@
 //! `fetch_add` and the handle drop's compare-exchange on the lease word. `mrkit bench
 //! pool-cache` runs it beside the cache in the same run and the same thread protocol, so
 //! that what the machine's memory costs (and what a second thread on it costs) is told apart
-//! from what the cache adds.
+//! from what the cache adds. [`serialize`] separates lookups for the bench's isolated shape.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -90,4 +90,24 @@ impl HitFloor {
         }
         true
     }
+}
+
+/// Let no later instruction start before every earlier one has completed: x86_64 `LFENCE`
+/// (dispatch-serialising on the CPUs Linux runs on: it sets AMD's LFENCE-serialising bit), a
+/// sequentially consistent fence elsewhere. Between two lookups it makes each pay its cache
+/// misses in full, as a program that looks a buffer up and then posts does; a full memory fence
+/// alone does not (the next lookup's loads still overlap on this machine: measured).
+///
+/// ```
+/// mrkit::cache::test_support::serialize();
+/// ```
+#[inline(always)]
+pub fn serialize() {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: LFENCE has no preconditions and SSE2 is part of the x86_64 baseline.
+    unsafe {
+        core::arch::x86_64::_mm_lfence()
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    std::sync::atomic::fence(Ordering::SeqCst);
 }

@@ -173,6 +173,7 @@ mod bounce;
 mod config;
 mod entry;
 mod evict;
+#[allow(unsafe_code)] // one LFENCE (`floor::serialize`, the bench's isolated lookups)
 mod floor;
 mod get;
 mod handle;
@@ -203,7 +204,7 @@ pub use stats::CacheStats;
 /// (the memory floor under a hit). No stability promise.
 #[doc(hidden)]
 pub mod test_support {
-    pub use crate::cache::floor::HitFloor;
+    pub use crate::cache::floor::{serialize, HitFloor};
 
     /// The lease core (see the `lease` module of the cache).
     pub mod lease {
