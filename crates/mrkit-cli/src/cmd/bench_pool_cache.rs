@@ -708,23 +708,13 @@ pub fn sweep_rows(
         rows.push((format!("hit_floor_ns_n{n}"), f.one));
         rows.push((format!("hit_floor_ns_n{n}_2threads"), f.two));
         rows.push((format!("hit_floor_isolated_ns_n{n}"), f.isolated));
-        rows.push((format!("cache_over_floor_n{n}"), c.one / f.one));
-        rows.push((format!("cache_over_floor_n{n}_2threads"), c.two / f.two));
-        rows.push((
-            format!("cache_over_floor_isolated_n{n}"),
-            c.isolated / f.isolated,
-        ));
+        ratio_rows(&mut rows, n, "floor", c, (f.one, f.two, f.isolated));
         if let Ok(u) = &ucx {
             if let Some(u) = u.iter().find(|u| u.buffers == n) {
                 rows.push((format!("ucx_rcache_hit_ns_p50_n{n}"), u.one));
                 rows.push((format!("ucx_rcache_hit_ns_p50_n{n}_2threads"), u.two));
                 rows.push((format!("ucx_rcache_hit_isolated_ns_n{n}"), u.isolated));
-                rows.push((format!("cache_over_ucx_n{n}"), c.one / u.one));
-                rows.push((format!("cache_over_ucx_n{n}_2threads"), c.two / u.two));
-                rows.push((
-                    format!("cache_over_ucx_isolated_n{n}"),
-                    c.isolated / u.isolated,
-                ));
+                ratio_rows(&mut rows, n, "ucx", c, (u.one, u.two, u.isolated));
             }
         }
     }
@@ -741,6 +731,20 @@ pub fn sweep_rows(
         }
     }
     Ok((rows, ucx.err()))
+}
+
+/// `cache_over_{peer}_n{n}`, `…_n{n}_2threads` and `cache_over_{peer}_isolated_n{n}`: the
+/// cache's figures divided by a peer's (one thread, two threads, isolated).
+fn ratio_rows(
+    rows: &mut Rows,
+    n: usize,
+    peer: &str,
+    c: &HitFigures,
+    (one, two, iso): (f64, f64, f64),
+) {
+    rows.push((format!("cache_over_{peer}_n{n}"), c.one / one));
+    rows.push((format!("cache_over_{peer}_n{n}_2threads"), c.two / two));
+    rows.push((format!("cache_over_{peer}_isolated_n{n}"), c.isolated / iso));
 }
 
 /// The hit sweep for `mrkit bench`'s raw.json (`"cache_hits"`): `sizes`, `lookups` per
