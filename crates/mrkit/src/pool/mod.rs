@@ -233,19 +233,46 @@ struct PoolInner {
     /// Registered chunks; each cell is set once (under `grow_lock`) before any of its slot
     /// indices is pushed on `free`, so a reader holding an index always finds its chunk.
     chunks: Box<[OnceLock<Chunk>]>,
-    /// Chunks published. Release store after the chunk cell is set (under `grow_lock`),
-    /// acquire load by readers that then look at the chunks.
-    nchunks: AtomicUsize,
+    /// The chunk count and the statistics, shared with the exporter (see [`PoolCounters`]).
+    counters: Arc<PoolCounters>,
     /// Shared free list under the magazines.
     free: FreeStack,
     /// Serialises growth (cold path only).
     grow_lock: Mutex<()>,
+    /// Per-thread counts and the release of this pool's memory (see [`life`]).
+    life: Arc<Life<Arc<PoolInner>>>,
+}
+
+/// What `mrkit stat` reads of a pool, in an `Arc` of its own: the exporter keeps this and the
+/// pool's [`Life`], never the pool, so its snapshot can never be what holds the pool's memory
+/// last (the memory would then go on the exporter's thread, after the pool's last user let go).
+#[derive(Debug, Default)]
+struct PoolCounters {
+    /// Chunks published. Release store after the chunk cell is set (under `grow_lock`),
+    /// acquire load by readers that then look at the chunks.
+    nchunks: AtomicUsize,
     /// Cold-path counters (relaxed: statistics only).
     growth_events: AtomicU64,
     alloc_failures: AtomicU64,
     exposures: AtomicU64,
-    /// Per-thread counts and the release of this pool's memory (see [`life`]).
-    life: Arc<Life<Arc<PoolInner>>>,
+}
+
+impl PoolCounters {
+    /// The pool's statistics from its counters and its lifetime counts.
+    fn stats(&self, slots_per_chunk: u32, life: &Life<Arc<PoolInner>>) -> PoolStats {
+        let chunks = self.nchunks.load(Ordering::Acquire) as u64;
+        let total = chunks * u64::from(slots_per_chunk);
+        let in_use = life.live().min(total);
+        PoolStats {
+            total,
+            free: total - in_use,
+            in_use,
+            chunks,
+            growth_events: self.growth_events.load(Ordering::Relaxed),
+            alloc_failures: self.alloc_failures.load(Ordering::Relaxed),
+            exposures: self.exposures.load(Ordering::Relaxed),
+        }
+    }
 }
 
 /// One thread's cache of free slots for one pool.
@@ -400,12 +427,9 @@ impl MrPool {
             magazine: cfg.magazine.max(2),
             windows: Mutex::new(HashMap::new()),
             chunks: (0..max_chunks).map(|_| OnceLock::new()).collect(),
-            nchunks: AtomicUsize::new(0),
+            counters: Arc::default(),
             free: FreeStack::new(cap as u32),
             grow_lock: Mutex::new(()),
-            growth_events: AtomicU64::new(0),
-            alloc_failures: AtomicU64::new(0),
-            exposures: AtomicU64::new(0),
             life: Arc::new(Life::new()),
         });
         for _ in 0..cfg.initial_chunks {
@@ -638,7 +662,7 @@ impl PoolInner {
         }
         match self.add_chunk_locked() {
             Ok(true) => {
-                self.growth_events.fetch_add(1, Ordering::Relaxed);
+                self.counters.growth_events.fetch_add(1, Ordering::Relaxed);
                 self.free.pop()
             }
             Ok(false) => None,
@@ -656,7 +680,7 @@ impl PoolInner {
 
     /// Register one more chunk; `Ok(false)` at `max_chunks`. Caller holds `grow_lock`.
     fn add_chunk_locked(&self) -> Result<bool> {
-        let n = self.nchunks.load(Ordering::Acquire);
+        let n = self.counters.nchunks.load(Ordering::Acquire);
         if n >= self.chunks.len() {
             return Ok(false);
         }
@@ -686,7 +710,7 @@ impl PoolInner {
             })
             .map_err(|_| enomem("pool chunk published twice".to_string()))?;
         // Release: the chunk is visible before any of its indices can be popped.
-        self.nchunks.store(n + 1, Ordering::Release);
+        self.counters.nchunks.store(n + 1, Ordering::Release);
         let first = n as u32 * self.slots_per_chunk;
         let idx: Vec<u32> = (first..first + self.slots_per_chunk).rev().collect();
         self.free.push_many(&idx);
@@ -695,11 +719,11 @@ impl PoolInner {
 
     #[cold]
     fn fail(&self) -> Error {
-        self.alloc_failures.fetch_add(1, Ordering::Relaxed);
+        self.counters.alloc_failures.fetch_add(1, Ordering::Relaxed);
         enomem(format!(
             "MR pool exhausted: {} chunks of {} bytes are in use and max_chunks is reached; \
              raise max_chunks or free slots",
-            self.nchunks.load(Ordering::Relaxed),
+            self.counters.nchunks.load(Ordering::Relaxed),
             self.chunk_size
         ))
     }
@@ -724,18 +748,7 @@ impl PoolInner {
     }
 
     fn stats(&self) -> PoolStats {
-        let chunks = self.nchunks.load(Ordering::Acquire) as u64;
-        let total = chunks * u64::from(self.slots_per_chunk);
-        let in_use = self.life.live().min(total);
-        PoolStats {
-            total,
-            free: total - in_use,
-            in_use,
-            chunks,
-            growth_events: self.growth_events.load(Ordering::Relaxed),
-            alloc_failures: self.alloc_failures.load(Ordering::Relaxed),
-            exposures: self.exposures.load(Ordering::Relaxed),
-        }
+        self.counters.stats(self.slots_per_chunk, &self.life)
     }
 
     // --- slot operations shared by `Slot` and `OwnedSlot` ---
@@ -806,7 +819,7 @@ impl PoolInner {
                 access,
             },
         )?;
-        self.exposures.fetch_add(1, Ordering::Relaxed);
+        self.counters.exposures.fetch_add(1, Ordering::Relaxed);
         self.windows.lock().insert(c.idx, mw);
         c.window = Some(rkey);
         Ok(RemoteSlice {
@@ -836,29 +849,52 @@ mod export {
     use parking_lot::Mutex;
     use serde_json::{json, Value};
 
-    use super::PoolInner;
+    use super::{Life, PoolCounters, PoolInner};
 
-    static LIVE: Mutex<Vec<Weak<PoolInner>>> = Mutex::new(Vec::new());
+    /// A listed pool: what the snapshot reads, without the pool itself.
+    struct Listed {
+        pool: Weak<PoolInner>,
+        id: u64,
+        slot_size: u32,
+        chunk_size: u64,
+        slots_per_chunk: u32,
+        counters: Arc<PoolCounters>,
+        life: Arc<Life<Arc<PoolInner>>>,
+    }
+
+    static LIVE: Mutex<Vec<Listed>> = Mutex::new(Vec::new());
 
     pub(super) fn add(p: &Arc<PoolInner>) {
         {
             let mut l = LIVE.lock();
-            l.retain(|w| w.strong_count() > 0);
-            l.push(Arc::downgrade(p));
+            l.retain(|w| w.pool.strong_count() > 0);
+            l.push(Listed {
+                pool: Arc::downgrade(p),
+                id: p.id,
+                slot_size: p.slot_size,
+                chunk_size: p.chunk_size,
+                slots_per_chunk: p.slots_per_chunk,
+                counters: p.counters.clone(),
+                life: p.life.clone(),
+            });
         }
         crate::stat_export::register_source("pool", source);
     }
 
     fn source() -> Value {
-        let live: Vec<Arc<PoolInner>> = LIVE.lock().iter().filter_map(Weak::upgrade).collect();
-        let pools: Vec<Value> = live
+        // Never an upgrade of a pool: its memory must go on the thread of its last user.
+        // Dropping a `Listed` here drops a `Life` only after the pool released its keepalive
+        // (a pool holds its `Life` until then).
+        let pools: Vec<Value> = LIVE
+            .lock()
             .iter()
-            .map(|p| {
-                let s = p.stats();
+            .filter(|l| l.pool.strong_count() > 0)
+            .map(|l| {
+                let s = l.counters.stats(l.slots_per_chunk, &l.life);
                 json!({
-                    "id": p.id,
-                    "slot_size": p.slot_size,
-                    "chunk_size": p.chunk_size,
+                    "id": l.id,
+                    "slot_size": l.slot_size,
+                    "chunk_size": l.chunk_size,
                     "total": s.total,
                     "free": s.free,
                     "in_use": s.in_use,
@@ -869,8 +905,6 @@ mod export {
                 })
             })
             .collect();
-        // A pool whose last user let go meanwhile is freed here, outside the list lock.
-        drop(live);
         json!({ "pools": pools })
     }
 }
