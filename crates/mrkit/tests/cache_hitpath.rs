@@ -212,3 +212,57 @@ fn thread_table_overflow_and_evictions_serve_only_live_registrations() {
     drop(cache);
     assert_live_mrs(&ctx, 0, "live MRs");
 }
+
+/// A thread that takes turns between caches over the same addresses: each lookup is served
+/// by that cache's own per-thread table (its own keys, counted as its fast hits), whichever
+/// cache the thread used last; a cache dropped while its table is the thread's current one
+/// is never consulted for the next cache (a new registration, then hits on it).
+#[test]
+fn caches_taking_turns_on_one_thread_each_hit_their_own_table() {
+    let (ctx, pd) = open();
+    let n = 32u64;
+    let m = Map::new((n * PAGE) as usize);
+    let caches: Vec<RegCache> = (0..3)
+        .map(|_| RegCache::new(&pd, explicit(64)).unwrap())
+        .collect();
+    let keys: Vec<Vec<u32>> = caches
+        .iter()
+        .map(|c| {
+            (0..n)
+                .map(|i| c.raw(m.addr + i * PAGE, PAGE, RW).unwrap().lkey())
+                .collect()
+        })
+        .collect();
+    let before: Vec<_> = caches.iter().map(|c| c.stats()).collect();
+    let order = scrambled(n as usize * 3, 8, 0x2545_f491_4f6c_dd1d);
+    let mut per_cache = [0u64; 3];
+    for &k in &order {
+        // Runs of one to three lookups on a cache, then another cache.
+        let (c, i) = ((k / n as usize) % 3, k as u64 % n);
+        per_cache[c] += 1;
+        let h = caches[c].raw(m.addr + i * PAGE, PAGE, RW).unwrap();
+        assert_eq!(h.lkey(), keys[c][i as usize], "cache {c}, buffer {i}");
+    }
+    for (c, cache) in caches.iter().enumerate() {
+        let s = cache.stats();
+        assert_eq!(s.misses, before[c].misses, "cache {c}: warm lookups missed");
+        assert_eq!(s.fast_hits - before[c].fast_hits, per_cache[c], "cache {c}");
+    }
+    // The last cache hit is the thread's current one; drop it and open another.
+    let mut caches = caches;
+    drop(caches[2].raw(m.addr, PAGE, RW).unwrap());
+    drop(caches.pop());
+    let fresh = RegCache::new(&pd, explicit(64)).unwrap();
+    let h = fresh.raw(m.addr, PAGE, RW).unwrap();
+    assert_eq!(
+        fresh.stats().misses,
+        1,
+        "a new cache hit a dropped cache's table"
+    );
+    assert!(!keys[2].contains(&h.lkey()));
+    let again = fresh.raw(m.addr, PAGE, RW).unwrap();
+    assert_eq!((again.lkey(), fresh.stats().fast_hits), (h.lkey(), 1));
+    assert_eq!(caches[0].raw(m.addr, PAGE, RW).unwrap().lkey(), keys[0][0]);
+    drop((h, again, fresh, caches));
+    assert_live_mrs(&ctx, 0, "live MRs");
+}

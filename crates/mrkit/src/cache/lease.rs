@@ -315,6 +315,22 @@ impl<T: Retire> Drop for Handle<T> {
     }
 }
 
+/// A hit that found its entry dead: dropping it releases the count the hit took, if it
+/// took one (a dead handle's release: see [`Hold::try_get`]).
+#[must_use = "dropping a back-out releases the hit's count"]
+pub struct Backout<T: Retire> {
+    /// The lease the hit counted on; `None` when it saw `DEAD` before counting.
+    p: Option<NonNull<Lease<T>>>,
+}
+
+impl<T: Retire> Drop for Backout<T> {
+    fn drop(&mut self) {
+        if let Some(p) = self.p {
+            release_dead(p);
+        }
+    }
+}
+
 /// The per-thread table's reference on a lease: hits take handles through it.
 pub struct Hold<T: Retire> {
     p: NonNull<Lease<T>>,
@@ -335,19 +351,27 @@ impl<T: Retire> Hold<T> {
     /// A hit: a handle, or `None` when the entry is dead.
     #[inline]
     pub fn get(&self) -> Option<Handle<T>> {
+        self.try_get().ok()
+    }
+
+    /// A hit that leaves the back-out to its caller: a handle, or, when the entry is dead,
+    /// a [`Backout`] whose drop undoes the hit's count (which may retire the entry and so
+    /// run arbitrary drop code: the per-thread path drops it only after it stopped reading
+    /// its table).
+    #[inline]
+    pub fn try_get(&self) -> Result<Handle<T>, Backout<T>> {
         let n = &self.lease().n;
         // Already dead: miss without writing (the bit is never cleared).
         if n.load(Ordering::Relaxed) & DEAD != 0 {
-            return None;
+            return Err(Backout { p: None });
         }
         // AcqRel: ordered with the kill's fetch_or on the same word (one of the two sees
         // the other).
         let old = n.fetch_add(1, Ordering::AcqRel);
         if old & DEAD != 0 {
-            release_dead(self.p);
-            return None;
+            return Err(Backout { p: Some(self.p) });
         }
-        Some(Handle { p: self.p })
+        Ok(Handle { p: self.p })
     }
 
     /// Whether both hold the same lease.

@@ -171,6 +171,8 @@
 
 mod bounce;
 mod config;
+#[allow(unsafe_code)] // the hit's one dereference of the thread's current table
+mod current;
 mod entry;
 mod evict;
 #[allow(unsafe_code)] // one LFENCE (`floor::serialize`, the bench's isolated lookups)
@@ -270,7 +272,7 @@ use entry::{retire_all, Entry};
 use index::IntervalIndex;
 use monitor::{Monitor, Pending};
 use stats::Counters;
-use tls::{ThreadStats, TlsCache, TLS};
+use tls::{ThreadStats, TlsCache};
 
 /// State entries need after the cache is gone (deregistration).
 #[derive(Debug)]
@@ -484,15 +486,13 @@ impl Drop for Inner {
         // PD). Other threads' records go at their next slow-path lookup or exit (never
         // registrations: those are retired below or at their last handle drop).
         let id = self.id;
-        let mine = TLS
-            .try_with(|t| {
-                let mut t = t.borrow_mut();
-                let (mine, rest): (Vec<TlsCache>, Vec<TlsCache>) =
-                    t.drain(..).partition(|r| r.cache_id == id);
-                *t = rest;
-                mine
-            })
-            .unwrap_or_default();
+        let mine = tls::tables_mut(|t| {
+            let (mine, rest): (Vec<Box<TlsCache>>, Vec<Box<TlsCache>>) =
+                t.drain(..).partition(|r| r.cache_id == id);
+            *t = rest;
+            mine
+        })
+        .unwrap_or_default();
         drop(mine);
         // Kill every entry; idle ones are retired here (other threads' caches may still hold
         // their memory), in-use ones at their last handle drop.

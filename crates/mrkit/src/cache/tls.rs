@@ -1,5 +1,6 @@
 //! The per-thread path: each thread's table of holds by page (and a ring of recent
-//! entries), the lock-free hit ([`RegCache::fast_hit`]) and the table's upkeep.
+//! entries), the lock-free hit ([`RegCache::fast_hit`]) and the table's upkeep. The record
+//! of the cache a thread last hit is reached through [`current`](super::current).
 
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -8,8 +9,8 @@ use std::sync::{Arc, Weak};
 use super::entry::Entry;
 use super::handle::RegHandle;
 use super::lease::mem::Slots;
-use super::lease::{Handle, Hold};
-use super::{monitor, Inner, RegCache};
+use super::lease::{Backout, Handle, Hold};
+use super::{current, monitor, Inner, RegCache};
 use crate::AccessFlags;
 
 /// Per-thread counters, written by their owner only.
@@ -170,6 +171,8 @@ impl<V> PageTable<V> {
 pub(super) struct TlsCache {
     pub(super) cache_id: u64,
     pub(super) alive: Weak<Inner>,
+    /// The cache has a monitor (its sequence validates the table).
+    pub(super) monitored: bool,
     pub(super) mseq: u64,
     pub(super) map: PageTable<Hold<Entry>>,
     pub(super) ring: [Option<Hold<Entry>>; RING],
@@ -190,8 +193,64 @@ pub(super) fn page_key(addr: u64) -> u64 {
     addr >> 12
 }
 
+/// A thread's records, one per cache it looked up through. Boxed: the current record's
+/// pointer ([`current`]) stays valid when the vector grows.
+#[allow(clippy::vec_box)] // the boxes are the point: records must not move with the vector
+pub(super) struct Tables(Vec<Box<TlsCache>>);
+
+impl Drop for Tables {
+    fn drop(&mut self) {
+        // Thread exit: the records go; nothing may point to them.
+        current::clear();
+    }
+}
+
 thread_local! {
-    pub(super) static TLS: RefCell<Vec<TlsCache>> = const { RefCell::new(Vec::new()) };
+    static TLS: RefCell<Tables> = const { RefCell::new(Tables(Vec::new())) };
+}
+
+/// Mutable access to this thread's records (`None` once they are gone at thread exit).
+/// Clears the current record first ([`current`]'s invariant).
+pub(super) fn tables_mut<R>(f: impl FnOnce(&mut Vec<Box<TlsCache>>) -> R) -> Option<R> {
+    current::clear();
+    TLS.try_with(|t| f(&mut t.borrow_mut().0)).ok()
+}
+
+/// What a record's hit found.
+pub(super) enum Lookup {
+    /// No live hold covers the request, or the table is behind the monitor: the slow path.
+    Miss,
+    /// A handle.
+    Hit(Handle<Entry>),
+    /// The hold's entry was killed as the hit counted: dropping this releases the count
+    /// (it may retire the entry), so it is dropped only once no record is borrowed.
+    Dead(#[allow(dead_code)] Backout<Entry>),
+}
+
+/// The hit on one record: the table slot for `addr`, checked for coverage and rights (or
+/// the ring), then a count on the slot's lease. Reads the record and writes only the lease
+/// word and the thread's hit counter: it runs no drop and no code that can reach `TLS`
+/// ([`current::hit`] relies on it).
+#[inline(always)]
+pub(super) fn hit_in(rec: &TlsCache, addr: u64, end: u64, access: AccessFlags) -> Lookup {
+    if rec.monitored && rec.mseq != monitor::seq() {
+        return Lookup::Miss;
+    }
+    let hold = match rec.map.get(page_key(addr)) {
+        Some(h) if h.meta().covers(addr, end, access) => h,
+        _ => match ring_match(&rec.ring, addr, end, access) {
+            Some(h) => h,
+            None => return Lookup::Miss,
+        },
+    };
+    match hold.try_get() {
+        Ok(h) => {
+            let n = &rec.stats.hits;
+            n.store(n.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+            Lookup::Hit(h)
+        }
+        Err(b) => Lookup::Dead(b),
+    }
 }
 
 /// The ring's hold covering `addr..end` with `access`, if any: lookups inside a large entry
@@ -213,29 +272,41 @@ impl RegCache {
     /// The per-thread path: the thread's table slot for `addr`, checked for coverage and
     /// rights, then a handle through the slot's lease (no lock, no shared write; see
     /// [`lease`]). The table is valid only while no monitor event arrived since it caught up
-    /// (`mseq`): queued invalidations are applied by the slow path first.
+    /// (`mseq`): queued invalidations are applied by the slow path first. The current
+    /// record ([`current`]) is tried first, then the thread's other records.
     #[inline]
     pub(super) fn fast_hit(&self, addr: u64, len: u64, access: AccessFlags) -> Option<RegHandle> {
-        let inner = &*self.inner;
         let end = addr.checked_add(len)?;
+        let found = match current::hit(self.inner.id, addr, end, access) {
+            Some(l) => l,
+            None => self.hit_other(addr, end, access),
+        };
+        match found {
+            Lookup::Hit(h) => Some(RegHandle { h }),
+            // Dead (invalidated, evicted, superseded): the back-out is dropped here, outside
+            // every borrow; the slow path replaces the hold.
+            Lookup::Dead(_) | Lookup::Miss => None,
+        }
+    }
+
+    /// The hit when this cache's record is not the current one: search the thread's records
+    /// and make this cache's current.
+    #[inline(never)]
+    fn hit_other(&self, addr: u64, end: u64, access: AccessFlags) -> Lookup {
+        let id = self.inner.id;
         TLS.try_with(|t| {
-            let t = t.borrow();
-            let rec = t.iter().rev().find(|r| r.cache_id == inner.id)?;
-            if inner.shared.monitor.is_some() && rec.mseq != monitor::seq() {
-                return None;
-            }
-            let hold = match rec.map.get(page_key(addr)) {
-                Some(h) if h.meta().covers(addr, end, access) => h,
-                _ => ring_match(&rec.ring, addr, end, access)?,
+            let Ok(t) = t.try_borrow() else {
+                return Lookup::Miss;
             };
-            // Dead (invalidated, evicted, superseded): miss; the slow path replaces the hold.
-            let h = hold.get()?;
-            let n = &rec.stats.hits;
-            n.store(n.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
-            Some(RegHandle { h })
+            match t.0.iter().rev().find(|r| r.cache_id == id) {
+                Some(rec) => {
+                    current::set(rec);
+                    hit_in(rec, addr, end, access)
+                }
+                None => Lookup::Miss,
+            }
         })
-        .ok()
-        .flatten()
+        .unwrap_or(Lookup::Miss)
     }
 
     /// Remember `hold` for lookups at `addr` in this thread's table; `mseq` is the monitor
@@ -243,11 +314,10 @@ impl RegCache {
     /// counts has killed its entries by now).
     pub(super) fn tls_insert(&self, addr: u64, hold: Hold<Entry>, mseq: u64) {
         let inner = &self.inner;
-        let dropped = TLS.try_with(|t| {
-            let mut t = t.borrow_mut();
+        let dropped = tables_mut(|t| {
             // Tables of dropped caches hold entry memory (never registrations): let go of
             // them at this thread's next slow path.
-            let gone: Vec<TlsCache> = if t.iter().any(|r| r.alive.strong_count() == 0) {
+            let gone: Vec<Box<TlsCache>> = if t.iter().any(|r| r.alive.strong_count() == 0) {
                 let (live, gone) = std::mem::take(&mut *t)
                     .into_iter()
                     .partition(|r| r.alive.strong_count() > 0);
@@ -261,15 +331,16 @@ impl RegCache {
                 None => {
                     let stats = Arc::new(ThreadStats::default());
                     inner.threads.lock().push(stats.clone());
-                    t.push(TlsCache {
+                    t.push(Box::new(TlsCache {
                         cache_id: inner.id,
                         alive: Arc::downgrade(inner),
+                        monitored: inner.shared.monitor.is_some(),
                         mseq,
                         map: PageTable::default(),
                         ring: Default::default(),
                         next: 0,
                         stats,
-                    });
+                    }));
                     t.len() - 1
                 }
             };
@@ -294,14 +365,27 @@ impl RegCache {
         });
         // Leases released outside the thread-local borrow.
         drop(dropped);
+        self.make_current();
+    }
+
+    /// Make this cache's record (if the thread has one) the current record.
+    fn make_current(&self) {
+        let id = self.inner.id;
+        let _ = TLS.try_with(|t| {
+            if let Ok(t) = t.try_borrow() {
+                if let Some(rec) = t.0.iter().rev().find(|r| r.cache_id == id) {
+                    current::set(rec);
+                }
+            }
+        });
     }
 
     /// A handle and a hold through this thread's ring slot on `e`, if any and alive.
     pub(super) fn tls_reuse(&self, e: &Arc<Entry>) -> Option<(Handle<Entry>, Hold<Entry>)> {
         let id = self.inner.id;
         TLS.try_with(|t| {
-            let t = t.borrow();
-            let rec = t.iter().rev().find(|r| r.cache_id == id)?;
+            let t = t.try_borrow().ok()?;
+            let rec = t.0.iter().rev().find(|r| r.cache_id == id)?;
             let hold = rec
                 .ring
                 .iter()
@@ -317,8 +401,7 @@ impl RegCache {
     /// threads' tables let go when they look the address up again or rebuild).
     pub(super) fn tls_forget(&self, dead: &[Arc<Entry>]) {
         let id = self.inner.id;
-        let gone = TLS.try_with(|t| {
-            let mut t = t.borrow_mut();
+        let gone = tables_mut(|t| {
             let mut gone: Vec<Hold<Entry>> = Vec::new();
             let Some(rec) = t.iter_mut().rev().find(|r| r.cache_id == id) else {
                 return gone;
