@@ -218,6 +218,51 @@ fn idle_scanner_releases_old_entries() {
     assert!(cache.is_empty());
 }
 
+/// A cache dropped while its idle scanner is in a pass, or while another thread takes
+/// statistics snapshots, is torn down by the thread that drops it: no registration is left
+/// when the drop returns (the background threads never hold the last reference).
+#[test]
+fn a_cache_dropped_during_a_scan_or_a_snapshot_is_released_by_its_dropper() {
+    let (ctx, pd) = open();
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let mut left = Vec::new();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                std::hint::black_box(mrkit::stat_export::snapshot());
+            }
+        });
+        for round in 0..20 {
+            // Nothing gets old enough to be released: every pass only walks the entries.
+            let cfg = CacheConfig {
+                idle_timeout: Duration::from_secs(3600),
+                ..explicit()
+            };
+            let cache = RegCache::new(&pd, cfg).unwrap();
+            let m = Map::new(4096 * 4096);
+            for i in 0..4096 {
+                drop(cache.raw(m.addr + i * 4096, 4096, RW).unwrap());
+            }
+            // Passes back to back.
+            let scanner = cache.start_idle_scanner(Duration::from_micros(1));
+            std::thread::sleep(Duration::from_millis(3));
+            drop(cache);
+            let n = live_mrs(&ctx);
+            if n != 0 {
+                left.push((round, n));
+            }
+            drop(scanner);
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    });
+    assert_eq!(
+        left,
+        vec![],
+        "(round, MRs still registered right after the drop)"
+    );
+    assert_live_mrs(&ctx, 0, "live MRs");
+}
+
 #[test]
 fn enomem_evicts_idle_then_bounces() {
     // max_mr 3: one for the bounce pool, two for the cache.

@@ -136,6 +136,7 @@ impl RegCache {
     pub fn start_idle_scanner(&self, interval: Duration) -> IdleScanner {
         let (tx, rx) = std::sync::mpsc::channel::<()>();
         let weak = Arc::downgrade(&self.inner);
+        let gate = self.inner.gate.clone();
         let th = std::thread::Builder::new()
             .name("mrkit-cache-idle".into())
             .spawn(move || loop {
@@ -143,8 +144,10 @@ impl RegCache {
                     Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
                     _ => return,
                 }
-                let Some(inner) = weak.upgrade() else { return };
-                RegCache { inner }.scan_idle(Instant::now());
+                // A pass never holds the cache past its last user (see `gate`).
+                if gate.with(&weak, |c| c.scan_idle(Instant::now())).is_none() {
+                    return;
+                }
             })
             .expect("spawn idle scanner");
         IdleScanner {

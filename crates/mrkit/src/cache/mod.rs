@@ -177,6 +177,7 @@ mod entry;
 mod evict;
 #[allow(unsafe_code)] // one LFENCE (`floor::serialize`, the bench's isolated lookups)
 mod floor;
+mod gate;
 mod get;
 mod handle;
 mod index;
@@ -298,6 +299,8 @@ struct Inner {
     next_id: AtomicU64,
     epoch: Instant,
     threads: Mutex<Vec<Arc<ThreadStats>>>,
+    /// Orders the idle scanner and the statistics exporter with the last user's drop.
+    gate: Arc<gate::Gate>,
 }
 
 /// The registration cache. Cheap to clone (shared).
@@ -319,6 +322,10 @@ struct Inner {
 /// ```
 #[derive(Debug, Clone)]
 pub struct RegCache {
+    /// The users' share (`None` in a background pass's view, see [`gate`]). Declared first:
+    /// the last user closes the gate before it lets go of `inner`.
+    #[allow(dead_code)] // held for its drop
+    user: Option<Arc<gate::User>>,
     inner: Arc<Inner>,
 }
 
@@ -362,7 +369,9 @@ impl RegCache {
         if let Some(m) = monitor {
             m.subscribe(pending.clone());
         }
+        let gate = Arc::new(gate::Gate::default());
         let cache = RegCache {
+            user: Some(Arc::new(gate::User { gate: gate.clone() })),
             inner: Arc::new(Inner {
                 id: NEXT_CACHE_ID.fetch_add(1, Ordering::Relaxed),
                 shared: Arc::new(Shared {
@@ -379,6 +388,7 @@ impl RegCache {
                 next_id: AtomicU64::new(1),
                 epoch: Instant::now(),
                 threads: Mutex::new(Vec::new()),
+                gate,
             }),
         };
         stats::export::add(&cache.inner);

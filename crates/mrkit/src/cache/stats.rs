@@ -143,41 +143,41 @@ impl RegCache {
 }
 
 /// `mrkit stat` section `"cache"`: `{"caches": [{"id", "monitored", <CacheStats fields>},
-/// ...]}` for every live cache of the process, listed through weak references (the exporter
-/// never keeps a cache, or its registrations, alive).
+/// ...]}` for every live cache of the process, listed through weak references and read
+/// through the cache's gate (the exporter never keeps a cache, or its registrations, alive,
+/// and a cache dropped during a snapshot is torn down on the thread that dropped it).
 pub(super) mod export {
     use std::sync::{Arc, Weak};
 
     use parking_lot::Mutex;
     use serde_json::{json, Value};
 
-    use super::super::{Inner, RegCache};
+    use super::super::gate::Gate;
+    use super::super::Inner;
 
-    static LIVE: Mutex<Vec<Weak<Inner>>> = Mutex::new(Vec::new());
+    type Listed = (Weak<Inner>, Arc<Gate>);
+
+    static LIVE: Mutex<Vec<Listed>> = Mutex::new(Vec::new());
 
     pub(in crate::cache) fn add(c: &Arc<Inner>) {
         {
             let mut l = LIVE.lock();
-            l.retain(|w| w.strong_count() > 0);
-            l.push(Arc::downgrade(c));
+            l.retain(|(w, g)| w.strong_count() > 0 && !g.is_closed());
+            l.push((Arc::downgrade(c), c.gate.clone()));
         }
         crate::stat_export::register_source("cache", source);
     }
 
     pub(super) fn source() -> Value {
-        let live: Vec<RegCache> = LIVE
-            .lock()
+        // Listed outside the list lock: a pass may wait for a cache's last user.
+        let listed: Vec<Listed> = LIVE.lock().clone();
+        let caches: Vec<Value> = listed
             .iter()
-            .filter_map(Weak::upgrade)
-            .map(|inner| RegCache { inner })
-            .collect();
-        let caches: Vec<Value> = live
-            .iter()
-            .map(|c| {
-                let s = c.stats();
+            .filter_map(|(w, g)| g.with(w, |c| (c.inner.id, c.is_monitored(), c.stats())))
+            .map(|(id, monitored, s)| {
                 json!({
-                    "id": c.inner.id,
-                    "monitored": c.is_monitored(),
+                    "id": id,
+                    "monitored": monitored,
                     "hits": s.hits,
                     "fast_hits": s.fast_hits,
                     "misses": s.misses,
@@ -203,8 +203,6 @@ pub(super) mod export {
                 })
             })
             .collect();
-        // A cache whose last user let go meanwhile is dropped here, outside the list lock.
-        drop(live);
         json!({ "caches": caches })
     }
 }
