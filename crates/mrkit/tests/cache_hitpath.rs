@@ -266,3 +266,58 @@ fn caches_taking_turns_on_one_thread_each_hit_their_own_table() {
     drop((h, again, fresh, caches));
     assert_live_mrs(&ctx, 0, "live MRs");
 }
+
+/// The kill's side of the lease protocol when the leases belong to a live other thread
+/// (whose hits and same-thread drops have no locked instruction): an invalidation of many
+/// entries deregisters every idle one at once (one barrier for all of them), an entry whose
+/// handle the owner still holds at its drop on the owner thread, and one whose handle went to
+/// this thread at its drop here (the cross-thread path).
+#[test]
+fn invalidating_entries_leased_by_a_live_thread_retires_each_at_the_right_time() {
+    let (ctx, pd) = open();
+    let n = 256usize;
+    let cache = RegCache::new(&pd, explicit(1024)).unwrap();
+    let m = Map::new(n * PAGE as usize);
+    let (warm_tx, warm_rx) = mpsc::channel();
+    let (go_tx, go_rx) = mpsc::channel::<()>();
+    let (done_tx, done_rx) = mpsc::channel::<()>();
+    std::thread::scope(|s| {
+        let (c, base, tctx, tpd) = (&cache, m.addr, &ctx, &pd);
+        let t = s.spawn(move || {
+            // Leases on every entry, warm (the second lookup is a table hit).
+            for _ in 0..2 {
+                for i in 0..n as u64 {
+                    drop(c.raw(base + i * PAGE, PAGE, RW).unwrap());
+                }
+            }
+            let kept = c.raw(base, PAGE, RW).unwrap();
+            let sent = c.raw(base + PAGE, PAGE, RW).unwrap();
+            assert_eq!(c.stats().misses, n as u64);
+            warm_tx.send(sent).unwrap();
+            // Alive (its table holds the leases) while the entries are invalidated.
+            go_rx.recv().unwrap();
+            assert!(!kept.is_cached());
+            let key = kept.lkey();
+            drop(kept); // the owner thread's drop of a killed entry's last handle
+            assert!(!cache_util::key_valid(tctx, tpd, key, base));
+            done_tx.send(()).unwrap();
+        });
+        let sent = warm_rx.recv().unwrap();
+        assert_eq!(live_mrs(&ctx), n as u64);
+        assert_eq!(cache.invalidate(m.addr, n as u64 * PAGE), n);
+        // Every idle entry went at once; the two with handles stay.
+        assert_eq!(live_mrs(&ctx), 2);
+        assert_eq!(cache.stats().invalidated_in_use, 2);
+        assert_translates(&ctx, &pd, &sent, m.addr + PAGE, PAGE);
+        drop(sent); // off its lease's owner thread
+        assert_eq!(live_mrs(&ctx), 1);
+        go_tx.send(()).unwrap();
+        done_rx.recv().unwrap();
+        assert_eq!(live_mrs(&ctx), 0);
+        t.join().unwrap();
+    });
+    let s = cache.stats();
+    assert_eq!(s.registrations - s.deregistrations, s.entries);
+    drop(cache);
+    assert_eq!(live_mrs(&ctx), 0);
+}

@@ -7,12 +7,18 @@
 //! deregistration, which must happen exactly once, after the entry was killed, and never
 //! while a handle uses the keys. The drivers do what the cache does:
 //!
-//! * hit: `Hold::get` on the thread's hold (the per-thread table's reference);
+//! * hit: `Hold::get` on the thread's hold (the per-thread table's reference; not `Send`:
+//!   the thread that makes the lease owns it and is the only one hitting through it);
 //! * invalidate / evict / supersede: `LeaseSet::kill` (under the index write lock in the
 //!   cache), then `LeaseSet::try_retire` (after unlocking); eviction only of an entry whose
 //!   lease set reports no user;
-//! * handle drop and clone, hold drop (table slot replaced, thread exit), each on any
-//!   thread.
+//! * handle drop and clone on any thread (the owner's plain count, or the shared
+//!   read-modify-write path), hold drop (table slot replaced, thread exit) on the owner.
+//!
+//! The hit and the owner's drop have no read-modify-write: they and the kill are ordered
+//! by an asymmetric barrier (membarrier on the killing side), modelled here as one
+//! read-modify-write of an atomic of the entry's lease set on both sides. Removing the
+//! hit's side of it makes `hits_race_invalidation` fail (a handle on a retired entry).
 //!
 //! Properties:
 //!
@@ -24,7 +30,8 @@
 //! * a handle cloned on one thread and dropped on another keeps the entry registered until
 //!   the last drop.
 //!
-//! Run: `RUSTFLAGS="--cfg loom" cargo test -p mrkit --release --test loom_cache`
+//! Run: `RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test -p mrkit --profile loom
+//! --test loom_cache`
 #![cfg(loom)]
 
 use std::sync::Arc;
@@ -120,12 +127,16 @@ fn finish(p: &Arc<Probe>) {
 fn hits_race_invalidation() {
     model(|| {
         let p = probe();
-        let (h1, h2) = (hold(&p), hold(&p));
+        // Each thread hits through its own lease (made on the thread: it owns it).
+        let p1 = p.clone();
         let t1 = loom::thread::spawn(move || {
+            let h1 = hold(&p1);
             hit(&h1);
             hit(&h1);
         });
+        let p2 = p.clone();
         let t2 = loom::thread::spawn(move || {
+            let h2 = hold(&p2);
             hit(&h2);
         });
         invalidate(&p);
@@ -140,11 +151,32 @@ fn hits_race_invalidation() {
 }
 
 #[test]
+fn hit_races_invalidation_on_an_existing_lease() {
+    model(|| {
+        let p = probe();
+        // The lease exists before the race (a warm table); the hit keeps its handle
+        // while it uses it, then drops it on its own thread.
+        let p1 = p.clone();
+        let (tx, rx) = loom::sync::mpsc::channel::<()>();
+        let t1 = loom::thread::spawn(move || {
+            let h1 = hold(&p1);
+            tx.send(()).unwrap();
+            hit(&h1);
+        });
+        rx.recv().unwrap();
+        invalidate(&p);
+        t1.join().unwrap();
+        finish(&p);
+    });
+}
+
+#[test]
 fn hit_races_eviction() {
     model(|| {
         let p = probe();
-        let h1 = hold(&p);
+        let p1 = p.clone();
         let t1 = loom::thread::spawn(move || {
+            let h1 = hold(&p1);
             hit(&h1);
         });
         // Evictor (under the index write lock in the cache): only an idle entry; a hit
@@ -164,18 +196,20 @@ fn hit_races_eviction() {
 fn hold_drop_races_last_handle_release_and_kill() {
     model(|| {
         let p = probe();
-        // A handle taken on thread 0 moves to thread 1; thread 0's table drops its hold
-        // (slot replaced, thread exit) while the handle is released and the entry killed.
+        // A handle taken on the owner (this thread) moves to thread 1 and is dropped there
+        // (the shared path) while the owner drops its hold (slot replaced, thread exit:
+        // the lease is orphaned) and another thread kills the entry.
         let hold0 = hold(&p);
         let h = hold0.get().expect("live entry");
         let t1 = loom::thread::spawn(move || {
             use_keys(&h);
             drop(h);
         });
-        let t0 = loom::thread::spawn(move || drop(hold0));
-        invalidate(&p);
+        let p2 = p.clone();
+        let inv = loom::thread::spawn(move || invalidate(&p2));
+        drop(hold0);
         t1.join().unwrap();
-        t0.join().unwrap();
+        inv.join().unwrap();
         finish(&p);
     });
 }
@@ -184,8 +218,9 @@ fn hold_drop_races_last_handle_release_and_kill() {
 fn handle_moved_across_threads_races_invalidation() {
     model(|| {
         let p = probe();
-        // A handle taken on thread 0, cloned (same lease), the clone dropped on another
-        // thread while the original is used and an invalidation runs.
+        // A handle taken on the owner, cloned (same lease), the clone dropped on another
+        // thread while the original is used and dropped on the owner and an invalidation
+        // runs.
         let hold0 = hold(&p);
         let h = hold0.get().expect("live entry");
         let c = h.clone();
@@ -198,6 +233,34 @@ fn handle_moved_across_threads_races_invalidation() {
         use_keys(&h);
         drop(h);
         t.join().unwrap();
+        inv.join().unwrap();
+        drop(hold0);
+        finish(&p);
+    });
+}
+
+#[test]
+fn clone_off_owner_dropped_on_owner_races_kill() {
+    model(|| {
+        let p = probe();
+        // The owner's handle goes to thread 1, which clones it (the shared path) and sends
+        // the clone back; the owner drops the clone (its plain count) while thread 1 still
+        // uses the original and the entry is killed: the kill's count must not miss the
+        // original.
+        let hold0 = hold(&p);
+        let h = hold0.get().expect("live entry");
+        let (tx, rx) = loom::sync::mpsc::channel::<Handle<Probe>>();
+        let t1 = loom::thread::spawn(move || {
+            let c = h.clone();
+            tx.send(c).unwrap();
+            use_keys(&h);
+            drop(h);
+        });
+        let p2 = p.clone();
+        let inv = loom::thread::spawn(move || invalidate(&p2));
+        let c = rx.recv().unwrap();
+        drop(c);
+        t1.join().unwrap();
         inv.join().unwrap();
         drop(hold0);
         finish(&p);

@@ -214,6 +214,8 @@ impl Entry {
 /// Kill-and-retire helper for entries removed from the index: deregister those without
 /// users now (thread caches may still hold their memory), the others at their last release.
 pub(super) fn retire_all(v: Vec<Arc<Entry>>) {
+    // One barrier for all the kills (see `lease`), then each entry's count is exact.
+    LeaseSet::fence_all(v.iter().map(|x| &x.leases));
     for x in &v {
         x.try_retire();
     }

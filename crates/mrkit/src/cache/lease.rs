@@ -4,50 +4,69 @@
 //! dead (invalidated, evicted, superseded, cache dropped) and no handle on it exists. A
 //! shared reference count would make every hit write one cache line that every thread
 //! writes; instead each thread takes its handles through its own **lease** on the entry: a
-//! 64-byte, 64-aligned block holding one word `n` that only handles of that lease write.
+//! 64-byte, 64-aligned block written by that thread only on the hit path, with no locked
+//! instruction (no read-modify-write) on a hit or on the drop of a handle on the same thread.
 //!
-//! `n` packs three things: the number of handles taken through the lease (low 32 bits), the
-//! number of holds (the per-thread table's references, bits 32..62) and the `DEAD` bit (the
-//! entry was killed). Every step of the protocol is a read-modify-write of that one word, so the
-//! steps of a hit and of a kill are totally ordered without fences:
+//! A lease has an **owner**, the thread whose table holds it (a [`Hold`] is not `Send`):
 //!
-//! * **hit** ([`Hold::get`]): miss at once if `DEAD` is already visible (a plain load; the
-//!   bit is never cleared); else `fetch_add(1)`, and if the old value has `DEAD`, back out
-//!   (a release) and miss. Otherwise the handle counts *before* the kill's `fetch_or`,
-//!   which therefore sees it.
-//! * **kill** ([`LeaseSet::kill`], under the entry's lease-list mutex): mark the set dead
-//!   (leases created later are born `DEAD`), `fetch_or(DEAD)` on every lease, sum the
-//!   handles.
-//! * **release** (handle drop): while `DEAD` is clear, a compare-exchange `n -> n - 1`
-//!   (nothing else to do: the killer, which comes later in `n`'s order, sees the decrement).
-//!   With `DEAD` set: keep the entry alive (an `Arc` clone, dead entries only), decrement,
-//!   then [`LeaseSet::try_retire`].
-//! * **try_retire**: under the mutex, if the set is dead and every lease counts 0 handles,
-//!   retire (the owner's [`Retire::retire`], which must be idempotent). A hit racing in
-//!   after the read sees `DEAD` and backs out through its own `try_retire`.
+//! * `own`: handles taken through the lease on the owner thread minus handles dropped there
+//!   (wrapping). Written by the owner only, with a plain load and store.
+//! * `x`: handles dropped on other threads minus handles cloned on other threads, times 4,
+//!   plus the `ORPHAN` bit (the owner let go of its last hold). Read-modify-writes (the rare
+//!   cross-thread path).
+//! * `dead`: the entry was killed (set once, never cleared; also on the entry's set).
 //!
-//! A lease is freed by whoever brings `n` (handles and hold, ignoring `DEAD`) to zero, like
-//! an `Arc`; it is unlinked from the entry's list under the mutex first, so the killer and
-//! `try_retire` (which read `n` under the mutex) never read freed memory. A lease keeps its
-//! entry's memory (an `Arc`) alive, never its registration.
+//! Handles alive = `own - x / 4`, read `x` first (a drop seen in `x` has its taking in
+//! `own`, by the happens-before of the hand-over), under the set's mutex (so an off-owner
+//! clone is never half seen).
 //!
-//! Hit and release of a live entry write only the lease's line, which belongs to one thread
-//! (a handle dropped on another thread writes it once). Model-checked, as written here, by
-//! `tests/loom_cache.rs` (atomics and mutex come from the cache's sync shim, loom's under
-//! `--cfg loom`).
+//! The race to get right: a hit counting itself as the entry is killed. The hit stores
+//! `own + 1`, then loads `dead`; the killer stores `dead` on every lease, then loads the counts
+//! (Dekker). With a full barrier between the store and the load on both sides, at least one
+//! sees the other: the killer counts the handle, or the hit sees `dead`, backs out and calls
+//! [`LeaseSet::try_retire`]. The barrier is asymmetric, as the pool's lifetime protocol
+//! (`pool::life`): the hit and the same-thread drop have a compiler fence only, the killer
+//! runs `membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED)` (a full barrier on every running thread
+//! of the process) when a lease of the entry belongs to another thread, a `fence(SeqCst)`
+//! otherwise. Without that command both sides use `fence(SeqCst)` (the locked path of old).
+//! If the membarrier fails, nothing may be concluded from the counts: the set is marked
+//! *unsure* and the registration is released only when the entry itself goes (its last
+//! lease freed), a late release, never a use after release. Under loom both barriers are a
+//! read-modify-write of one atomic of the set, which orders the two sides the same way.
+//!
+//! * **hit** ([`Hold::get`], owner thread): `own + 1`, barrier (light), load `dead`: if set,
+//!   back out (`own - 1`), [`LeaseSet::try_retire`], miss.
+//! * **drop on the owner thread**: `own - 1`, barrier (light), if `dead`: `try_retire`.
+//! * **drop elsewhere**: keep the entry (an `Arc` clone), `x += 4` (AcqRel), `fence(SeqCst)`,
+//!   if the set is dead: `try_retire`. If the old `x` has `ORPHAN` and the drop brought the
+//!   handles to zero, free the lease.
+//! * **kill** ([`LeaseSet::kill`], under the set's mutex): mark the set and every lease dead
+//!   (leases created later are born dead), heavy barrier, sum the handles.
+//! * **try_retire**: under the mutex, if the set is dead, sure, and the sum is 0, retire (the
+//!   owner's [`Retire::retire`], which must be idempotent).
+//! * **last hold dropped** (owner thread; table slot replaced, thread exit): the lease
+//!   becomes ownerless (later drops on that thread take the shared path), `x |= ORPHAN`; if no
+//!   handle is left, free the lease. A lease is freed exactly once, by whoever brings it to
+//!   "orphaned and no handle" with its read-modify-write of `x`; it is unlinked from the set
+//!   under the mutex first, so the killer and `try_retire` never read freed memory. A lease
+//!   keeps its entry's memory (an `Arc`) alive, never its registration.
+//!
+//! Model-checked, as written here, by `tests/loom_cache.rs` (atomics and mutex come from the
+//! cache's sync shim, loom's under `--cfg loom`).
 
 use std::fmt;
+use std::marker::PhantomData;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use super::sync::{AtomicBool, AtomicU64, Mutex, Ordering};
+use super::sync::{thread_id, AtomicBool, AtomicU32, AtomicU64, Mutex, Ordering};
 
-/// The entry was killed (set once, never cleared).
-const DEAD: u64 = 1 << 63;
-/// One hold of the per-thread table (bits 32..62 count them).
-const HOLD: u64 = 1 << 32;
-/// Handles taken through the lease (bits 0..32).
-const HANDLES: u64 = HOLD - 1;
+/// `x`: the owner dropped its last hold (set once).
+const ORPHAN: u64 = 1;
+/// `x`: one handle dropped off the owner thread (the count lives in bits 2..64).
+const XONE: u64 = 4;
+/// Handle counts are compared modulo 2^62 (the width of `x`'s count).
+const COUNT_MASK: u64 = u64::MAX >> 2;
 
 /// What the lease core needs from an entry.
 pub trait Retire: Send + Sync + Sized + 'static {
@@ -66,11 +85,55 @@ pub trait Retire: Send + Sync + Sized + 'static {
 /// One thread's lease on an entry (see the module doc). 64-aligned: the line is the lease's.
 #[repr(align(64))]
 struct Lease<T: Retire> {
-    n: AtomicU64,
-    /// CLOCK bit: set by a handle drop when clear.
+    /// Handles taken minus handles dropped on the owner thread (wrapping). Written only by
+    /// the owner thread (load + store): Release stores, so a reader that sees a decrement
+    /// (Acquire) also sees the uses of the handle before it; ordered against `dead` by the
+    /// barriers (module doc).
+    own: AtomicU64,
+    /// `XONE` x (handles dropped off the owner thread minus those cloned off it) | `ORPHAN`.
+    /// Read-modify-writes, AcqRel: the owner's final `own` is published by its `ORPHAN`
+    /// RMW, and the RMW that frees the lease sees every earlier one.
+    x: AtomicU64,
+    /// The owner thread ([`thread_id`]), 0 once the owner dropped its last hold. Written only
+    /// by the owner. Relaxed where a thread compares it with its own id (which neither the
+    /// old nor the new value equals); the 0 is stored with Release for the killer (Acquire).
+    owner: AtomicU64,
+    /// The owner's holds (the table's references). Owner only, Relaxed load + store.
+    holds: AtomicU32,
+    /// The entry was killed (set once, under the set's mutex). Relaxed stores and loads:
+    /// ordered against the counts by the barriers (module doc).
+    dead: AtomicBool,
+    /// CLOCK bit: set by a handle drop when clear. Relaxed (a statistic).
     touched: AtomicBool,
     meta: T::Meta,
     entry: Arc<T>,
+}
+
+impl<T: Retire> Lease<T> {
+    /// Handles alive (read `x` first: see the module doc).
+    fn handles(&self) -> u64 {
+        // Acquire: a drop seen here comes with the taking of its handle (in `own`).
+        let x = self.x.load(Ordering::Acquire);
+        if x & ORPHAN != 0 {
+            // The orphaning RMW moved the final `own` into `x` (subtracted it).
+            return (x / XONE).wrapping_neg() & COUNT_MASK;
+        }
+        // Acquire: pairs with the owner's Release stores (the uses before a drop).
+        self.own.load(Ordering::Acquire).wrapping_sub(x / XONE) & COUNT_MASK
+    }
+
+    /// Whether the calling thread owns the lease (and so may write `own`).
+    #[inline]
+    fn mine(&self) -> bool {
+        self.owner.load(Ordering::Relaxed) == thread_id()
+    }
+
+    /// The owner's plain add to `own` (no read-modify-write: only the owner writes it).
+    #[inline(always)]
+    fn own_add(&self, d: u64) {
+        let n = self.own.load(Ordering::Relaxed);
+        self.own.store(n.wrapping_add(d), Ordering::Release);
+    }
 }
 
 struct Ptr<T: Retire>(NonNull<Lease<T>>);
@@ -84,6 +147,12 @@ unsafe impl<T: Retire> Sync for Ptr<T> {}
 
 struct State<T: Retire> {
     dead: bool,
+    /// A lease was owned by another live thread at the kill: the counts prove something only
+    /// after a heavy barrier.
+    heavy: bool,
+    /// The barrier after the kill ran (the counts are exact from now on). Stays false while
+    /// a heavy barrier fails: then the entry's own drop retires it.
+    fenced: bool,
     /// Some lease freed since the last [`LeaseSet::take_touched`] had its CLOCK bit set.
     touched: bool,
     leases: Vec<Ptr<T>>,
@@ -92,6 +161,14 @@ struct State<T: Retire> {
 /// An entry's leases and its dead flag, under one mutex (cold paths only).
 pub struct LeaseSet<T: Retire> {
     st: Mutex<State<T>>,
+    /// Copy of `State::dead` for the cross-thread drop, which may not touch its lease after
+    /// its read-modify-write (the lease may be freed by then). Relaxed: ordered by the
+    /// barriers like the leases' `dead`.
+    dead: AtomicBool,
+    /// The loom model of the asymmetric barrier: one read-modify-write of this atomic on
+    /// both sides (RMWs of one location are totally ordered, each acquiring the previous).
+    #[cfg(loom)]
+    barrier: AtomicU64,
 }
 
 impl<T: Retire> fmt::Debug for LeaseSet<T> {
@@ -113,25 +190,120 @@ impl<T: Retire> Default for LeaseSet<T> {
 impl<T: Retire> LeaseSet<T> {
     /// A live set without leases.
     pub fn new() -> Self {
+        // Decide the barrier kind before any lease of the set exists (both sides agree).
+        #[cfg(not(loom))]
+        crate::pool::life::barrier::init();
         LeaseSet {
             st: Mutex::new(State {
                 dead: false,
+                heavy: false,
+                fenced: false,
                 touched: false,
                 leases: Vec::new(),
             }),
+            dead: AtomicBool::new(false),
+            #[cfg(loom)]
+            barrier: AtomicU64::new(0),
         }
     }
 
+    /// The hot side of the barrier (hit, same-thread drop): orders the calling thread's
+    /// store of `own` before its load of `dead`, given the killer's heavy barrier.
+    #[inline(always)]
+    fn light(&self) {
+        #[cfg(loom)]
+        self.barrier.fetch_add(0, Ordering::AcqRel);
+        #[cfg(not(loom))]
+        crate::pool::life::barrier::light();
+    }
+
+    /// A full barrier of the calling thread only (the cross-thread drop's, and the killer's
+    /// when every lease is its own).
+    fn full(&self) {
+        #[cfg(loom)]
+        self.barrier.fetch_add(0, Ordering::AcqRel);
+        #[cfg(not(loom))]
+        std::sync::atomic::fence(Ordering::SeqCst);
+    }
+
+    /// The cold side: a full barrier on every thread that may own a lease of the set. False
+    /// when it could not be executed.
+    fn heavy(&self, others: bool) -> bool {
+        if !others {
+            self.full();
+            return true;
+        }
+        #[cfg(loom)]
+        {
+            self.barrier.fetch_add(0, Ordering::AcqRel);
+            true
+        }
+        #[cfg(not(loom))]
+        crate::pool::life::barrier::heavy()
+    }
+
     /// Kill: no handle can be taken any more (hits back out). Returns the handles alive at
-    /// the kill. Follow with [`try_retire`](Self::try_retire) (outside other locks).
+    /// the kill: exact for leases of the calling thread and ownerless ones, an estimate for
+    /// leases of other threads until the heavy barrier, which the next
+    /// [`try_retire`](Self::try_retire) or [`fence_all`](Self::fence_all) runs (once, for
+    /// any number of entries). Follow with one of them (outside other locks).
     pub fn kill(&self) -> u64 {
         let mut st = self.st.lock();
         st.dead = true;
-        st.leases
-            .iter()
+        self.dead.store(true, Ordering::Relaxed);
+        let me = thread_id();
+        let mut heavy = false;
+        for p in &st.leases {
             // SAFETY: linked leases are alive while we hold the mutex (see `free`).
-            .map(|p| unsafe { p.0.as_ref() }.n.fetch_or(DEAD, Ordering::AcqRel) & HANDLES)
-            .sum()
+            let l = unsafe { p.0.as_ref() };
+            l.dead.store(true, Ordering::Relaxed);
+            // Another live owner may be hitting right now. (0: ownerless, no hit can come;
+            // its drops take the shared path, whose fence pairs with ours.)
+            // Acquire: reading 0 (pairs with the Release in the last hold's drop) shows
+            // the owner's final `own`.
+            let o = l.owner.load(Ordering::Acquire);
+            heavy |= o != me && o != 0;
+        }
+        st.heavy |= heavy;
+        if !st.heavy && !st.fenced {
+            // Every hit is ours (program order); a fence pairs with the shared drops'.
+            self.full();
+            st.fenced = true;
+        }
+        Self::sum(&st)
+    }
+
+    /// Run the heavy barrier of a dead, unfenced set (under its mutex).
+    fn fence(&self, st: &mut State<T>) {
+        if st.dead && !st.fenced {
+            st.fenced = self.heavy(st.heavy);
+        }
+    }
+
+    /// The heavy barrier of every set killed and not fenced yet, once for all of them (a
+    /// membarrier costs microseconds): an invalidation or eviction of many entries.
+    pub fn fence_all<'a>(sets: impl Iterator<Item = &'a LeaseSet<T>> + Clone) {
+        // Sets killed before this scan (by any thread) and waiting for a heavy barrier; a
+        // set killed later is not fenced by the barrier below.
+        let waiting: Vec<bool> = sets
+            .clone()
+            .map(|s| {
+                let st = s.st.lock();
+                st.dead && !st.fenced && st.heavy
+            })
+            .collect();
+        if !waiting.contains(&true) {
+            return;
+        }
+        #[cfg(not(loom))]
+        let ok = crate::pool::life::barrier::heavy();
+        for (s, w) in sets.zip(waiting) {
+            if w {
+                #[cfg(loom)]
+                let ok = s.heavy(true);
+                s.st.lock().fenced |= ok;
+            }
+        }
     }
 
     /// Whether [`kill`](Self::kill) ran.
@@ -139,7 +311,8 @@ impl<T: Retire> LeaseSet<T> {
         self.st.lock().dead
     }
 
-    /// Handles alive now (sum over the leases).
+    /// Handles alive now (sum over the leases). Exact once the set is dead; an estimate
+    /// before (a hit on another thread may be on its way).
     pub fn users(&self) -> u64 {
         Self::sum(&self.st.lock())
     }
@@ -148,7 +321,7 @@ impl<T: Retire> LeaseSet<T> {
         st.leases
             .iter()
             // SAFETY: linked leases are alive while the mutex is held (see `free`).
-            .map(|p| unsafe { p.0.as_ref() }.n.load(Ordering::Acquire) & HANDLES)
+            .map(|p| unsafe { p.0.as_ref() }.handles())
             .sum()
     }
 
@@ -174,8 +347,10 @@ impl<T: Retire> LeaseSet<T> {
     /// times.
     pub fn try_retire(entry: &T) {
         let unused = {
-            let st = entry.leases().st.lock();
-            st.dead && Self::sum(&st) == 0
+            let set = entry.leases();
+            let mut st = set.st.lock();
+            set.fence(&mut st);
+            st.dead && st.fenced && Self::sum(&st) == 0
         };
         if unused {
             entry.retire();
@@ -183,12 +358,17 @@ impl<T: Retire> LeaseSet<T> {
     }
 }
 
-/// A new lease on `entry` with one handle, held by the returned [`Hold`] (the per-thread
-/// table's reference). Born dead when the entry's set is dead (the handle is then private
-/// to its holder and the registration is retired at its last release).
+/// A new lease on `entry` owned by the calling thread, with one handle, held by the returned
+/// [`Hold`] (the per-thread table's reference). Born dead when the entry's set is dead (the
+/// handle is then private to its holder and the registration is retired at its last
+/// release).
 pub fn lease<T: Retire>(entry: &Arc<T>) -> (Handle<T>, Hold<T>) {
     let p = mem::new_lease(Lease {
-        n: AtomicU64::new(1 | HOLD),
+        own: AtomicU64::new(1),
+        x: AtomicU64::new(0),
+        owner: AtomicU64::new(thread_id()),
+        holds: AtomicU32::new(1),
+        dead: AtomicBool::new(false),
         touched: AtomicBool::new(false),
         meta: entry.meta(),
         entry: entry.clone(),
@@ -197,22 +377,28 @@ pub fn lease<T: Retire>(entry: &Arc<T>) -> (Handle<T>, Hold<T>) {
         let mut st = entry.leases().st.lock();
         if st.dead {
             // SAFETY: the lease is not shared yet; it is alive (just allocated).
-            unsafe { p.as_ref() }.n.fetch_or(DEAD, Ordering::Relaxed);
+            unsafe { p.as_ref() }.dead.store(true, Ordering::Relaxed);
         }
         st.leases.push(Ptr(p));
     }
-    (Handle { p }, Hold { p })
+    (
+        Handle { p },
+        Hold {
+            p,
+            _local: PhantomData,
+        },
+    )
 }
 
-/// Free a lease whose count (handles and hold) reached zero.
+/// Free a lease that is orphaned and has no handle left.
 ///
 /// # Safety
 ///
-/// `p` came from [`lease`] and the caller's read-modify-write brought its handles and hold
-/// to zero: no `Handle` or `Hold` refers to it any more, only the entry's list.
+/// `p` came from [`lease`] and the caller's read-modify-write of `x` made it orphaned with
+/// no handle: no `Handle` or `Hold` refers to it any more, only the entry's list.
 unsafe fn free<T: Retire>(p: NonNull<Lease<T>>) {
     {
-        // SAFETY: alive until the Box below; others reach it only through the list, under
+        // SAFETY: alive until the free below; others reach it only through the list, under
         // the mutex we take here.
         let l = unsafe { p.as_ref() };
         let mut st = l.entry.leases().st.lock();
@@ -230,18 +416,30 @@ unsafe fn free<T: Retire>(p: NonNull<Lease<T>>) {
     unsafe { mem::free_lease(p) };
 }
 
-/// Release one handle of a dead lease (the caller owns one count on `p`).
-fn release_dead<T: Retire>(p: NonNull<Lease<T>>) {
-    // SAFETY: the caller's count keeps the lease alive until the fetch_sub.
+/// Drop one handle off the owner thread (or of an orphaned lease): the cross-thread path.
+#[cold]
+fn drop_shared<T: Retire>(p: NonNull<Lease<T>>) {
+    // SAFETY: the caller's handle keeps the lease alive until the read-modify-write below.
     let l = unsafe { p.as_ref() };
-    // The entry outlives the lease, which another releaser may free after our decrement.
+    // The lease may be freed by another thread right after our RMW: keep the entry.
     let e = l.entry.clone();
-    let old = l.n.fetch_sub(1, Ordering::AcqRel);
-    if (old - 1) & !DEAD == 0 {
-        // SAFETY: our decrement brought handles and hold to zero.
+    // AcqRel: our uses of the handle happen before a later reader of `x` (Acquire), and
+    // the freeing RMW sees every earlier one. After it the lease may be gone (unless we
+    // free it): it is not touched again.
+    let old = l.x.fetch_add(XONE, Ordering::AcqRel);
+    // Orphaned: the count of `x` is minus the handles alive (the owner's final `own` was
+    // subtracted); ours brought it to zero: free.
+    if old & ORPHAN != 0 && (old / XONE).wrapping_add(1) & COUNT_MASK == 0 {
+        // SAFETY: orphaned, and our RMW brought the handles to zero.
         unsafe { free(p) };
     }
-    LeaseSet::try_retire(&*e);
+    let set = e.leases();
+    // Dekker with the killer (see the module doc): our count before its read, or its `dead`
+    // before our load.
+    set.full();
+    if set.dead.load(Ordering::Relaxed) {
+        LeaseSet::try_retire(&*e);
+    }
 }
 
 /// One handle: one count on a lease. While it lives the entry's registration stays.
@@ -249,7 +447,8 @@ pub struct Handle<T: Retire> {
     p: NonNull<Lease<T>>,
 }
 
-// SAFETY: the lease is shared through atomics only, and `T: Send + Sync`.
+// SAFETY: the lease is shared through atomics only (a handle dropped off its lease's owner
+// thread takes the read-modify-write path), and `T: Send + Sync`.
 unsafe impl<T: Retire> Send for Handle<T> {}
 // SAFETY: `&Handle` gives only `&T` (`T: Sync`).
 unsafe impl<T: Retire> Sync for Handle<T> {}
@@ -276,11 +475,18 @@ impl<T: Retire> Handle<T> {
 
 impl<T: Retire> Clone for Handle<T> {
     fn clone(&self) -> Self {
-        // A live handle keeps the count above 0 throughout; the new count is ordered with a
-        // kill like any other (it is seen, or the entry is dead and stays registered until
-        // this handle's release).
-        let old = self.lease().n.fetch_add(1, Ordering::Relaxed);
-        assert!(old & HANDLES < HANDLES - 1, "lease handle count overflow");
+        // A live handle keeps the count above 0 throughout; the new handle needs no `dead`
+        // check (an entry stays registered while a handle on it lives).
+        let l = self.lease();
+        if l.mine() {
+            l.own_add(1);
+        } else {
+            // Under the mutex: the counts are summed under it, so no sum sees the clone's
+            // drop on the owner thread without the clone itself.
+            let _st = l.entry.leases().st.lock();
+            // AcqRel: as any RMW of `x`. Wrapping: the count is modulo 2^62.
+            l.x.fetch_sub(XONE, Ordering::AcqRel);
+        }
         Handle { p: self.p }
     }
 }
@@ -293,83 +499,76 @@ impl<T: Retire> Drop for Handle<T> {
         if !l.touched.load(Ordering::Relaxed) {
             l.touched.store(true, Ordering::Relaxed);
         }
-        let mut cur = l.n.load(Ordering::Relaxed);
-        while cur & DEAD == 0 {
-            // AcqRel: the handle's uses happen before a later retire (which reads `n` with
-            // Acquire) and, when this brings `n` to zero, before the free.
-            match l
-                .n
-                .compare_exchange_weak(cur, cur - 1, Ordering::AcqRel, Ordering::Relaxed)
-            {
-                Ok(_) => {
-                    if cur - 1 == 0 {
-                        // SAFETY: our decrement brought handles and hold to zero.
-                        unsafe { free(self.p) };
-                    }
-                    return;
-                }
-                Err(v) => cur = v,
-            }
+        if !l.mine() {
+            drop_shared(self.p);
+            return;
         }
-        release_dead(self.p);
+        // Owner thread: it holds a hold (the owner field is cleared with the last one), so
+        // the lease stays alive throughout.
+        l.own_add(u64::MAX);
+        let set = l.entry.leases();
+        set.light();
+        if l.dead.load(Ordering::Relaxed) {
+            LeaseSet::try_retire(&*l.entry);
+        }
     }
 }
 
-/// A hit that found its entry dead: dropping it releases the count the hit took, if it
-/// took one (a dead handle's release: see [`Hold::try_get`]).
-#[must_use = "dropping a back-out releases the hit's count"]
+/// A hit that found its entry dead (after counting and backing out): dropping it runs the
+/// entry's [`LeaseSet::try_retire`], which may retire the entry and so run arbitrary drop
+/// code — the per-thread path drops it only after it stopped reading its table.
+#[must_use = "dropping a back-out may retire the entry"]
 pub struct Backout<T: Retire> {
-    /// The lease the hit counted on; `None` when it saw `DEAD` before counting.
-    p: Option<NonNull<Lease<T>>>,
+    entry: Arc<T>,
 }
 
 impl<T: Retire> Drop for Backout<T> {
     fn drop(&mut self) {
-        if let Some(p) = self.p {
-            release_dead(p);
-        }
+        LeaseSet::try_retire(&*self.entry);
     }
 }
 
-/// The per-thread table's reference on a lease: hits take handles through it.
+/// The per-thread table's reference on a lease: hits take handles through it. Not `Send`:
+/// the thread holding it is the lease's owner (the only writer of its handle count).
 pub struct Hold<T: Retire> {
     p: NonNull<Lease<T>>,
+    _local: PhantomData<*const ()>,
 }
 
-// SAFETY: as for `Handle`.
-unsafe impl<T: Retire> Send for Hold<T> {}
-// SAFETY: as for `Handle`.
+// SAFETY: `&Hold` gives `&T` (`T: Sync`) and reads of the lease's atomics; its writes (`get`,
+// `clone`, drop) need the `Hold` itself, which stays on its thread (not `Send`).
 unsafe impl<T: Retire> Sync for Hold<T> {}
 
 impl<T: Retire> Hold<T> {
     #[inline]
     fn lease(&self) -> &Lease<T> {
-        // SAFETY: this hold's count keeps the lease alive until it drops.
+        // SAFETY: this hold keeps the lease alive until it drops.
         unsafe { self.p.as_ref() }
     }
 
-    /// A hit: a handle, or `None` when the entry is dead.
+    /// A hit: a handle, or `None` when the entry is dead. No read-modify-write: the holder
+    /// owns the lease.
     #[inline]
     pub fn get(&self) -> Option<Handle<T>> {
         self.try_get().ok()
     }
 
-    /// A hit that leaves the back-out to its caller: a handle, or, when the entry is dead,
-    /// a [`Backout`] whose drop undoes the hit's count (which may retire the entry and so
-    /// run arbitrary drop code: the per-thread path drops it only after it stopped reading
-    /// its table).
+    /// A hit that leaves the retire check of a dead entry to its caller: a handle, or a
+    /// [`Backout`] to drop once nothing is borrowed (see there).
     #[inline]
     pub fn try_get(&self) -> Result<Handle<T>, Backout<T>> {
-        let n = &self.lease().n;
-        // Already dead: miss without writing (the bit is never cleared).
-        if n.load(Ordering::Relaxed) & DEAD != 0 {
-            return Err(Backout { p: None });
-        }
-        // AcqRel: ordered with the kill's fetch_or on the same word (one of the two sees
-        // the other).
-        let old = n.fetch_add(1, Ordering::AcqRel);
-        if old & DEAD != 0 {
-            return Err(Backout { p: Some(self.p) });
+        let l = self.lease();
+        l.own_add(1);
+        let set = l.entry.leases();
+        // Dekker with the killer (module doc): our count before its read, or its `dead`
+        // before our load.
+        set.light();
+        if l.dead.load(Ordering::Relaxed) {
+            l.own_add(u64::MAX);
+            set.light();
+            return Err(Backout {
+                entry: l.entry.clone(),
+            });
         }
         Ok(Handle { p: self.p })
     }
@@ -381,7 +580,7 @@ impl<T: Retire> Hold<T> {
 
     /// Whether the entry was killed.
     pub fn is_dead(&self) -> bool {
-        self.lease().n.load(Ordering::Relaxed) & DEAD != 0
+        self.lease().dead.load(Ordering::Relaxed)
     }
 
     /// The entry.
@@ -398,17 +597,40 @@ impl<T: Retire> Hold<T> {
 
 impl<T: Retire> Clone for Hold<T> {
     fn clone(&self) -> Self {
-        let old = self.lease().n.fetch_add(HOLD, Ordering::Relaxed);
-        assert!(old & !DEAD < !DEAD - HOLD, "lease hold count overflow");
-        Hold { p: self.p }
+        let h = &self.lease().holds;
+        let n = h.load(Ordering::Relaxed);
+        assert!(n < u32::MAX, "lease hold count overflow");
+        h.store(n + 1, Ordering::Relaxed);
+        Hold {
+            p: self.p,
+            _local: PhantomData,
+        }
     }
 }
 
 impl<T: Retire> Drop for Hold<T> {
     fn drop(&mut self) {
-        let old = self.lease().n.fetch_sub(HOLD, Ordering::AcqRel);
-        if (old - HOLD) & !DEAD == 0 {
-            // SAFETY: our decrement brought handles and hold to zero.
+        let l = self.lease();
+        let n = l.holds.load(Ordering::Relaxed) - 1;
+        l.holds.store(n, Ordering::Relaxed);
+        if n > 0 {
+            return;
+        }
+        // Last hold: the lease has no owner from now on (this thread's later drops take the
+        // shared path too); `own` is final.
+        // Release: a killer that reads 0 (Acquire) sees the final `own`.
+        l.owner.store(0, Ordering::Release);
+        let own = l.own.load(Ordering::Relaxed);
+        // Move the final `own` into `x`: set `ORPHAN` (bit 0, clear until now; bit 1 is
+        // always clear, so no carry reaches the count) and subtract `own` from the count,
+        // which then reads minus the handles alive. AcqRel: sees every cross-thread drop
+        // before it, and the RMW that frees the lease sees it.
+        let old = l.x.fetch_add(
+            ORPHAN.wrapping_sub(own.wrapping_mul(XONE)),
+            Ordering::AcqRel,
+        );
+        if own.wrapping_sub(old / XONE) & COUNT_MASK == 0 {
+            // SAFETY: orphaned by us, and no handle is left.
             unsafe { free(self.p) };
         }
     }

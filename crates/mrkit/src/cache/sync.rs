@@ -4,12 +4,40 @@
 #![forbid(unsafe_code)]
 
 #[cfg(loom)]
-pub use loom::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+pub use loom::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 #[cfg(not(loom))]
-pub use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+pub use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
 #[cfg(not(loom))]
 pub use parking_lot::Mutex;
+
+/// Ids handed out by [`thread_id`] (never reused). Relaxed: only uniqueness matters. A `std`
+/// atomic under loom too (an identity, not part of the modelled protocol).
+static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+#[cfg(not(loom))]
+std::thread_local! {
+    static ID: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+#[cfg(loom)]
+loom::thread_local! {
+    static ID: std::cell::Cell<u64> = std::cell::Cell::new(0);
+}
+
+/// The calling thread's id: nonzero, unique in the process for its lifetime (a lease's owner
+/// is compared with it). Usable in thread-local destructors (a `const` `Cell` has none).
+#[inline]
+pub fn thread_id() -> u64 {
+    ID.with(|c| {
+        let v = c.get();
+        if v != 0 {
+            return v;
+        }
+        let v = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        c.set(v);
+        v
+    })
+}
 
 /// loom's mutex with `parking_lot`'s signature (no poisoning).
 #[cfg(loom)]

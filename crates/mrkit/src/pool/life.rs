@@ -87,8 +87,9 @@ impl<K> fmt::Debug for Life<K> {
     }
 }
 
+/// The asymmetric barrier, shared with the registration cache's lease core.
 #[cfg(not(loom))]
-mod barrier {
+pub(crate) mod barrier {
     use std::sync::atomic::{compiler_fence, fence, Ordering};
     use std::sync::OnceLock;
 
@@ -98,7 +99,7 @@ mod barrier {
     /// before the first pool exists, so both sides of every pool agree.
     static ASYMMETRIC: OnceLock<bool> = OnceLock::new();
 
-    pub(super) fn init() {
+    pub(crate) fn init() {
         ASYMMETRIC.get_or_init(|| {
             membarrier_query().contains_command(MembarrierCommand::PrivateExpedited)
                 && membarrier(MembarrierCommand::RegisterPrivateExpedited).is_ok()
@@ -112,7 +113,7 @@ mod barrier {
 
     /// The hot side: orders this thread's earlier stores before its later loads.
     #[inline(always)]
-    pub(super) fn light() {
+    pub(crate) fn light() {
         if asymmetric() {
             // The heavy side's membarrier supplies the hardware barrier; keep the compiler
             // from moving the count store after the `closing` load.
@@ -124,7 +125,7 @@ mod barrier {
 
     /// The cold side: a full barrier on every running thread of the process. False when it
     /// could not be executed (then nothing may be concluded from the counts).
-    pub(super) fn heavy() -> bool {
+    pub(crate) fn heavy() -> bool {
         if !asymmetric() {
             fence(Ordering::SeqCst);
             return true;

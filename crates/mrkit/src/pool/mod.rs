@@ -72,7 +72,7 @@ mod freelist;
 #[doc(hidden)]
 pub mod freelist;
 #[cfg(not(loom))]
-mod life;
+pub(crate) mod life;
 #[cfg(loom)]
 #[doc(hidden)]
 pub mod life;
