@@ -321,3 +321,57 @@ fn invalidating_entries_leased_by_a_live_thread_retires_each_at_the_right_time()
     drop(cache);
     assert_eq!(live_mrs(&ctx), 0);
 }
+
+/// Misses at the limits evict entries another live thread has leases on: their kills share
+/// membarriers (up to 32 evictions each), so a registration may outlive its eviction until
+/// the batch is full, never beyond it, and `stats`, an invalidation or the cache's drop
+/// retire the rest; an evicted entry is never served again.
+#[test]
+fn evictions_of_entries_leased_by_a_live_thread_retire_in_batches() {
+    let (ctx, pd) = open();
+    let n = 64usize;
+    let cache = RegCache::new(&pd, explicit(n)).unwrap();
+    let m = Map::new(4 * n * PAGE as usize);
+    let (warm_tx, warm_rx) = mpsc::channel::<()>();
+    let (go_tx, go_rx) = mpsc::channel::<()>();
+    std::thread::scope(|s| {
+        let (c, base) = (&cache, m.addr);
+        s.spawn(move || {
+            for _ in 0..2 {
+                for i in 0..n as u64 {
+                    drop(c.raw(base + i * PAGE, PAGE, RW).unwrap());
+                }
+            }
+            warm_tx.send(()).unwrap();
+            // Alive, its table holding leases on every first-round entry.
+            go_rx.recv().unwrap();
+        });
+        warm_rx.recv().unwrap();
+        let old: Vec<u32> = (0..n as u64)
+            .map(|i| cache.raw(m.addr + i * PAGE, PAGE, RW).unwrap().lkey())
+            .collect();
+        // Three more rounds of other buffers: every miss evicts one entry.
+        for i in n as u64..4 * n as u64 {
+            drop(cache.raw(m.addr + i * PAGE, PAGE, RW).unwrap());
+            let live = live_mrs(&ctx);
+            assert!(
+                live <= n as u64 + 32,
+                "{live} registrations for at most {n} entries"
+            );
+        }
+        let st = cache.stats();
+        assert_eq!(st.evictions, 3 * n as u64);
+        assert_eq!(st.registrations - st.deregistrations, st.entries);
+        assert_eq!(live_mrs(&ctx), st.entries);
+        // The first round again: new registrations, none of the evicted ones.
+        for (i, k) in old.iter().enumerate() {
+            let a = m.addr + i as u64 * PAGE;
+            let h = cache.raw(a, PAGE, RW).unwrap();
+            assert_ne!(h.lkey(), *k, "an evicted registration was served again");
+            assert_translates(&ctx, &pd, &h, a, PAGE);
+        }
+        go_tx.send(()).unwrap();
+    });
+    drop(cache);
+    assert_eq!(live_mrs(&ctx), 0);
+}

@@ -61,7 +61,9 @@ impl RegCache {
     /// Evict up to `max` idle entries (all with `usize::MAX`); with `older_than`, only those
     /// idle since before that cache-clock tick (the idle scanner). Returns how many.
     pub(super) fn evict_idle(&self, max: usize, older_than: Option<u64>) -> usize {
-        let mut victims = Vec::new();
+        // Earlier misses' victims go too (the ENOMEM fallback and the idle scanner come here).
+        let mut victims = std::mem::take(&mut *self.inner.unfenced.lock());
+        let earlier = victims.len();
         {
             let mut ix = self.inner.index.write();
             let cand: Vec<(u64, u64)> = ix
@@ -78,7 +80,7 @@ impl RegCache {
                 victims.extend(take_if_idle(&mut ix, s, id));
             }
         }
-        let n = victims.len();
+        let n = victims.len() - earlier;
         let c = &self.inner.shared.c;
         let counter = if older_than.is_some() {
             &c.idle_releases
@@ -156,6 +158,36 @@ impl RegCache {
         }
     }
 
+    /// Retire the entries a miss evicted (killed under the index lock). One whose kill waits
+    /// for a membarrier (a lease of another live thread; a few microseconds on a VM) is kept
+    /// for later, so that up to [`UNFENCED_BATCH`] evictions share one: its registration
+    /// stays until then (or until the next invalidation, eviction round, idle scan, `stats`
+    /// or cache drop), beyond the limits by at most that many entries.
+    pub(super) fn retire_victims(&self, victims: Vec<Arc<Entry>>) {
+        let (later, now): (Vec<_>, Vec<_>) =
+            victims.into_iter().partition(|x| x.leases.awaits_barrier());
+        retire_all(now);
+        if later.is_empty() {
+            return;
+        }
+        let batch = {
+            let mut u = self.inner.unfenced.lock();
+            u.extend(later);
+            if u.len() >= UNFENCED_BATCH {
+                std::mem::take(&mut *u)
+            } else {
+                Vec::new()
+            }
+        };
+        retire_all(batch);
+    }
+
+    /// Retire every evicted entry kept for a shared membarrier ([`Self::retire_victims`]).
+    pub(super) fn flush_unfenced(&self) {
+        let v = std::mem::take(&mut *self.inner.unfenced.lock());
+        retire_all(v);
+    }
+
     /// Evict every idle entry now, and detach from the userfaultfd monitor every page range
     /// no cache uses any more (kept attached to make later misses cheap; see the module docs).
     /// Returns how many entries it evicted; entries with a live handle stay.
@@ -182,6 +214,9 @@ impl RegCache {
         n
     }
 }
+
+/// Evictions by misses that share one membarrier (see [`RegCache::retire_victims`]).
+pub(super) const UNFENCED_BATCH: usize = 32;
 
 /// Stops the idle scanner thread on drop.
 /// (Example at [`RegCache::start_idle_scanner`].)

@@ -73,6 +73,8 @@ impl RegCache {
             x.wake();
         }
         self.tls_forget(&dead);
+        let mut dead = dead;
+        dead.append(&mut self.inner.unfenced.lock());
         retire_all(dead);
         n
     }

@@ -306,6 +306,13 @@ impl<T: Retire> LeaseSet<T> {
         }
     }
 
+    /// Whether the set was killed and its count still waits for a heavy barrier (a lease of
+    /// another live thread): [`try_retire`](Self::try_retire) would run a membarrier.
+    pub fn awaits_barrier(&self) -> bool {
+        let st = self.st.lock();
+        st.dead && !st.fenced && st.heavy
+    }
+
     /// Whether [`kill`](Self::kill) ran.
     pub fn is_dead(&self) -> bool {
         self.st.lock().dead

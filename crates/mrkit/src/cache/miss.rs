@@ -179,7 +179,7 @@ impl RegCache {
         // Superseded and evicted entries were marked dead under the lock; each is
         // deregistered when its last reference (maybe this one) goes.
         retire_all(claim.superseded);
-        retire_all(claim.victims);
+        self.retire_victims(claim.victims);
         let p = claim.placeholder;
         self.attach_monitor(&p);
         match self.register_pieces(p.start, p.end, p.access) {

@@ -301,6 +301,9 @@ struct Inner {
     threads: Mutex<Vec<Arc<ThreadStats>>>,
     /// Orders the idle scanner and the statistics exporter with the last user's drop.
     gate: Arc<gate::Gate>,
+    /// Entries evicted by misses whose kill waits for a heavy barrier (a lease of another live
+    /// thread): fenced and retired together ([`RegCache::retire_victims`]).
+    unfenced: Mutex<Vec<Arc<Entry>>>,
 }
 
 /// The registration cache. Cheap to clone (shared).
@@ -389,6 +392,7 @@ impl RegCache {
                 epoch: Instant::now(),
                 threads: Mutex::new(Vec::new()),
                 gate,
+                unfenced: Mutex::new(Vec::new()),
             }),
         };
         stats::export::add(&cache.inner);
@@ -507,11 +511,12 @@ impl Drop for Inner {
         // Kill every entry; idle ones are retired here (other threads' caches may still hold
         // their memory), in-use ones at their last handle drop.
         let ix = std::mem::take(&mut *self.index.write());
-        let all: Vec<Arc<Entry>> = ix.iter().map(|(_, _, _, x)| x.clone()).collect();
+        let mut all: Vec<Arc<Entry>> = ix.iter().map(|(_, _, _, x)| x.clone()).collect();
         for x in &all {
             x.kill();
         }
         drop(ix);
+        all.append(&mut self.unfenced.lock());
         retire_all(all);
     }
 }

@@ -111,6 +111,9 @@ impl RegCache {
     /// assert_eq!((s.entries, s.bytes_registered), (1, 4096));
     /// ```
     pub fn stats(&self) -> CacheStats {
+        // Evicted entries waiting for a shared membarrier are retired first: the figures
+        // then count them as deregistered.
+        self.flush_unfenced();
         let c = &self.inner.shared.c;
         let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
         let fast: u64 = self.inner.threads.lock().iter().map(|t| l(&t.hits)).sum();
