@@ -18,7 +18,10 @@
 //! The hit and the owner's drop have no read-modify-write: they and the kill are ordered
 //! by an asymmetric barrier (membarrier on the killing side), modelled here as one
 //! read-modify-write of an atomic of the entry's lease set on both sides. Removing the
-//! hit's side of it makes `hits_race_invalidation` fail (a handle on a retired entry).
+//! hit's side of it makes `hits_race_invalidation`, `hit_races_eviction` and
+//! `hit_races_invalidation_on_an_existing_lease` fail (a handle on a retired entry); taking
+//! an off-owner clone outside the set's mutex makes `clone_off_owner_dropped_on_owner_races_kill`
+//! fail (the kill's count misses a handle).
 //!
 //! Properties:
 //!
