@@ -103,10 +103,11 @@
 //!   keyed by the 4 KiB page of the request address (16-byte slots, sized to the cache's
 //!   `max_entries`) plus a ring of the last 4 entries matched by range (lookups anywhere in a
 //!   large entry). A hit reads the table slot, checks range and rights in the lease's own
-//!   line, and takes a handle with one read-modify-write on the lease's count word; the
-//!   handle drop is one compare-exchange on the same word. The lease's line belongs to the
-//!   thread: a hit takes **no lock and writes no shared cache line**, so threads hitting the
-//!   same entries never bounce a line. With the userfaultfd monitor, the table is valid only
+//!   line, and counts its handle with a plain load and store of the lease's owner-only
+//!   count (no locked instruction); a handle dropped on the same thread does the same, one
+//!   dropped on another thread takes a read-modify-write path. The lease's line belongs to
+//!   the thread: a hit takes **no lock and writes no shared cache line**, so threads hitting
+//!   the same entries never bounce a line. With the userfaultfd monitor, the table is valid only
 //!   while the monitor's event sequence equals the one it caught up to (one load of a line
 //!   written only by events); after an event the next lookup applies the queued
 //!   invalidations on the slow path and the table catches up *without* being cleared (dead
@@ -117,9 +118,13 @@
 //! * **Life cycle**: an entry's *memory* is an `Arc` (index, leases, waiters); its
 //!   *registration* is retired (`Entry::try_retire`) once it is dead (invalidated,
 //!   evicted, superseded, cache dropped) and no lease counts a handle. A kill sets a dead
-//!   bit in every lease's count word under the entry's lease-list mutex; hits and releases
-//!   are read-modify-writes of the same word, so either the kill counts a hit's handle or
-//!   the hit sees the bit and backs out (no fences, no Dekker pairs; see the `lease` module). The MR is
+//!   flag in every lease under the entry's lease-list mutex, then (once for every entry of
+//!   an invalidation) runs `membarrier` when a lease belongs to another live thread, and
+//!   counts; a hit counts itself, then reads the flag with only a compiler fence between
+//!   (the membarrier supplies the hardware barrier), so either the kill counts a hit's
+//!   handle or the hit sees the flag and backs out (an asymmetric Dekker pair, as the pool's
+//!   lifetime; `fence(SeqCst)` on both sides where membarrier is unavailable; see the
+//!   `lease` module). The MR is
 //!   deregistered exactly once, and never while a handle exists; an entry invalidated while
 //!   in use leaves the index at once and is retired by its last handle. Thread tables keep
 //!   an entry's memory (not its registration) until the slot is replaced, the table is
