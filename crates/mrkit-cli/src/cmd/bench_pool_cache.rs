@@ -31,7 +31,7 @@
 //!     for the floor (`hit_floor_isolated_ns_n{N}`) and UCX (`ucx_rcache_hit_isolated_ns_n{N}`),
 //!     with `cache_over_floor_isolated_n{N}` and `cache_over_ucx_isolated_n{N}`;
 //!   * `hit_floor_ns_n{N}` (and `_2threads`): the memory floor under a hit in the same
-//!     protocol and run ([`HitFloor`]: the hit's two accesses and two atomics over the cache's
+//!     protocol and run ([`HitFloor`]: the hit's two accesses and its count updates over the cache's
 //!     own table and THP-advised arrays, no cache); `cache_over_floor_n{N}` (and
 //!     `_2threads`): the cache divided by it. At 65,536 buffers (~8 MiB per thread) both are
 //!     bound by the memory system, which moves ~3x between states of the VM;

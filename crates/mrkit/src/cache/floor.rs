@@ -5,22 +5,26 @@
 //! A hit on a large working set is bound by memory, not instructions: a slot of the thread's
 //! page table at random, then the entry's 64-byte lease line, each a likely cache miss. This
 //! model makes exactly those accesses with the cache's own [`PageTable`] and THP-advised
-//! arrays ([`Slots`]): the slot, a coverage check on the lease line, the hit's
-//! `fetch_add` and the handle drop's compare-exchange on the lease word. `mrkit bench
+//! arrays ([`Slots`]): the slot, a coverage check on the lease line, and the hit's and the
+//! handle drop's owner-only count updates (a plain load and store each, with the dead-flag
+//! loads that follow them, as in `lease`). `mrkit bench
 //! pool-cache` runs it beside the cache in the same run and the same thread protocol, so
 //! that what the machine's memory costs (and what a second thread on it costs) is told apart
 //! from what the cache adds. [`serialize`] separates lookups for the bench's isolated shape.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{compiler_fence, AtomicBool, AtomicU64, Ordering};
 
 use super::lease::mem::Slots;
 use super::tls::{page_key, PageTable};
 
-/// A lease line as the hit sees it: the count word and the entry's range.
+/// A lease line as the hit sees it: the owner's count, the dead flag and the entry's range.
 #[repr(align(64))]
 struct FloorLease {
-    /// Handles taken (the model's only writer is its own thread; AcqRel as the real hit).
-    n: AtomicU64,
+    /// Handles taken minus dropped: written by the owning thread only, with a plain load and
+    /// store (Release, as the real lease's `own`).
+    own: AtomicU64,
+    /// Never set here; loaded after each count update, as the real hit and drop do.
+    dead: AtomicBool,
     start: u64,
     end: u64,
 }
@@ -56,7 +60,8 @@ impl HitFloor {
             let start = base + i * 4096;
             i += 1;
             FloorLease {
-                n: AtomicU64::new(0),
+                own: AtomicU64::new(0),
+                dead: AtomicBool::new(false),
                 start,
                 end: start + 4096,
             }
@@ -79,14 +84,16 @@ impl HitFloor {
         if !(l.start <= addr && addr.saturating_add(len) <= l.end) {
             return false;
         }
-        // The hit's increment, then the handle drop's decrement, as in `lease::Hold::get` and
-        // `lease::Handle::drop`.
-        let old = l.n.fetch_add(1, Ordering::AcqRel);
-        let mut cur = old + 1;
-        while let Err(v) =
-            l.n.compare_exchange_weak(cur, cur - 1, Ordering::AcqRel, Ordering::Relaxed)
-        {
-            cur = v;
+        // The hit's count, then the handle drop's, each followed by the dead-flag load (with
+        // a compiler fence between, the light side of the lease's asymmetric barrier), as in
+        // `lease::Hold::try_get` and `lease::Handle::drop`.
+        for d in [1, u64::MAX] {
+            let n = l.own.load(Ordering::Relaxed);
+            l.own.store(n.wrapping_add(d), Ordering::Release);
+            compiler_fence(Ordering::SeqCst);
+            if l.dead.load(Ordering::Relaxed) {
+                return false;
+            }
         }
         true
     }
