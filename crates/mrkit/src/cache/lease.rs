@@ -951,14 +951,15 @@ pub(crate) mod mem {
 }
 
 #[cfg(all(test, not(loom)))]
-mod tests {
+pub(super) mod tests {
     use std::sync::Arc;
 
     use super::mem::{cell_count, Slots, CELL, HUGE};
     use super::{lease, Hold, LeaseSet, Retire};
 
-    /// The slab is process-wide: the tests counting its cells run one at a time.
-    static SERIAL: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
+    /// The slab is process-wide: the tests counting its cells run one at a time, and other
+    /// unit tests that make leases (through a cache) take this lock too.
+    pub(in crate::cache) static SERIAL: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
 
     struct Probe {
         leases: LeaseSet<Probe>,

@@ -95,6 +95,9 @@ impl RegCache {
     /// A lookup the thread's table could not serve: the shared index, else a miss (retried
     /// while the range is invalidated under it, at most 64 times). `no_widen` registers the
     /// page-rounded range only; `own` is the owner of an owned request with remote rights.
+    /// Never inlined: inlined into a lookup it made the hit path spill registers and grow
+    /// its stack frame.
+    #[inline(never)]
     pub(super) fn get_slow(
         &self,
         addr: u64,
