@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use cache_util::*;
 use mrkit::cache::{CacheConfig, RegCache, Registration, Shape};
 use mrkit::pool::{MrPool, PoolConfig};
-use mrkit::{AccessFlags, DeviceConfig};
+use mrkit::{AccessFlags, Buffer, DeviceConfig};
 
 const RW: AccessFlags = AccessFlags::LOCAL_WRITE;
 
@@ -220,15 +220,30 @@ fn idle_scanner_releases_old_entries() {
 
 /// A cache dropped while its idle scanner is in a pass, or while another thread takes
 /// statistics snapshots, is torn down by the thread that drops it: no registration is left
-/// when the drop returns (the background threads never hold the last reference).
+/// when the drop returns (the background threads never hold the last reference). Seen
+/// through the memory the entries co-own (released after deregistration), so it holds on
+/// any provider.
 #[test]
 fn a_cache_dropped_during_a_scan_or_a_snapshot_is_released_by_its_dropper() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+
+    /// Stops the snapshot thread however the test body ends (a panic included).
+    struct Stop<'a>(&'a AtomicBool);
+    impl Drop for Stop<'_> {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::Relaxed);
+        }
+    }
+
     let (ctx, pd) = open();
-    let stop = std::sync::atomic::AtomicBool::new(false);
+    let stop = AtomicBool::new(false);
+    let pages = 4096u64;
     let mut left = Vec::new();
     std::thread::scope(|s| {
+        let _stop = Stop(&stop);
         s.spawn(|| {
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+            while !stop.load(Ordering::Relaxed) {
                 std::hint::black_box(mrkit::stat_export::snapshot());
             }
         });
@@ -236,29 +251,32 @@ fn a_cache_dropped_during_a_scan_or_a_snapshot_is_released_by_its_dropper() {
             // Nothing gets old enough to be released: every pass only walks the entries.
             let cfg = CacheConfig {
                 idle_timeout: Duration::from_secs(3600),
+                max_entries: 2 * pages as usize,
                 ..explicit()
             };
             let cache = RegCache::new(&pd, cfg).unwrap();
-            let m = Map::new(4096 * 4096);
-            for i in 0..4096 {
-                drop(cache.raw(m.addr + i * 4096, 4096, RW).unwrap());
+            let io = Arc::new(Buffer::new((pages * 4096) as usize).unwrap());
+            let acc = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE;
+            for i in 0..pages {
+                // Remote rights: each entry co-owns `io` until it is deregistered.
+                drop(cache.get_owned(&io, i * 4096..(i + 1) * 4096, acc).unwrap());
             }
+            assert_eq!(Arc::strong_count(&io), 1 + pages as usize);
             // Passes back to back.
             let scanner = cache.start_idle_scanner(Duration::from_micros(1));
             std::thread::sleep(Duration::from_millis(3));
             drop(cache);
-            let n = live_mrs(&ctx);
+            let n = Arc::strong_count(&io) - 1;
             if n != 0 {
                 left.push((round, n));
             }
             drop(scanner);
         }
-        stop.store(true, std::sync::atomic::Ordering::Relaxed);
     });
     assert_eq!(
         left,
         vec![],
-        "(round, MRs still registered right after the drop)"
+        "(round, entries still registered right after the drop)"
     );
     assert_live_mrs(&ctx, 0, "live MRs");
 }

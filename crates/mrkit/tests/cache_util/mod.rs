@@ -67,6 +67,15 @@ pub fn assert_live_mrs(ctx: &Context, want: u64, what: &str) {
     assert_eq!(live_mrs(ctx), want, "{what}");
 }
 
+/// mrkit0's count of live MRs, or `None` on the rdma-core provider (which cannot count them:
+/// said once per test, as in [`assert_live_mrs`]).
+pub fn native_live_mrs(ctx: &Context) -> Option<u64> {
+    if crate::providers_util::needs_native("counts mrkit-soft's live MRs") {
+        return None;
+    }
+    Some(live_mrs(ctx))
+}
+
 /// A device-side look at a key, on any provider: an RDMA WRITE whose gather list is
 /// `[addr, addr+len)` under `key`, from a QP of `pd` to a scratch MR of the same PD. The device
 /// checks the key as a local key (PD, range, no rights asked for) and reads the bytes through
