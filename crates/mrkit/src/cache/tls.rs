@@ -383,18 +383,22 @@ impl RegCache {
     /// A handle and a hold through this thread's ring slot on `e`, if any and alive.
     pub(super) fn tls_reuse(&self, e: &Arc<Entry>) -> Option<(Handle<Entry>, Hold<Entry>)> {
         let id = self.inner.id;
-        TLS.try_with(|t| {
-            let t = t.try_borrow().ok()?;
-            let rec = t.0.iter().rev().find(|r| r.cache_id == id)?;
-            let hold = rec
-                .ring
-                .iter()
-                .flatten()
-                .find(|h| std::ptr::eq(h.entry(), &**e))?;
-            Some((hold.get()?, hold.clone()))
-        })
-        .ok()
-        .flatten()
+        let (got, hold) = TLS
+            .try_with(|t| {
+                let t = t.try_borrow().ok()?;
+                let rec = t.0.iter().rev().find(|r| r.cache_id == id)?;
+                let hold = rec
+                    .ring
+                    .iter()
+                    .flatten()
+                    .find(|h| std::ptr::eq(h.entry(), &**e))?;
+                Some((hold.try_get(), hold.clone()))
+            })
+            .ok()
+            .flatten()?;
+        // Outside the borrow: a dead entry's back-out (and this hold's drop) may retire it
+        // and so run drop code that looks something up in this cache.
+        Some((got.ok()?, hold))
     }
 
     /// Drop this thread's holds on `dead` entries now, while their memory is warm (other
