@@ -167,7 +167,7 @@ impl<V> PageTable<V> {
 /// One thread's table for one cache: holds by the page of a request address, and a ring of
 /// the last few entries matched by range (lookups anywhere inside a large entry).
 /// Validated as a whole by the monitor sequence (a caught-up table has seen every queued
-/// invalidation applied), and hold by hold by the lease's dead bit.
+/// invalidation applied), and hold by hold by the lease's dead flag.
 pub(super) struct TlsCache {
     pub(super) cache_id: u64,
     pub(super) alive: Weak<Inner>,
