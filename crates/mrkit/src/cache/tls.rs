@@ -216,6 +216,17 @@ pub(super) fn tables_mut<R>(f: impl FnOnce(&mut Vec<Box<TlsCache>>) -> R) -> Opt
     TLS.try_with(|t| f(&mut t.borrow_mut().0)).ok()
 }
 
+/// Run `f` on this thread's record of cache `id` (shared borrow); `None` without one, during
+/// a mutable access to the records, or once they are gone at thread exit.
+fn with_record<R>(id: u64, f: impl FnOnce(&TlsCache) -> R) -> Option<R> {
+    TLS.try_with(|t| {
+        let t = t.try_borrow().ok()?;
+        t.0.iter().rev().find(|r| r.cache_id == id).map(|r| f(r))
+    })
+    .ok()
+    .flatten()
+}
+
 /// What a record's hit found.
 pub(super) enum Lookup {
     /// No live hold covers the request, or the table is behind the monitor: the slow path.
@@ -293,18 +304,9 @@ impl RegCache {
     /// and make this cache's current.
     #[inline(never)]
     fn hit_other(&self, addr: u64, end: u64, access: AccessFlags) -> Lookup {
-        let id = self.inner.id;
-        TLS.try_with(|t| {
-            let Ok(t) = t.try_borrow() else {
-                return Lookup::Miss;
-            };
-            match t.0.iter().rev().find(|r| r.cache_id == id) {
-                Some(rec) => {
-                    current::set(rec);
-                    hit_in(rec, addr, end, access)
-                }
-                None => Lookup::Miss,
-            }
+        with_record(self.inner.id, |rec| {
+            current::set(rec);
+            hit_in(rec, addr, end, access)
         })
         .unwrap_or(Lookup::Miss)
     }
@@ -370,32 +372,20 @@ impl RegCache {
 
     /// Make this cache's record (if the thread has one) the current record.
     fn make_current(&self) {
-        let id = self.inner.id;
-        let _ = TLS.try_with(|t| {
-            if let Ok(t) = t.try_borrow() {
-                if let Some(rec) = t.0.iter().rev().find(|r| r.cache_id == id) {
-                    current::set(rec);
-                }
-            }
-        });
+        with_record(self.inner.id, current::set);
     }
 
     /// A handle and a hold through this thread's ring slot on `e`, if any and alive.
     pub(super) fn tls_reuse(&self, e: &Arc<Entry>) -> Option<(Handle<Entry>, Hold<Entry>)> {
-        let id = self.inner.id;
-        let (got, hold) = TLS
-            .try_with(|t| {
-                let t = t.try_borrow().ok()?;
-                let rec = t.0.iter().rev().find(|r| r.cache_id == id)?;
-                let hold = rec
-                    .ring
-                    .iter()
-                    .flatten()
-                    .find(|h| std::ptr::eq(h.entry(), &**e))?;
-                Some((hold.try_get(), hold.clone()))
-            })
-            .ok()
-            .flatten()?;
+        let (got, hold) = with_record(self.inner.id, |rec| {
+            let hold = rec
+                .ring
+                .iter()
+                .flatten()
+                .find(|h| std::ptr::eq(h.entry(), &**e))?;
+            Some((hold.try_get(), hold.clone()))
+        })
+        .flatten()?;
         // Outside the borrow: a dead entry's back-out (and this hold's drop) may retire it
         // and so run drop code that looks something up in this cache.
         Some((got.ok()?, hold))
