@@ -9,7 +9,9 @@
 //! * at the end, no MR is left on the device (no leak, in-use invalidated entries included).
 //!
 //! Some lookups and drops run on a helper thread (its own per-thread table and leases;
-//! handles cross threads both ways).
+//! handles cross threads both ways). Two scales: a few pages under tight limits (evictions,
+//! overlaps, merges), and many single pages under loose ones, so that the thread tables
+//! grow (their leases move to a new block while some are in use) and reuse their cells.
 
 mod cache_util;
 mod providers_util;
@@ -22,7 +24,11 @@ use mrkit::cache::{CacheConfig, MonitorMode, RegCache, RegHandle, Shape};
 use mrkit::AccessFlags;
 use proptest::prelude::*;
 
+/// Pages per mapping, small scale.
 const PAGES: u64 = 8;
+/// Pages per mapping, large scale (three mappings: up to 192 keys per thread table, which
+/// grows past 40 and 80).
+const MANY_PAGES: u64 = 64;
 const PS: u64 = 4096;
 
 #[derive(Debug, Clone)]
@@ -49,12 +55,14 @@ enum Op {
     Scan,
 }
 
-fn op() -> impl Strategy<Value = Op> {
+/// Operations over three mappings of `pages` pages; gets of at most `max_npages` pages
+/// (`get_weight` to 3 puts).
+fn op(pages: u64, max_npages: u64, get_weight: u32) -> impl Strategy<Value = Op> {
     prop_oneof![
-        6 => (0..3usize, 0..PAGES, 1..=3u64, 0..PS, 0..3u8, proptest::bool::weighted(0.3))
+        get_weight => (0..3usize, 0..pages, 1..=max_npages, 0..PS, 0..3u8, proptest::bool::weighted(0.3))
             .prop_map(|(b, page, npages, off, rights, other)| Op::Get { b, page, npages, off, rights, other }),
         3 => (0..64usize, proptest::bool::weighted(0.3)).prop_map(|(i, other)| Op::Put(i, other)),
-        1 => (0..3usize, 0..PAGES, 1..=4u64).prop_map(|(b, page, npages)| Op::Invalidate { b, page, npages }),
+        1 => (0..3usize, 0..pages, 1..=4u64).prop_map(|(b, page, npages)| Op::Invalidate { b, page, npages }),
         1 => (0..3usize).prop_map(Op::Remap),
         1 => (0..3usize).prop_map(Op::DontNeed),
         1 => Just(Op::Scan),
@@ -138,28 +146,65 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 48, failure_persistence: None, ..ProptestConfig::default() })]
 
     #[test]
-    fn cache_matches_model(ops in proptest::collection::vec(op(), 1..40), sh in 0..3u8) {
+    fn cache_matches_model(ops in proptest::collection::vec(op(PAGES, 3, 6), 1..40), sh in 0..3u8) {
+        check(ops, sh, PAGES, 6, 16)?;
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 12, failure_persistence: None, ..ProptestConfig::default() })]
+
+    #[test]
+    fn cache_with_grown_thread_tables_matches_model(
+        ops in proptest::collection::vec(op(MANY_PAGES, 1, 120), 150..400),
+        sh in 0..2u8,
+    ) {
+        check(ops, sh, MANY_PAGES, 400, 400)?;
+    }
+}
+
+/// One sequence against the model: three mappings of `pages` pages, at most `max_entries`
+/// entries and `max_pages` pages cached.
+fn check(
+    ops: Vec<Op>,
+    sh: u8,
+    pages: u64,
+    max_entries: usize,
+    max_pages: u64,
+) -> Result<(), TestCaseError> {
+    {
         let monitored = monitored_config().is_some();
         let (ctx, pd) = open();
         let cfg = CacheConfig {
             shape: shape(sh),
-            max_entries: 6,
-            max_bytes: 16 * PS,
+            max_entries,
+            max_bytes: max_pages * PS,
             idle_timeout: Duration::from_secs(1),
-            monitor: if monitored { MonitorMode::Userfaultfd } else { cache_util::explicit_only() },
+            monitor: if monitored {
+                MonitorMode::Userfaultfd
+            } else {
+                cache_util::explicit_only()
+            },
             ..CacheConfig::default()
         };
         let max_bytes = cfg.max_bytes;
         let cache = RegCache::new(&pd, cfg).unwrap();
-        let mut maps: Vec<Map> = (0..3).map(|_| Map::new((PAGES * PS) as usize)).collect();
+        let mut maps: Vec<Map> = (0..3).map(|_| Map::new((pages * PS) as usize)).collect();
         let mut held: Vec<RegHandle> = Vec::new();
         let helper = Helper::start(&cache);
         let t0 = Instant::now();
         let mut scans = 0u64;
         for op in ops {
             match op {
-                Op::Get { b, page, npages, off, rights: r, other } => {
-                    let npages = npages.min(PAGES - page);
+                Op::Get {
+                    b,
+                    page,
+                    npages,
+                    off,
+                    rights: r,
+                    other,
+                } => {
+                    let npages = npages.min(pages - page);
                     let addr = maps[b].addr + page * PS + off.min(PS - 1);
                     let len = (npages * PS - off.min(PS - 1)).max(1);
                     let acc = rights(r);
@@ -169,7 +214,10 @@ proptest! {
                         cache.raw(addr, len, acc).unwrap()
                     };
                     let (s, e) = h.range();
-                    prop_assert!(s <= addr && addr + len <= e, "range {s:#x}..{e:#x} misses request");
+                    prop_assert!(
+                        s <= addr && addr + len <= e,
+                        "range {s:#x}..{e:#x} misses request"
+                    );
                     prop_assert!(h.access().contains(acc));
                     for p in h.pieces() {
                         assert_pfns_current(&ctx, p.lkey, p.addr, p.len);
@@ -191,13 +239,13 @@ proptest! {
                 Op::Remap(b) => {
                     if !monitored {
                         // Without a monitor the application must say so first.
-                        cache.invalidate(maps[b].addr, PAGES * PS);
+                        cache.invalidate(maps[b].addr, pages * PS);
                     }
                     maps[b].remap_fixed()
                 }
                 Op::DontNeed(b) => {
                     if !monitored {
-                        cache.invalidate(maps[b].addr, PAGES * PS);
+                        cache.invalidate(maps[b].addr, pages * PS);
                     }
                     maps[b].dontneed()
                 }
@@ -209,11 +257,15 @@ proptest! {
             // Held handles stay usable (possibly retired, never deregistered under us).
             for h in &held {
                 for p in h.pieces() {
-                    prop_assert!(key_valid(&ctx, &pd, p.lkey, p.addr), "held key {:#x} died", p.lkey);
+                    prop_assert!(
+                        key_valid(&ctx, &pd, p.lkey, p.addr),
+                        "held key {:#x} died",
+                        p.lkey
+                    );
                 }
             }
             let entries = cache.entries();
-            prop_assert!(entries.len() <= 6);
+            prop_assert!(entries.len() <= max_entries);
             let bytes: u64 = entries.iter().map(|e| e.1 - e.0).sum();
             prop_assert!(bytes <= max_bytes);
         }
@@ -225,4 +277,5 @@ proptest! {
         drop(cache);
         assert_live_mrs(&ctx, 0, "MRs leaked");
     }
+    Ok(())
 }

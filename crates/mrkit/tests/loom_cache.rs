@@ -40,7 +40,7 @@
 use std::sync::Arc;
 
 use loom::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
-use mrkit::cache::test_support::lease::{self, Handle, Hold, LeaseSet, Retire};
+use mrkit::cache::test_support::lease::{self, Handle, Hold, LeaseSet, LeaseTable, Retire};
 
 fn model(f: impl Fn() + Sync + Send + 'static) {
     let mut b = loom::model::Builder::new();
@@ -267,5 +267,99 @@ fn clone_off_owner_dropped_on_owner_races_kill() {
         inv.join().unwrap();
         drop(hold0);
         finish(&p);
+    });
+}
+
+// The per-thread lease table (`LeaseTable`): its cells are the leases, so its hit is the
+// core's hit; what it adds is placement — a cell whose lease another thread frees is reused
+// by the table's thread, and a growing table moves leases no handle points at. (The block's
+// record of leased cells is kept under the slab's mutex, which loom does not see; these
+// models check the lease protocol around those steps.)
+
+/// A hit through the table at `key`, whose cell should hold `p`'s lease (as `hit` through a
+/// hold): never `p` once its invalidation returned before the hit started.
+fn table_hit(t: &LeaseTable<Probe>, key: u64, p: &Probe) -> Option<Handle<Probe>> {
+    let after_invalidation = p.invalidated.load(SeqCst);
+    let h = t.hit(key, |()| true)?.ok()?;
+    assert!(std::ptr::eq(h.entry(), p), "another entry's lease");
+    assert!(
+        !after_invalidation,
+        "table hit after invalidate() returned: stale translation"
+    );
+    use_keys(&h);
+    Some(h)
+}
+
+#[test]
+fn table_hit_races_invalidation() {
+    model(|| {
+        let p = probe();
+        let p1 = p.clone();
+        let t1 = loom::thread::spawn(move || {
+            let mut t = LeaseTable::default();
+            let mut out = Vec::new();
+            t.insert(7, &p1, &mut out);
+            drop(table_hit(&t, 7, &p1));
+            drop(table_hit(&t, 7, &p1));
+            drop(t);
+        });
+        invalidate(&p);
+        t1.join().unwrap();
+        finish(&p);
+    });
+}
+
+#[test]
+fn a_cell_freed_on_another_thread_is_reused_for_a_new_entry() {
+    model(|| {
+        let old = probe();
+        let new = probe();
+        let mut t = LeaseTable::default();
+        let mut out = Vec::new();
+        t.insert(7, &old, &mut out);
+        let h = table_hit(&t, 7, &old).expect("live entry");
+        // The handle is dropped elsewhere (the shared path frees the lease if last).
+        let t1 = loom::thread::spawn(move || drop(h));
+        // The table lets go of the cell (the entry is invalidated), then places the new
+        // entry's lease on the same key: in the old cell if its lease is freed by then.
+        invalidate(&old);
+        t.remove_if(7, |_| true, &mut out);
+        drop(std::mem::take(&mut out));
+        t.insert(7, &new, &mut out);
+        drop(table_hit(&t, 7, &new).expect("the new entry"));
+        t1.join().unwrap();
+        drop(t);
+        finish(&old);
+        assert_eq!(new.leases.live_leases(), 0, "leases leaked");
+    });
+}
+
+#[test]
+fn a_growing_table_moves_leases_while_a_handle_is_dropped_elsewhere() {
+    model(|| {
+        let ps: Vec<Arc<Probe>> = (0..41).map(|_| probe()).collect();
+        let mut t = LeaseTable::default();
+        let mut out = Vec::new();
+        for (k, p) in ps.iter().take(40).enumerate() {
+            t.insert(k as u64, p, &mut out);
+        }
+        let h = table_hit(&t, 3, &ps[3]).expect("live entry");
+        let t1 = loom::thread::spawn(move || drop(h));
+        // The 41st lease rebuilds the table: the lease of key 3 moves if the handle is gone
+        // by then, else it is let go of where it is.
+        t.insert(40, &ps[40], &mut out);
+        drop(std::mem::take(&mut out));
+        drop(table_hit(&t, 3, &ps[3]));
+        invalidate(&ps[3]);
+        assert!(
+            table_hit(&t, 3, &ps[3]).is_none(),
+            "hit on an invalidated entry"
+        );
+        t1.join().unwrap();
+        drop(t);
+        finish(&ps[3]);
+        for p in &ps {
+            assert_eq!(p.leases.live_leases(), 0, "leases leaked");
+        }
     });
 }

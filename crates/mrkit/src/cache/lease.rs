@@ -56,10 +56,16 @@
 
 use std::fmt;
 use std::marker::PhantomData;
+use std::mem::ManuallyDrop;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use super::sync::{thread_id, AtomicBool, AtomicU32, AtomicU64, Mutex, Ordering};
+use super::sync::{thread_id, AtomicBool, AtomicU64, AtomicU8, Mutex, Ordering};
+/// The table field of a lease (not part of the modelled protocol: a `std` atomic under loom
+/// too, valid in zeroed memory).
+use std::sync::atomic::AtomicU32 as CellTag;
+
+pub mod table;
 
 /// `x`: the owner dropped its last hold (set once).
 const ORPHAN: u64 = 1;
@@ -98,15 +104,21 @@ struct Lease<T: Retire> {
     /// by the owner. Relaxed where a thread compares it with its own id (which neither the
     /// old nor the new value equals); the 0 is stored with Release for the killer (Acquire).
     owner: AtomicU64,
-    /// The owner's holds (the table's references). Owner only, Relaxed load + store.
-    holds: AtomicU32,
+    /// The owner's holds (the table's references: its slot, ring and in-flight clones).
+    /// Owner only, Relaxed load + store.
+    holds: AtomicU8,
     /// The entry was killed (set once, under the set's mutex). Relaxed stores and loads:
     /// ordered against the counts by the barriers (module doc).
     dead: AtomicBool,
     /// CLOCK bit: set by a handle drop when clear. Relaxed (a statistic).
     touched: AtomicBool,
+    /// For a lease placed in a thread's [`table::LeaseTable`]: the cell's state and key in
+    /// one word. Written by the table's thread only (Relaxed), and never by the lease
+    /// protocol: it stays readable after the lease in the cell is freed.
+    tag: CellTag,
     meta: T::Meta,
-    entry: Arc<T>,
+    /// Dropped when the lease is freed ([`mem::free_lease`]), the only field with drop glue.
+    entry: ManuallyDrop<Arc<T>>,
 }
 
 impl<T: Retire> Lease<T> {
@@ -370,24 +382,8 @@ impl<T: Retire> LeaseSet<T> {
 /// handle is then private to its holder and the registration is retired at its last
 /// release).
 pub fn lease<T: Retire>(entry: &Arc<T>) -> (Handle<T>, Hold<T>) {
-    let p = mem::new_lease(Lease {
-        own: AtomicU64::new(1),
-        x: AtomicU64::new(0),
-        owner: AtomicU64::new(thread_id()),
-        holds: AtomicU32::new(1),
-        dead: AtomicBool::new(false),
-        touched: AtomicBool::new(false),
-        meta: entry.meta(),
-        entry: entry.clone(),
-    });
-    {
-        let mut st = entry.leases().st.lock();
-        if st.dead {
-            // SAFETY: the lease is not shared yet; it is alive (just allocated).
-            unsafe { p.as_ref() }.dead.store(true, Ordering::Relaxed);
-        }
-        st.leases.push(Ptr(p));
-    }
+    let p = mem::new_lease(new(entry, 1, 1));
+    link(p);
     (
         Handle { p },
         Hold {
@@ -395,6 +391,32 @@ pub fn lease<T: Retire>(entry: &Arc<T>) -> (Handle<T>, Hold<T>) {
             _local: PhantomData,
         },
     )
+}
+
+/// A lease owned by the calling thread with `own` handles and `holds` holds (not linked).
+fn new<T: Retire>(entry: &Arc<T>, own: u64, holds: u8) -> Lease<T> {
+    Lease {
+        own: AtomicU64::new(own),
+        x: AtomicU64::new(0),
+        owner: AtomicU64::new(thread_id()),
+        holds: AtomicU8::new(holds),
+        dead: AtomicBool::new(false),
+        touched: AtomicBool::new(false),
+        tag: CellTag::new(0),
+        meta: entry.meta(),
+        entry: ManuallyDrop::new(entry.clone()),
+    }
+}
+
+/// Link a new lease into its entry's set (born dead if the set is dead).
+fn link<T: Retire>(p: NonNull<Lease<T>>) {
+    // SAFETY: the lease was just written and is not shared yet.
+    let l = unsafe { p.as_ref() };
+    let mut st = l.entry.leases().st.lock();
+    if st.dead {
+        l.dead.store(true, Ordering::Relaxed);
+    }
+    st.leases.push(Ptr(p));
 }
 
 /// Free a lease that is orphaned and has no handle left.
@@ -429,7 +451,7 @@ fn drop_shared<T: Retire>(p: NonNull<Lease<T>>) {
     // SAFETY: the caller's handle keeps the lease alive until the read-modify-write below.
     let l = unsafe { p.as_ref() };
     // The lease may be freed by another thread right after our RMW: keep the entry.
-    let e = l.entry.clone();
+    let e = Arc::clone(&l.entry);
     // AcqRel: our uses of the handle happen before a later reader of `x` (Acquire), and
     // the freeing RMW sees every earlier one. After it the lease may be gone (unless we
     // free it): it is not touched again.
@@ -516,7 +538,7 @@ impl<T: Retire> Drop for Handle<T> {
         let set = l.entry.leases();
         set.light();
         if l.dead.load(Ordering::Relaxed) {
-            LeaseSet::try_retire(&*l.entry);
+            LeaseSet::try_retire(&**l.entry);
         }
     }
 }
@@ -533,6 +555,32 @@ impl<T: Retire> Drop for Backout<T> {
     fn drop(&mut self) {
         LeaseSet::try_retire(&*self.entry);
     }
+}
+
+/// A hit through a lease the calling thread owns: a handle, or a [`Backout`] when the entry
+/// is dead. No read-modify-write.
+///
+/// # Safety
+///
+/// The calling thread owns the lease (it holds a hold on it, which keeps it alive
+/// throughout).
+#[inline(always)]
+unsafe fn take<T: Retire>(p: NonNull<Lease<T>>) -> Result<Handle<T>, Backout<T>> {
+    // SAFETY: (caller) alive while the caller's hold lives.
+    let l = unsafe { p.as_ref() };
+    l.own_add(1);
+    let set = l.entry.leases();
+    // Dekker with the killer (module doc): our count before its read, or its `dead`
+    // before our load.
+    set.light();
+    if l.dead.load(Ordering::Relaxed) {
+        l.own_add(u64::MAX);
+        set.light();
+        return Err(Backout {
+            entry: Arc::clone(&l.entry),
+        });
+    }
+    Ok(Handle { p })
 }
 
 /// The per-thread table's reference on a lease: hits take handles through it. Not `Send`:
@@ -564,20 +612,8 @@ impl<T: Retire> Hold<T> {
     /// [`Backout`] to drop once nothing is borrowed (see there).
     #[inline]
     pub fn try_get(&self) -> Result<Handle<T>, Backout<T>> {
-        let l = self.lease();
-        l.own_add(1);
-        let set = l.entry.leases();
-        // Dekker with the killer (module doc): our count before its read, or its `dead`
-        // before our load.
-        set.light();
-        if l.dead.load(Ordering::Relaxed) {
-            l.own_add(u64::MAX);
-            set.light();
-            return Err(Backout {
-                entry: l.entry.clone(),
-            });
-        }
-        Ok(Handle { p: self.p })
+        // SAFETY: a hold is on the owner thread and keeps the lease alive.
+        unsafe { take(self.p) }
     }
 
     /// Whether both hold the same lease.
@@ -595,6 +631,11 @@ impl<T: Retire> Hold<T> {
         &self.lease().entry
     }
 
+    /// The entry, shared.
+    pub fn entry_arc(&self) -> &Arc<T> {
+        &self.lease().entry
+    }
+
     /// The entry's facts (from the lease's own line).
     #[inline]
     pub fn meta(&self) -> &T::Meta {
@@ -606,7 +647,7 @@ impl<T: Retire> Clone for Hold<T> {
     fn clone(&self) -> Self {
         let h = &self.lease().holds;
         let n = h.load(Ordering::Relaxed);
-        assert!(n < u32::MAX, "lease hold count overflow");
+        assert!(n < u8::MAX, "lease hold count overflow");
         h.store(n + 1, Ordering::Relaxed);
         Hold {
             p: self.p,
@@ -663,6 +704,7 @@ impl<T: Retire> Drop for Hold<T> {
 /// boundary does not map and unmap). Under `--cfg loom` leases are boxed instead.
 pub(crate) mod mem {
     use std::marker::PhantomData;
+    use std::mem::ManuallyDrop;
     use std::ptr::NonNull;
 
     use crate::{Buffer, BufferOptions};
@@ -781,17 +823,22 @@ pub(crate) mod mem {
         }
     }
 
-    /// Bytes of a slab cell (one lease: its own cache line). (The slab is not built under
-    /// loom, which allocates leases on the heap.)
-    #[cfg_attr(loom, allow(dead_code))]
+    /// Bytes of a slab cell (one lease: its own cache line). (Under loom leases outside
+    /// tables are boxes; the tables' blocks are the slab's in both builds, with cells large
+    /// enough for loom's atomics.)
+    #[cfg(not(loom))]
     pub const CELL: usize = 64;
+    #[cfg(loom)]
+    pub const CELL: usize = 4096;
 
     #[cfg(all(test, not(loom)))]
-    pub use slab::cell_count;
+    pub use slab::{block_count, cell_count};
     #[cfg(not(loom))]
     pub use slab::{free_cell, new_cell};
+    pub use slab::{new_block, Block};
 
-    #[cfg(not(loom))]
+    // Under loom only the tables' blocks are used (leases outside tables are boxes).
+    #[cfg_attr(loom, allow(dead_code))]
     mod slab {
         use std::collections::BTreeMap;
         use std::ptr::NonNull;
@@ -827,14 +874,184 @@ pub(crate) mod mem {
             chunks: BTreeMap<usize, Chunk>,
             /// Bytes of all chunks.
             bytes: usize,
+            /// The blocks of thread tables, by the address of the first cell.
+            blocks: BTreeMap<usize, BlockState>,
         }
 
         static SLAB: Mutex<Slab> = Mutex::new(Slab {
             chunks: BTreeMap::new(),
             bytes: 0,
+            blocks: BTreeMap::new(),
         });
 
+        /// A thread table's array of cells ([`super::super::table`]), placed by the table:
+        /// which cells hold a lease not freed yet is kept here, under the slab mutex,
+        /// because a lease in a table cell may be freed by any thread.
+        struct BlockState {
+            /// Keeps the cells mapped (zeroed when mapped: every cell reads empty).
+            _map: Buffer,
+            cells: usize,
+            /// Bit per cell: holds a lease not freed yet.
+            leased: Vec<u64>,
+            /// Bits set.
+            count: usize,
+            /// The table still uses the block (it is unmapped only once detached and empty).
+            attached: bool,
+        }
+
+        impl BlockState {
+            fn bit(&self, i: usize) -> bool {
+                self.leased[i / 64] & (1 << (i % 64)) != 0
+            }
+
+            fn set(&mut self, i: usize, on: bool) {
+                assert!(i < self.cells && self.bit(i) != on, "block cell {i} state");
+                self.leased[i / 64] ^= 1 << (i % 64);
+                if on {
+                    self.count += 1;
+                } else {
+                    self.count -= 1;
+                }
+            }
+        }
+
+        /// A table's handle on its block (the table's thread only). Dropping it detaches the
+        /// block: it is unmapped when its last lease is freed (at once if none is left).
+        pub struct Block {
+            base: NonNull<u8>,
+            cells: usize,
+        }
+
+        /// A zeroed block of `cells` cells (a power of two of at least 64), THP-advised from
+        /// 2 MiB.
+        pub fn new_block(cells: usize) -> Block {
+            assert!(
+                cells.is_power_of_two() && cells >= 64,
+                "block of {cells} cells"
+            );
+            let bytes = cells.checked_mul(CELL).expect("block size overflows");
+            let map = if bytes >= HUGE { huge_map(bytes) } else { None };
+            let Some(mut map) = map.or_else(|| Buffer::new(bytes).ok()) else {
+                std::alloc::handle_alloc_error(
+                    std::alloc::Layout::from_size_align(bytes, CELL).expect("layout"),
+                );
+            };
+            let base = NonNull::new(map.as_mut_slice().as_mut_ptr()).expect("mapping at 0");
+            SLAB.lock().blocks.insert(
+                base.as_ptr() as usize,
+                BlockState {
+                    _map: map,
+                    cells,
+                    leased: vec![0; cells.div_ceil(64)],
+                    count: 0,
+                    attached: true,
+                },
+            );
+            Block { base, cells }
+        }
+
+        impl Block {
+            /// Cell `i` (`i < cells`).
+            #[inline(always)]
+            pub fn cell(&self, i: usize) -> NonNull<u8> {
+                debug_assert!(i < self.cells);
+                // SAFETY: `i < cells`: inside the block's mapping, which lives while the
+                // block is attached (the table holds `self`).
+                unsafe { NonNull::new_unchecked(self.base.as_ptr().add(i * CELL)) }
+            }
+
+            /// Cells.
+            #[inline(always)]
+            pub fn cells(&self) -> usize {
+                self.cells
+            }
+
+            /// The first of `reusable` (cells whose lease the table let go of) whose lease is
+            /// freed by now, else `empty`: marked as holding a lease and returned.
+            pub fn claim(&self, reusable: &[usize], empty: Option<usize>) -> Option<usize> {
+                let mut s = SLAB.lock();
+                let b = s.blocks.get_mut(&(self.base.as_ptr() as usize))?;
+                let i = reusable.iter().copied().find(|&i| !b.bit(i)).or(empty)?;
+                b.set(i, true);
+                Some(i)
+            }
+
+            /// Mark `cells` as holding leases (moved in).
+            pub fn mark_leased(&self, cells: &[usize]) {
+                let mut s = SLAB.lock();
+                let b = s
+                    .blocks
+                    .get_mut(&(self.base.as_ptr() as usize))
+                    .expect("attached block");
+                for &i in cells {
+                    b.set(i, true);
+                }
+            }
+
+            /// Mark `cells` as vacant (their leases moved out, not freed).
+            pub fn mark_vacant(&self, cells: &[usize]) {
+                let mut s = SLAB.lock();
+                let b = s
+                    .blocks
+                    .get_mut(&(self.base.as_ptr() as usize))
+                    .expect("attached block");
+                for &i in cells {
+                    b.set(i, false);
+                }
+            }
+        }
+
+        impl Drop for Block {
+            fn drop(&mut self) {
+                let gone = {
+                    let mut s = SLAB.lock();
+                    let key = self.base.as_ptr() as usize;
+                    let b = s.blocks.get_mut(&key).expect("attached block");
+                    b.attached = false;
+                    if b.count == 0 {
+                        s.blocks.remove(&key)
+                    } else {
+                        None
+                    }
+                };
+                // Unmapped outside the lock.
+                drop(gone);
+            }
+        }
+
+        /// Give back a cell of a table block whose lease was freed (its entry dropped):
+        /// false when `p` is not in a block.
+        pub fn free_block_cell(p: NonNull<u8>) -> bool {
+            let addr = p.as_ptr() as usize;
+            let gone = {
+                let mut s = SLAB.lock();
+                let Some((&base, b)) = s.blocks.range_mut(..=addr).next_back() else {
+                    return false;
+                };
+                if addr >= base + b.cells * CELL {
+                    return false;
+                }
+                assert_eq!((addr - base) % CELL, 0, "lease cell not line aligned");
+                b.set((addr - base) / CELL, false);
+                if !b.attached && b.count == 0 {
+                    s.blocks.remove(&base)
+                } else {
+                    None
+                }
+            };
+            drop(gone);
+            true
+        }
+
+        /// Blocks mapped and cells of blocks holding leases.
+        #[cfg(test)]
+        pub fn block_count() -> (usize, usize) {
+            let s = SLAB.lock();
+            (s.blocks.len(), s.blocks.values().map(|b| b.count).sum())
+        }
+
         /// A free 64-byte, 64-aligned cell (uninitialised).
+        #[cfg(not(loom))]
         pub fn new_cell() -> NonNull<u8> {
             let mut s = SLAB.lock();
             for c in s.chunks.values_mut() {
@@ -874,8 +1091,13 @@ pub(crate) mod mem {
             base
         }
 
-        /// Give back a cell from [`new_cell`] (its contents already dropped).
+        /// Give back a cell from [`new_cell`] or of a table block (its contents already
+        /// dropped).
+        #[cfg(not(loom))]
         pub fn free_cell(p: NonNull<u8>) {
+            if free_block_cell(p) {
+                return;
+            }
             let addr = p.as_ptr() as usize;
             let gone = {
                 let mut s = SLAB.lock();
@@ -930,21 +1152,23 @@ pub(crate) mod mem {
         }
     }
 
-    /// Drop a lease and give its cell back.
+    /// Drop a lease's entry and give its cell back (to the slab, or to its table's block,
+    /// whose thread may then place another lease there).
     ///
     /// # Safety
     ///
-    /// `p` came from [`new_lease`], nothing refers to it any more and it is freed once.
+    /// `p` came from [`new_lease`] or was placed in a table block, nothing refers to it any
+    /// more (but its table, which reads only the cell's own fields) and it is freed once.
     pub(super) unsafe fn free_lease<T: super::Retire>(p: NonNull<super::Lease<T>>) {
+        // SAFETY: (caller) initialised and freed once: the entry is dropped once. Only this
+        // field: the cell's state and key stay valid for its table, which may be probing.
+        unsafe { ManuallyDrop::drop(&mut *std::ptr::addr_of_mut!((*p.as_ptr()).entry)) };
         #[cfg(not(loom))]
-        {
-            // SAFETY: (caller) initialised, unreferenced, dropped once.
-            unsafe { std::ptr::drop_in_place(p.as_ptr()) };
-            free_cell(p.cast());
-        }
+        free_cell(p.cast());
         #[cfg(loom)]
-        {
-            // SAFETY: (caller) it came from `Box::leak` and is freed once.
+        if !slab::free_block_cell(p.cast()) {
+            // SAFETY: (caller) not a block's: it came from `Box::leak`, freed once (the
+            // remaining fields have no drop glue that matters; the entry is gone already).
             drop(unsafe { Box::from_raw(p.as_ptr()) });
         }
     }

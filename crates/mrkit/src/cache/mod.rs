@@ -216,6 +216,7 @@ pub mod test_support {
 
     /// The lease core (see the `lease` module of the cache).
     pub mod lease {
+        pub use crate::cache::lease::table::LeaseTable;
         pub use crate::cache::lease::{lease, Handle, Hold, LeaseSet, Retire};
     }
     /// The userfaultfd monitor's counters (see the `monitor` module of the cache).

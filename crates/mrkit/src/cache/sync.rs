@@ -4,9 +4,9 @@
 #![forbid(unsafe_code)]
 
 #[cfg(loom)]
-pub use loom::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+pub use loom::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 #[cfg(not(loom))]
-pub use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+pub use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 
 #[cfg(not(loom))]
 pub use parking_lot::Mutex;

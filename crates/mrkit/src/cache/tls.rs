@@ -8,7 +8,7 @@ use std::sync::{Arc, Weak};
 
 use super::entry::Entry;
 use super::handle::RegHandle;
-use super::lease::mem::Slots;
+use super::lease::table::LeaseTable;
 use super::lease::{Backout, Handle, Hold};
 use super::{current, monitor, Inner, RegCache};
 use crate::AccessFlags;
@@ -19,152 +19,8 @@ pub(super) struct ThreadStats {
     pub(super) hits: AtomicU64,
 }
 
-/// A thread's holds by the 4 KiB page of request addresses: open addressing with linear
-/// probing in a power-of-two array kept at most half full, 16 bytes a slot, so a lookup
-/// reads one line of the table and then the lease's line. Tables of 2 MiB and more are
-/// mapped on their own for transparent huge pages ([`lease::mem::Slots`]).
-pub(super) struct PageTable<V> {
-    pub(super) slots: Slots<(u64, Option<V>)>,
-    pub(super) len: usize,
-    /// 64 - log2(slots.len()).
-    pub(super) shift: u32,
-}
-
-impl<V> Default for PageTable<V> {
-    fn default() -> Self {
-        PageTable {
-            slots: Slots::default(),
-            len: 0,
-            shift: 0,
-        }
-    }
-}
-
-impl<V> PageTable<V> {
-    #[inline]
-    pub(super) fn home(&self, key: u64) -> usize {
-        // Fibonacci hashing: the top bits of the product.
-        (key.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> self.shift) as usize
-    }
-
-    #[inline]
-    pub(super) fn get(&self, key: u64) -> Option<&V> {
-        if self.slots.is_empty() {
-            return None;
-        }
-        let mask = self.slots.len() - 1;
-        let mut i = self.home(key);
-        // At most half full: an empty slot ends every probe.
-        loop {
-            match &self.slots[i] {
-                (k, Some(h)) if *k == key => return Some(h),
-                (_, None) => return None,
-                _ => i = (i + 1) & mask,
-            }
-        }
-    }
-
-    /// Remove `key` (backward-shift deletion: no tombstones, probes stay short).
-    pub(super) fn remove(&mut self, key: u64) -> Option<V> {
-        if self.slots.is_empty() {
-            return None;
-        }
-        let mask = self.slots.len() - 1;
-        let mut i = self.home(key);
-        loop {
-            match &self.slots[i] {
-                (k, Some(_)) if *k == key => break,
-                (_, None) => return None,
-                _ => i = (i + 1) & mask,
-            }
-        }
-        let out = self.slots[i].1.take();
-        self.len -= 1;
-        // Shift later members of the probe run back into the hole when their home is not
-        // in the cyclic range (hole, j].
-        let mut hole = i;
-        let mut j = i;
-        loop {
-            j = (j + 1) & mask;
-            let h = match &self.slots[j] {
-                (_, None) => break,
-                (k, Some(_)) => self.home(*k),
-            };
-            let stays = if hole <= j {
-                hole < h && h <= j
-            } else {
-                hole < h || h <= j
-            };
-            if !stays {
-                self.slots.swap(hole, j);
-                hole = j;
-            }
-        }
-        out
-    }
-
-    /// Insert or replace; returns the replaced hold.
-    pub(super) fn insert(&mut self, key: u64, hold: V) -> Option<V> {
-        if (self.len + 1) * 2 > self.slots.len() {
-            self.rebuild((self.slots.len() * 2).max(16));
-        }
-        let mask = self.slots.len() - 1;
-        let mut i = self.home(key);
-        loop {
-            match &mut self.slots[i] {
-                (k, Some(h)) if *k == key => return Some(std::mem::replace(h, hold)),
-                (k, slot @ None) => {
-                    *k = key;
-                    *slot = Some(hold);
-                    self.len += 1;
-                    return None;
-                }
-                _ => i = (i + 1) & mask,
-            }
-        }
-    }
-
-    /// Re-create (same size) keeping the holds `keep` accepts; the others are pushed to
-    /// `out` (released by the caller outside the thread-local borrow).
-    pub(super) fn retain(&mut self, keep: impl Fn(&V) -> bool, out: &mut Vec<V>) {
-        let size = self.slots.len();
-        if size == 0 {
-            return;
-        }
-        let mut old = std::mem::take(&mut self.slots);
-        self.len = 0;
-        self.alloc(size);
-        for (k, h) in old.iter_mut() {
-            if let Some(h) = h.take() {
-                if keep(&h) {
-                    self.insert(*k, h);
-                } else {
-                    out.push(h);
-                }
-            }
-        }
-    }
-
-    /// Re-create with `size` slots (a power of two), keeping every hold.
-    pub(super) fn rebuild(&mut self, size: usize) {
-        let mut old = std::mem::take(&mut self.slots);
-        self.len = 0;
-        self.alloc(size);
-        for (k, h) in old.iter_mut() {
-            if let Some(h) = h.take() {
-                self.insert(*k, h);
-            }
-        }
-    }
-
-    pub(super) fn alloc(&mut self, size: usize) {
-        debug_assert!(size.is_power_of_two() && size >= 16);
-        self.slots = Slots::new(size, || (0, None));
-        self.shift = 64 - size.trailing_zeros();
-    }
-}
-
-/// One thread's table for one cache: holds by the page of a request address, and a ring of
+/// One thread's table for one cache: its leases placed by the page of a request address
+/// ([`LeaseTable`]: the table's slot is the lease, one cache line per hit), and a ring of
 /// the last few entries matched by range (lookups anywhere inside a large entry).
 /// Validated as a whole by the monitor sequence (a caught-up table has seen every queued
 /// invalidation applied), and hold by hold by the lease's dead flag.
@@ -174,7 +30,7 @@ pub(super) struct TlsCache {
     /// The cache has a monitor (its sequence validates the table).
     pub(super) monitored: bool,
     pub(super) mseq: u64,
-    pub(super) map: PageTable<Hold<Entry>>,
+    pub(super) cells: LeaseTable<Entry>,
     pub(super) ring: [Option<Hold<Entry>>; RING],
     pub(super) next: usize,
     pub(super) stats: Arc<ThreadStats>,
@@ -238,8 +94,8 @@ pub(super) enum Lookup {
     Dead(#[allow(dead_code)] Backout<Entry>),
 }
 
-/// The hit on one record: the table slot for `addr`, checked for coverage and rights (or
-/// the ring), then a count on the slot's lease. Reads the record and writes only the lease
+/// The hit on one record: the table's lease for `addr`, checked for coverage and rights (or
+/// the ring's), then a count on it. Reads the record and writes only the lease
 /// word and the thread's hit counter: it runs no drop and no code that can reach `TLS`
 /// ([`current::hit`] relies on it).
 #[inline(always)]
@@ -247,14 +103,17 @@ pub(super) fn hit_in(rec: &TlsCache, addr: u64, end: u64, access: AccessFlags) -
     if rec.monitored && rec.mseq != monitor::seq() {
         return Lookup::Miss;
     }
-    let hold = match rec.map.get(page_key(addr)) {
-        Some(h) if h.meta().covers(addr, end, access) => h,
-        _ => match ring_match(&rec.ring, addr, end, access) {
-            Some(h) => h,
+    let got = match rec
+        .cells
+        .hit(page_key(addr), |m| m.covers(addr, end, access))
+    {
+        Some(got) => got,
+        None => match ring_match(&rec.ring, addr, end, access) {
+            Some(h) => h.try_get(),
             None => return Lookup::Miss,
         },
     };
-    match hold.try_get() {
+    match got {
         Ok(h) => {
             let n = &rec.stats.hits;
             n.store(n.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
@@ -338,7 +197,7 @@ impl RegCache {
                         alive: Arc::downgrade(inner),
                         monitored: inner.shared.monitor.is_some(),
                         mseq,
-                        map: PageTable::default(),
+                        cells: LeaseTable::default(),
                         ring: Default::default(),
                         next: 0,
                         stats,
@@ -350,19 +209,30 @@ impl RegCache {
             rec.mseq = mseq;
             let key = page_key(addr);
             let mut old: Vec<Hold<Entry>> = Vec::new();
-            if !rec.ring.iter().flatten().any(|r| r.same(&hold)) {
-                let i = rec.next % RING;
-                rec.next = rec.next.wrapping_add(1);
-                old.extend(rec.ring[i].replace(hold.clone()));
-            }
-            if rec.map.len >= inner.tls_cap && rec.map.get(key).is_none() {
-                // Full: drop the holds of dead entries, and everything if that is not enough.
-                rec.map.retain(|h| !h.is_dead(), &mut old);
-                if rec.map.len >= inner.tls_cap / 2 {
-                    rec.map.retain(|_| false, &mut old);
+            if rec.cells.len() >= inner.tls_cap && !rec.cells.contains(key) {
+                // Full: let go of the leases of dead entries, and of everything if that is
+                // not enough.
+                rec.cells.retain(|_, dead| !dead, &mut old);
+                if rec.cells.len() >= inner.tls_cap / 2 {
+                    rec.cells.retain(|_, _| false, &mut old);
                 }
             }
-            old.extend(rec.map.insert(key, hold));
+            // The table's own lease on the entry for this page, in the table's cell (the
+            // table holds it alone: it moves when the table grows). The miss's lease, `hold`,
+            // goes to the ring (for lookups elsewhere in the entry) unless the ring has one.
+            rec.cells.insert(key, hold.entry_arc(), &mut old);
+            if rec
+                .ring
+                .iter()
+                .flatten()
+                .any(|r| std::ptr::eq(r.entry(), hold.entry()))
+            {
+                old.push(hold);
+            } else {
+                let i = rec.next % RING;
+                rec.next = rec.next.wrapping_add(1);
+                old.extend(rec.ring[i].replace(hold));
+            }
             (old, gone)
         });
         // Leases released outside the thread-local borrow.
@@ -410,13 +280,7 @@ impl RegCache {
                 let (first, last) = (page_key(e.start), page_key(e.end - 1));
                 if last - first < FORGET_PAGES {
                     for k in first..=last {
-                        if rec
-                            .map
-                            .get(k)
-                            .is_some_and(|h| std::ptr::eq(h.entry(), &**e))
-                        {
-                            gone.extend(rec.map.remove(k));
-                        }
+                        rec.cells.remove_if(k, |x| std::ptr::eq(x, &**e), &mut gone);
                     }
                 }
             }
@@ -424,44 +288,5 @@ impl RegCache {
         });
         // Leases released outside the thread-local borrow.
         drop(gone);
-    }
-}
-
-#[cfg(test)]
-pub(super) mod tests {
-    use super::PageTable;
-    use std::collections::HashMap;
-
-    /// The thread table against a `HashMap`: inserts, replacements, backward-shift
-    /// removals and rebuilds over colliding keys.
-    #[test]
-    pub(super) fn page_table_matches_a_map() {
-        let mut t: PageTable<u64> = PageTable::default();
-        let mut m: HashMap<u64, u64> = HashMap::new();
-        let mut x = 0x2545_f491_4f6c_dd1d_u64;
-        for step in 0..200_000u64 {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            // Few distinct keys (long probe runs, many replacements and removals).
-            let key = x % 3000;
-            match (x >> 32) % 8 {
-                0..=3 => assert_eq!(t.insert(key, step), m.insert(key, step)),
-                4..=5 => assert_eq!(t.remove(key), m.remove(&key)),
-                6 if step % 512 == 0 => {
-                    let mut out = Vec::new();
-                    t.retain(|v| v % 2 == 0, &mut out);
-                    let before = m.len();
-                    m.retain(|_, v| *v % 2 == 0);
-                    assert_eq!(out.len(), before - m.len());
-                }
-                _ => {}
-            }
-            assert_eq!(t.get(key), m.get(&key));
-            assert_eq!(t.len, m.len());
-        }
-        for (k, v) in &m {
-            assert_eq!(t.get(*k), Some(v));
-        }
     }
 }

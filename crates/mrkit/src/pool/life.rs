@@ -90,7 +90,7 @@ impl<K> fmt::Debug for Life<K> {
 /// The asymmetric barrier, shared with the registration cache's lease core.
 #[cfg(not(loom))]
 pub(crate) mod barrier {
-    use std::sync::atomic::{compiler_fence, fence, Ordering};
+    use std::sync::atomic::{compiler_fence, fence, AtomicBool, Ordering};
     use std::sync::OnceLock;
 
     use rustix::thread::{membarrier, membarrier_query, MembarrierCommand};
@@ -98,17 +98,26 @@ pub(crate) mod barrier {
     /// Whether this process registered for `MEMBARRIER_CMD_PRIVATE_EXPEDITED`: decided once,
     /// before the first pool exists, so both sides of every pool agree.
     static ASYMMETRIC: OnceLock<bool> = OnceLock::new();
+    /// A copy of a `true` decision, read by the hot side in one load. Release store by
+    /// `init`, Acquire loads (plain moves on x86): a thread holding a slot or lease saw the
+    /// pool's or set's creation, which ran `init`. Before it (or without the command) a
+    /// `false`: a full fence on the hot side, never weaker than the heavy side expects.
+    static FAST: AtomicBool = AtomicBool::new(false);
 
     pub(crate) fn init() {
-        ASYMMETRIC.get_or_init(|| {
+        let asym = *ASYMMETRIC.get_or_init(|| {
             membarrier_query().contains_command(MembarrierCommand::PrivateExpedited)
                 && membarrier(MembarrierCommand::RegisterPrivateExpedited).is_ok()
         });
+        if asym && !FAST.load(Ordering::Relaxed) {
+            FAST.store(true, Ordering::Release);
+        }
     }
 
+    #[inline(always)]
     fn asymmetric() -> bool {
         // `init` ran before any pool existed; a thread holding a slot saw the pool's creation.
-        ASYMMETRIC.get().copied().unwrap_or(false)
+        FAST.load(Ordering::Acquire)
     }
 
     /// The hot side: orders this thread's earlier stores before its later loads.
