@@ -976,27 +976,16 @@ pub(crate) mod mem {
                 Some(i)
             }
 
-            /// Mark `cells` as holding leases (moved in).
-            pub fn mark_leased(&self, cells: &[usize]) {
+            /// Mark `cells` as holding leases (`true`: moved in) or vacant (`false`: their
+            /// leases moved out, not freed).
+            pub fn mark(&self, cells: &[usize], leased: bool) {
                 let mut s = SLAB.lock();
                 let b = s
                     .blocks
                     .get_mut(&(self.base.as_ptr() as usize))
                     .expect("attached block");
                 for &i in cells {
-                    b.set(i, true);
-                }
-            }
-
-            /// Mark `cells` as vacant (their leases moved out, not freed).
-            pub fn mark_vacant(&self, cells: &[usize]) {
-                let mut s = SLAB.lock();
-                let b = s
-                    .blocks
-                    .get_mut(&(self.base.as_ptr() as usize))
-                    .expect("attached block");
-                for &i in cells {
-                    b.set(i, false);
+                    b.set(i, leased);
                 }
             }
         }

@@ -306,9 +306,9 @@ impl<T: Retire> LeaseTable<T> {
                 None => self.vacate(p, out),
             }
         }
-        new.block.mark_leased(&to);
+        new.block.mark(&to, true);
         // The old copies are not leases any more (nothing drops them).
-        self.block.mark_vacant(&from);
+        self.block.mark(&from, false);
         // The old block detaches (its remaining leases are the let-go ones).
         *self = new;
     }
