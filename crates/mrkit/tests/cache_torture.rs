@@ -19,7 +19,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use cache_util::*;
-use mrkit::cache::RegCache;
+use mrkit::cache::{RegCache, Shape};
 use mrkit::{AccessFlags, DeviceConfig};
 use mrkit_soft::cq::WcStatus;
 use mrkit_soft::qp::{rc_connect, QpCap, QpInitAttr, SendWr, WrOpcode};
@@ -64,6 +64,21 @@ const ALL: AccessFlags = AccessFlags::LOCAL_WRITE
 
 #[test]
 fn remapped_addresses_never_get_old_registrations() {
+    torture(8, 3, 150, false);
+}
+
+/// The same with 64-page mappings registered page by page (an entry each) at 48 pages a round:
+/// each thread's table grows past 40 leases (moving them to a new block) between remaps.
+#[test]
+fn remapped_addresses_never_get_old_registrations_through_grown_tables() {
+    torture(64, 48, 30, true);
+}
+
+/// Three threads, each `rounds` times: map `pages` pages, fill them, look them up at the first
+/// `lookups` pages (to the end of the mapping: the first misses, the others hit; or one page
+/// each, `per_page`, exact shape: each page its own entry, looked up twice), RDMA READ through
+/// the first three, then unmap or discard them.
+fn torture(pages: usize, lookups: u64, rounds: usize, per_page: bool) {
     if providers_util::needs_native("drives QPs on mrkit-soft directly, beside the cache's MRs") {
         return;
     }
@@ -94,13 +109,13 @@ fn remapped_addresses_never_get_old_registrations() {
         })
         .unwrap();
     rc_connect(&ictx, iqp, &tsoft, tqp, ALL, 3).unwrap();
-    const LEN: usize = 32 << 10;
-    let land = vec![0u8; LEN];
+    let len = pages << 12;
+    let land = vec![0u8; 4096];
     let land_mr = ictx
         // SAFETY: test memory: it stays allocated while any work request can reach this MR.
         .reg_mr_va(
             ipd,
-            unsafe { mrkit_soft::UserMemory::new(land.as_ptr() as u64, LEN as u64) },
+            unsafe { mrkit_soft::UserMemory::new(land.as_ptr() as u64, 4096) },
             AccessFlags::LOCAL_WRITE,
         )
         .unwrap()
@@ -113,17 +128,19 @@ fn remapped_addresses_never_get_old_registrations() {
         land,
     });
 
-    let Some(cfg) = monitored_config() else {
+    let Some(mut cfg) = monitored_config() else {
         return;
     };
+    if per_page {
+        cfg.shape = Shape::Exact;
+    }
     let cache = RegCache::new(&pd, cfg).unwrap();
     let threads = 3;
-    let rounds = 150;
     std::thread::scope(|s| {
         for t in 0..threads {
             let (cache, reader, target, pd) = (&cache, &reader, &target, &pd);
             s.spawn(move || {
-                let mut m = Map::new(LEN);
+                let mut m = Map::new(len);
                 let addr = m.addr;
                 let mut old_keys: HashSet<u32> = HashSet::new();
                 for r in 0..rounds {
@@ -131,20 +148,25 @@ fn remapped_addresses_never_get_old_registrations() {
                     m.fill(pat);
                     // A few lookups per mapping: the first misses, the others hit.
                     let mut kept = Vec::new();
-                    for k in 0..3u64 {
+                    // Page by page: twice (the second pass hits through the grown table).
+                    let passes = if per_page { 2 } else { 1 };
+                    for k in (0..passes).flat_map(|_| 0..lookups) {
                         let off = k * 4096;
-                        let h = cache.raw(addr + off, (LEN as u64) - off, ALL).unwrap();
+                        let l = if per_page { 4096 } else { len as u64 - off };
+                        let h = cache.raw(addr + off, l, ALL).unwrap();
                         let key = h.rkey_for(addr + off).unwrap();
                         assert!(
                             !old_keys.contains(&key),
                             "thread {t} round {r}: key {key:#x} of an old mapping served"
                         );
-                        assert_pfns_current(target, key, addr, LEN as u64);
-                        let got = reader.lock().unwrap().read(addr + off, key, 4096);
-                        assert!(
-                            got.iter().all(|&b| b == pat),
-                            "thread {t} round {r}: READ saw old bytes"
-                        );
+                        if k < 3 {
+                            assert_pfns_current(target, key, addr, len as u64);
+                            let got = reader.lock().unwrap().read(addr + off, key, 4096);
+                            assert!(
+                                got.iter().all(|&b| b == pat),
+                                "thread {t} round {r}: READ saw old bytes"
+                            );
+                        }
                         // Sometimes keep the handle across the unmap (retired while in use).
                         if r % 7 == 0 && k == 0 {
                             kept.push(key);
