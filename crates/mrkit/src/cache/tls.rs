@@ -13,8 +13,10 @@ use super::lease::{Backout, Handle, Hold};
 use super::{current, monitor, Inner, RegCache};
 use crate::AccessFlags;
 
-/// Per-thread counters, written by their owner only.
+/// Per-thread counters, written by their owner only (on every hit): a line of their own, so
+/// that two threads' counters never share one (allocated apart, they may).
 #[derive(Debug, Default)]
+#[repr(align(64))]
 pub(super) struct ThreadStats {
     pub(super) hits: AtomicU64,
 }
