@@ -31,8 +31,9 @@
 //!     for the floor (`hit_floor_isolated_ns_n{N}`) and UCX (`ucx_rcache_hit_isolated_ns_n{N}`),
 //!     with `cache_over_floor_isolated_n{N}` and `cache_over_ucx_isolated_n{N}`;
 //!   * `hit_floor_ns_n{N}` (and `_2threads`): the memory floor under a hit in the same
-//!     protocol and run ([`HitFloor`]: the hit's two accesses and its count updates over the cache's
-//!     own table and THP-advised arrays, no cache); `cache_over_floor_n{N}` (and
+//!     protocol and run ([`HitFloor`]: the hit's one line — the thread's lease cell, found
+//!     by the lease table's own hash — and its count updates, over a THP-advised array as
+//!     large as the cache's table, no cache); `cache_over_floor_n{N}` (and
 //!     `_2threads`): the cache divided by it. At 65,536 buffers (~8 MiB per thread) both are
 //!     bound by the memory system, which moves ~3x between states of the VM;
 //!   * `ucx_rcache_hit_ns_p50_n{N}` (and `_2threads`): UCX's `ucs_rcache` in the same shape
@@ -302,8 +303,8 @@ pub struct HitFigures {
     pub fast_share: f64,
 }
 
-/// The memory floor under those hits ([`HitFloor`]: the same two accesses per lookup, each
-/// thread its own table and leases, no cache) in the same protocol.
+/// The memory floor under those hits ([`HitFloor`]: the same line per lookup, each thread its
+/// own table of lease cells, no cache) in the same protocol.
 fn floor_one_and_two(mem: &[u8], n: usize, lookups: usize) -> HitFigures {
     let base = mem.as_ptr() as u64;
     let ((one, isolated, _), two) = one_and_two(
