@@ -44,7 +44,7 @@
 //!   (leases created later are born dead), heavy barrier, sum the handles.
 //! * **try_retire**: under the mutex, if the set is dead, sure, and the sum is 0, retire (the
 //!   owner's [`Retire::retire`], which must be idempotent).
-//! * **last hold dropped** (owner thread; table slot replaced, thread exit): the lease
+//! * **last hold dropped** (owner thread; table cell let go of, ring slot replaced, thread exit): the lease
 //!   becomes ownerless (later drops on that thread take the shared path), `x |= ORPHAN`; if no
 //!   handle is left, free the lease. A lease is freed exactly once, by whoever brings it to
 //!   "orphaned and no handle" with its read-modify-write of `x`; it is unlinked from the set
@@ -616,16 +616,6 @@ impl<T: Retire> Hold<T> {
         unsafe { take(self.p) }
     }
 
-    /// Whether both hold the same lease.
-    pub fn same(&self, other: &Hold<T>) -> bool {
-        self.p == other.p
-    }
-
-    /// Whether the entry was killed.
-    pub fn is_dead(&self) -> bool {
-        self.lease().dead.load(Ordering::Relaxed)
-    }
-
     /// The entry.
     pub fn entry(&self) -> &T {
         &self.lease().entry
@@ -686,17 +676,18 @@ impl<T: Retire> Drop for Hold<T> {
 
 /// Where leases and the per-thread tables live: memory laid out for the hit path.
 ///
-/// With tens of thousands of entries a hit's two accesses (the table slot, then the lease)
-/// land at random in a few MiB; they miss the CPU caches, and they must not also miss the
+/// With tens of thousands of entries a hit's line (the lease cell of the thread's table)
+/// lands at random in a few MiB; it misses the CPU caches, and it must not also miss the
 /// TLB (a page walk per access, two-dimensional under virtualisation). So:
 ///
-/// * leases come from a **slab** of 64-byte cells in contiguous chunks, not from the heap
-///   where they would sit between the entries, index nodes and MR state allocated with
-///   them (one lease per 4 KiB page in practice);
-/// * the slab's first chunk is 64 KiB, the next ones are 2 MiB; those, like tables of 2 MiB
-///   and more ([`Slots`]), are anonymous mappings of their own, 2 MiB aligned and advised
-///   for transparent huge pages (`MADV_HUGEPAGE`, through [`Buffer`]): one TLB entry covers
-///   32,768 leases or 131,072 table slots. Without THP they are still contiguous.
+/// * a thread table's cells are one **block** ([`Block`], recorded here because a lease in
+///   it may be freed on any thread), and leases outside tables come from a **slab** of
+///   64-byte cells in contiguous chunks, not from the heap where they would sit between the
+///   entries, index nodes and MR state allocated with them;
+/// * the slab's first chunk is 64 KiB, the next ones are 2 MiB; those, like blocks and
+///   arrays ([`Slots`]) of 2 MiB and more, are anonymous mappings of their own, 2 MiB
+///   aligned and advised for transparent huge pages (`MADV_HUGEPAGE`, through [`Buffer`]):
+///   one TLB entry covers 32,768 leases. Without THP they are still contiguous.
 ///
 /// The slab is process-wide (a lease may be freed on any thread) behind a mutex taken only
 /// on the slow path (lease creation and freeing). A chunk that empties is unmapped unless
@@ -1009,27 +1000,29 @@ pub(crate) mod mem {
         }
 
         /// Give back a cell of a table block whose lease was freed (its entry dropped):
-        /// false when `p` is not in a block.
+        /// false when `p` is not in a block (under loom, where other leases are boxes;
+        /// otherwise `free_cell` handles both kinds under one lock).
+        #[cfg(loom)]
         pub fn free_block_cell(p: NonNull<u8>) -> bool {
-            let addr = p.as_ptr() as usize;
-            let gone = {
-                let mut s = SLAB.lock();
-                let Some((&base, b)) = s.blocks.range_mut(..=addr).next_back() else {
-                    return false;
-                };
-                if addr >= base + b.cells * CELL {
-                    return false;
-                }
-                assert_eq!((addr - base) % CELL, 0, "lease cell not line aligned");
-                b.set((addr - base) / CELL, false);
-                if !b.attached && b.count == 0 {
-                    s.blocks.remove(&base)
-                } else {
-                    None
-                }
-            };
-            drop(gone);
-            true
+            let freed = free_in_block(&mut SLAB.lock(), p.as_ptr() as usize);
+            // Unmapped outside the lock.
+            freed.is_some()
+        }
+
+        /// Under the slab mutex: mark the cell at `addr` of a table block vacant. `None` when
+        /// `addr` is in no block; else the block if that emptied a detached one (to unmap).
+        fn free_in_block(s: &mut Slab, addr: usize) -> Option<Option<BlockState>> {
+            let (&base, b) = s.blocks.range_mut(..=addr).next_back()?;
+            if addr >= base + b.cells * CELL {
+                return None;
+            }
+            assert_eq!((addr - base) % CELL, 0, "lease cell not line aligned");
+            b.set((addr - base) / CELL, false);
+            Some(if !b.attached && b.count == 0 {
+                s.blocks.remove(&base)
+            } else {
+                None
+            })
         }
 
         /// Blocks mapped and cells of blocks holding leases.
@@ -1084,12 +1077,15 @@ pub(crate) mod mem {
         /// dropped).
         #[cfg(not(loom))]
         pub fn free_cell(p: NonNull<u8>) {
-            if free_block_cell(p) {
+            let addr = p.as_ptr() as usize;
+            let mut s = SLAB.lock();
+            if let Some(block) = free_in_block(&mut s, addr) {
+                drop(s);
+                // Unmapped outside the lock.
+                drop(block);
                 return;
             }
-            let addr = p.as_ptr() as usize;
             let gone = {
-                let mut s = SLAB.lock();
                 let Some((&base, c)) = s.chunks.range_mut(..=addr).next_back() else {
                     panic!("lease cell {addr:#x} not from the slab");
                 };
@@ -1109,6 +1105,7 @@ pub(crate) mod mem {
                     None
                 }
             };
+            drop(s);
             // Unmapped outside the lock.
             drop(gone);
         }

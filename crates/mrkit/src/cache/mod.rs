@@ -99,11 +99,11 @@
 //! * **Index**: an interval index of live entries (`index::IntervalIndex`) under a
 //!   `RwLock` that is **never held across a device call**.
 //! * **Hit path** (its cost does not grow with the number of entries): each thread keeps,
-//!   per cache, a table of *holds* on its own *leases* (module `lease`): an open-addressing table
-//!   keyed by the 4 KiB page of the request address (16-byte slots, sized to the cache's
-//!   `max_entries`) plus a ring of the last 4 entries matched by range (lookups anywhere in a
-//!   large entry). A hit reads the table slot, checks range and rights in the lease's own
-//!   line, and counts its handle with a plain load and store of the lease's owner-only
+//!   per cache, a table of its own *leases* (module `lease`, `lease::table`): an
+//!   open-addressing table keyed by the 4 KiB page of the request address whose slots are
+//!   the 64-byte leases themselves, plus a ring of the last 4 entries matched by range
+//!   (lookups anywhere in a large entry). A hit finds the lease by the page's tag, checks
+//!   range and rights in the same line, and counts its handle with a plain load and store of the lease's owner-only
 //!   count (no locked instruction); a handle dropped on the same thread does the same, one
 //!   dropped on another thread takes a read-modify-write path. The lease's line belongs to
 //!   the thread: a hit takes **no lock and writes no shared cache line**, so threads hitting
@@ -128,7 +128,7 @@
 //!   deregistered exactly once, and never while a handle exists; an entry invalidated while
 //!   in use leaves the index at once and is retired by its last handle. Thread tables keep
 //!   an entry's memory (not its registration) until the slot is replaced, the table is
-//!   rebuilt, or the thread exits. Model-checked on the lease code itself in
+//!   emptied when full, or the thread exits. Model-checked on the lease code itself in
 //!   `tests/loom_cache.rs`.
 //! * **Miss path**: shape the range ([`Shape`]), insert a *placeholder* entry under the
 //!   write lock (concurrent misses of the same range find it and wait: single flight),
