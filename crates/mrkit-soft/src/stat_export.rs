@@ -269,22 +269,30 @@ impl StatDir {
 
     /// Open `name` only if it is a regular file owned by the directory's owner and at most
     /// [`MAX_STAT_FILE`] bytes: checked by name without following a symlink, opened with
-    /// `O_NOFOLLOW|O_NONBLOCK`, then checked again on the descriptor (same inode).
+    /// `O_NOFOLLOW|O_NONBLOCK`, then checked again on the descriptor (same inode). A file
+    /// replaced between the check and the open (the exporter replaces its stat file by an
+    /// atomic rename at every update) is checked and opened again, a few times at most.
     fn open_checked(&self, name: &str, access: OFlags) -> io::Result<OwnedFd> {
-        let before = rustix::fs::statat(&self.fd, name, AtFlags::SYMLINK_NOFOLLOW)?;
-        self.check_file(name, &before)?;
-        let fd = rustix::fs::openat(
-            &self.fd,
-            name,
-            access | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC | OFlags::NOCTTY,
-            Mode::empty(),
-        )?;
-        let st = rustix::fs::fstat(&fd)?;
-        if (st.st_dev, st.st_ino) != (before.st_dev, before.st_ino) {
-            return Err(denied(format!("{name} was replaced while being opened")));
+        const ATTEMPTS: usize = 8;
+        for _ in 0..ATTEMPTS {
+            let before = rustix::fs::statat(&self.fd, name, AtFlags::SYMLINK_NOFOLLOW)?;
+            self.check_file(name, &before)?;
+            let fd = rustix::fs::openat(
+                &self.fd,
+                name,
+                access | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC | OFlags::NOCTTY,
+                Mode::empty(),
+            )?;
+            let st = rustix::fs::fstat(&fd)?;
+            if (st.st_dev, st.st_ino) != (before.st_dev, before.st_ino) {
+                continue;
+            }
+            self.check_file(name, &st)?;
+            return Ok(fd);
         }
-        self.check_file(name, &st)?;
-        Ok(fd)
+        Err(denied(format!(
+            "{name} was replaced while being opened, {ATTEMPTS} times in a row"
+        )))
     }
 
     fn check_file(&self, name: &str, st: &Stat) -> io::Result<()> {
