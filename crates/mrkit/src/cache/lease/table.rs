@@ -88,20 +88,27 @@ pub fn live_tag(key: u64) -> u32 {
     LIVE | (key as u32 & KEY)
 }
 
-/// The home cell of a tag's key in a table of `mask + 1` cells: Fibonacci hashing (bits 32
-/// and up of the product, masked: no variable shift on the hit path). Measured against the
-/// top bits of the same product (which place the keys of contiguous pages a golden-ratio
-/// step apart, one probe each, where these send ~78 % of such lookups to a second cell): the
-/// top bits were slower in `mrkit bench pool-cache` at 65,536 buffers (one thread 42.5 and
-/// 52.4 ns median against 27.8 and 26.8, isolated 66 and 114 against 40 and 42, two batches
-/// of 8 and 10 alternating runs) and, in a bare model, faster on average but with a heavy
-/// tail (isolated 24 to 104 ns against 32 to 41); through the cache itself, one thread
-/// cycling 65,536 buffers for 3 million lookups settled at 17 to 47 ns (erratic) against a
-/// steady 20 to 23. Not understood (the table was backed by huge pages in both); the masked
-/// bits stay.
+/// The home cell of a tag's key in a table of `mask + 1` cells: Fibonacci hashing, the top
+/// bits of the 64-bit product (taken as the high word of the product with the cell count:
+/// one multiply, no variable shift).
+///
+/// The top bits place the keys of an arithmetic progression (the pages of buffers cut from
+/// one allocation, at any stride) a golden-ratio step apart: at this table's load every one
+/// of them sits in its home cell (`strided_pages_sit_in_their_home_cells`). That decides the
+/// hit's cost at large working sets, more than the table's size: a probe whose outcome the
+/// CPU mispredicts discards the next lookups it had started, so their cache misses no
+/// longer overlap. Measured in `mrkit bench pool-cache` at 65,536 buffers (one thread, same
+/// runs): 7.5–12.6 ns against 19.9–20.7 with bits 32 and up of the same product (which
+/// leave 22 % of contiguous pages at home: their multiplier's bits there are close to
+/// 45/61, so the keys bunch in runs). Random pages sit at home ~75 % of the time with
+/// either. Session 14 had measured the top bits as slower; that bench let a thread measure
+/// right after waiting at a barrier, when this virtual machine serves the 8 MiB table at up
+/// to 5x its steady cost for a few hundred thousand lookups, and the mispredicting hash,
+/// bound by its own stalls, hid that transient.
 #[inline(always)]
 pub fn home(tag: u32, mask: usize) -> usize {
-    (u64::from(tag & KEY).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 32) as usize & mask
+    let h = u64::from(tag & KEY).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    ((u128::from(h) * (mask as u128 + 1)) >> 64) as usize
 }
 
 /// Cells of the block a rebuild makes for `live` leases.
@@ -534,6 +541,43 @@ mod tests {
         // Every entry's leases were freed (none linked).
         for e in model.values() {
             assert_eq!(e.leases.live_leases(), 0);
+        }
+    }
+
+    /// Where the hash puts buffers laid out at a regular stride (one allocation cut into
+    /// buffers, the common case): every key in its home cell, so that a hit's probe is one
+    /// compare whose branch the CPU predicts (a mispredicted probe stops it from overlapping
+    /// the next lookup's cache miss). Random pages are not checked here: any hash leaves
+    /// about a quarter of them past their home at this load.
+    #[test]
+    fn strided_pages_sit_in_their_home_cells() {
+        let _g = SERIAL.lock();
+        for (first, stride) in [
+            (7 << 20, 1),
+            (0x0007_f123_4567, 1),
+            (1 << 29, 2),
+            (5 << 20, 16),
+        ] {
+            let n = 65_536u64;
+            let mut t: LeaseTable<E> = LeaseTable::default();
+            let mut out = Vec::new();
+            let es: Vec<Arc<E>> = (0..n).map(|i| entry(i, first + i * stride, 1)).collect();
+            for e in &es {
+                t.insert(e.start >> 12, e, &mut out);
+            }
+            assert!(out.is_empty());
+            let away = es
+                .iter()
+                .filter(|e| {
+                    let want = super::live_tag((e.start >> 12) & KEY_MASK);
+                    super::tag(t.at(super::home(want, t.mask))) != want
+                })
+                .count();
+            assert_eq!(away, 0, "first {first:#x} stride {stride}");
+            for e in &es {
+                assert!(hit(&t, e.start >> 12).is_some());
+            }
+            t.retain(|_, _| false, &mut out);
         }
     }
 
