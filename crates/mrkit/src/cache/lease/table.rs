@@ -108,7 +108,9 @@ pub fn live_tag(key: u64) -> u32 {
 #[inline(always)]
 pub fn home(tag: u32, mask: usize) -> usize {
     let h = u64::from(tag & KEY).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    ((u128::from(h) * (mask as u128 + 1)) >> 64) as usize
+    // A cell count fits in 64 bits: no carry into the high word to handle.
+    let cells = (mask as u64).wrapping_add(1);
+    ((u128::from(h) * u128::from(cells)) >> 64) as usize
 }
 
 /// Cells of the block a rebuild makes for `live` leases.
