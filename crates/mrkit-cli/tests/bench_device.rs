@@ -74,6 +74,8 @@ fn bench_pool_cache_on_rdma_core() {
         "owned_slot_cross_thread_ns",
         "cache_hit_ns_p50",
         "cache_hit_ns_p50_n65536",
+        "cache_hit_ns_p50_n16384_scattered",
+        "hit_floor_ns_n16384_scattered",
         "per_message_reg_ns",
         "pooled_ns",
         "per_message_over_pooled",

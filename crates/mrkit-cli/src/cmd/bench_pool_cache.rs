@@ -291,15 +291,24 @@ fn one_and_two<S, A: Send>(
     })
 }
 
-/// The cache's hits ([`one_and_two`] over `get_ref` + drop).
-fn cache_one_and_two(cache: &RegCache, mem: &[u8], n: usize, lookups: usize) -> HitFigures {
+/// The cache's hits ([`one_and_two`] over `get_ref` + drop) on buffer `i` = page
+/// `page_of(i)` of `mem`.
+fn cache_one_and_two(
+    cache: &RegCache,
+    mem: &[u8],
+    page_of: impl Fn(u32) -> u32 + Sync,
+    n: usize,
+    lookups: usize,
+) -> HitFigures {
     let acc = AccessFlags::empty();
     let ((one, isolated, share), two) = one_and_two(
         n,
         lookups,
         || (),
         |(), i| {
-            let h = cache.get_ref(page(mem, i), acc).expect("cache get");
+            let h = cache
+                .get_ref(page(mem, page_of(i)), acc)
+                .expect("cache get");
             black_box(&h);
             drop(h);
         },
@@ -333,14 +342,21 @@ pub struct HitFigures {
 }
 
 /// The memory floor under those hits ([`HitFloor`]: the same line per lookup, each thread its
-/// own table of lease cells, no cache) in the same protocol.
-fn floor_one_and_two(mem: &[u8], n: usize, lookups: usize) -> HitFigures {
+/// own table of lease cells, no cache) in the same protocol, buffers placed as
+/// [`cache_one_and_two`]'s.
+fn floor_one_and_two(
+    mem: &[u8],
+    page_of: impl Fn(u32) -> u32 + Sync,
+    n: usize,
+    lookups: usize,
+) -> HitFigures {
     let base = mem.as_ptr() as u64;
+    let addr = |i: u32| base + u64::from(page_of(i)) * 4096;
     let ((one, isolated, _), two) = one_and_two(
         n,
         lookups,
-        || HitFloor::new(base, n),
-        |f, i| assert!(f.hit(base + u64::from(i) * 4096, 4096)),
+        || HitFloor::at_pages(&(0..n as u32).map(addr).collect::<Vec<_>>()),
+        |f, i| assert!(f.hit(addr(i), 4096)),
         |measure| (measure(), ()),
     );
     HitFigures {
@@ -406,8 +422,8 @@ pub fn hit_sweep(
             (Some(a), Some(b)) => Some(b.saturating_sub(a) as f64 / n as f64),
             _ => None,
         };
-        let cache_figs = cache_one_and_two(&cache, mem, n, lookups);
-        let floor = floor_one_and_two(mem, n, lookups);
+        let cache_figs = cache_one_and_two(&cache, mem, |i| i, n, lookups);
+        let floor = floor_one_and_two(mem, |i| i, n, lookups);
         out.push(SweepPoint {
             buffers: n,
             cache: cache_figs,
@@ -418,6 +434,50 @@ pub fn hit_sweep(
         drop(buf);
     }
     Ok(out)
+}
+
+/// Pages per window of the scattered shape: buffer `i` is a page at random in pages
+/// `16i .. 16i + 16` of one mapping.
+const SCATTER: u32 = 16;
+
+/// Buffers of the scattered shape: the largest count whose scattered pages the userfaultfd
+/// monitor can attach under the default `vm.max_map_count` (65,530): each attached page
+/// alone in its mapping splits it (up to two more VMAs), so 65,536 of them exceed it, and
+/// past that misses return uncached registrations (docs/cache.md, "Limits").
+pub const SCATTERED_BUFFERS: usize = 16_384;
+
+/// The scattered shape: the sweep's protocol over `n` buffers that are single pages at
+/// random places (page `16i + r_i` of one mapping, as buffers allocated one by one land),
+/// beside the floor over the same pages; userfaultfd monitor, as the sweep.
+pub fn scattered_point(
+    pd: &ProtectionDomain,
+    n: usize,
+    lookups: usize,
+) -> Result<(HitFigures, HitFigures), String> {
+    // Declared before the cache: dropped after it.
+    let buf = Buffer::new(n * SCATTER as usize * 4096).map_err(|e| e.to_string())?;
+    let cache = RegCache::new(
+        pd,
+        CacheConfig {
+            max_entries: n.max(1024),
+            ..CacheConfig::default()
+        },
+    )
+    .map_err(|e| e.to_string())?;
+    let offsets = random_order(SCATTER as usize, n, 0x9e37_79b9_7f4a_7c15);
+    let page_of = |i: u32| i * SCATTER + offsets[i as usize];
+    let mem = buf.as_slice();
+    let cache_figs = cache_one_and_two(&cache, mem, page_of, n, lookups);
+    let stats = cache.stats();
+    if stats.uncached > 0 || stats.entries as usize != n {
+        return Err(format!(
+            "scattered shape: {} of {n} buffers cached, {} uncached registrations",
+            stats.entries, stats.uncached
+        ));
+    }
+    let floor = floor_one_and_two(mem, page_of, n, lookups);
+    drop(cache);
+    Ok((cache_figs, floor))
 }
 
 /// UCX's figures at one size: one thread, two threads, bytes per entry.
@@ -763,6 +823,20 @@ pub fn sweep_rows(
                 ratio_rows(&mut rows, n, "ucx", c, (u.one, u.two, u.isolated));
             }
         }
+    }
+    if sizes.contains(&SCATTERED_BUFFERS) || sizes.iter().any(|&n| n > SCATTERED_BUFFERS) {
+        let n = SCATTERED_BUFFERS;
+        let (c, f) = scattered_point(pd, n, lookups)?;
+        rows.push((format!("cache_hit_ns_p50_n{n}_scattered"), c.one));
+        rows.push((format!("cache_hit_ns_p50_n{n}_scattered_2threads"), c.two));
+        rows.push((format!("cache_hit_isolated_ns_n{n}_scattered"), c.isolated));
+        rows.push((format!("hit_floor_ns_n{n}_scattered"), f.one));
+        rows.push((format!("hit_floor_ns_n{n}_scattered_2threads"), f.two));
+        rows.push((format!("cache_over_floor_n{n}_scattered"), c.one / f.one));
+        rows.push((
+            format!("cache_over_floor_n{n}_scattered_2threads"),
+            c.two / f.two,
+        ));
     }
     if let Some(p) = pts.iter().max_by_key(|p| p.buffers) {
         if let Some(b) = p.bytes_per_entry {

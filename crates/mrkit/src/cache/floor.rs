@@ -59,6 +59,19 @@ impl std::fmt::Debug for HitFloor {
 impl HitFloor {
     /// A table of `n` page-sized entries at `base`, `base + 4096`, ….
     pub fn new(base: u64, n: usize) -> HitFloor {
+        Self::at_pages(&(0..n as u64).map(|k| base + k * 4096).collect::<Vec<_>>())
+    }
+
+    /// A table of page-sized entries at `pages` (page-aligned addresses, distinct).
+    ///
+    /// ```
+    /// use mrkit::cache::test_support::HitFloor;
+    /// let f = HitFloor::at_pages(&[0x7f00_0000_0000, 0x7f00_0002_3000]);
+    /// assert!(f.hit(0x7f00_0002_3000, 4096));
+    /// assert!(!f.hit(0x7f00_0000_1000, 4096));
+    /// ```
+    pub fn at_pages(pages: &[u64]) -> HitFloor {
+        let n = pages.len();
         let size = cells_holding(n);
         let mut cells = Slots::new(size, || FloorCell {
             tag: 0,
@@ -67,8 +80,7 @@ impl HitFloor {
             start: 0,
             end: 0,
         });
-        for k in 0..n as u64 {
-            let start = base + k * 4096;
+        for &start in pages {
             let tag = live_tag(page_key(start));
             let mut i = home(tag, size - 1);
             while cells[i].tag != 0 {
