@@ -387,6 +387,19 @@ pub struct SweepPoint {
     pub bytes_per_entry: Option<f64>,
 }
 
+/// A cache for a sweep point of `n` buffers: room for all of them, the userfaultfd monitor
+/// (the default: the safe lookups need it).
+fn sweep_cache(pd: &ProtectionDomain, n: usize) -> Result<RegCache, String> {
+    RegCache::new(
+        pd,
+        CacheConfig {
+            max_entries: n.max(1024),
+            ..CacheConfig::default()
+        },
+    )
+    .map_err(|e| e.to_string())
+}
+
 /// The mrkit hit sweep: `lookups` per point and thread, at each of `sizes`.
 pub fn hit_sweep(
     pd: &ProtectionDomain,
@@ -395,15 +408,7 @@ pub fn hit_sweep(
 ) -> Result<Vec<SweepPoint>, String> {
     let mut out = Vec::new();
     for &n in sizes {
-        // The userfaultfd monitor (the default): the safe lookups need it.
-        let cache = RegCache::new(
-            pd,
-            CacheConfig {
-                max_entries: n.max(1024),
-                ..CacheConfig::default()
-            },
-        )
-        .map_err(|e| e.to_string())?;
+        let cache = sweep_cache(pd, n)?;
         let mut buf = Buffer::new(n * 4096).map_err(|e| e.to_string())?;
         buf.as_mut_slice().fill(1);
         let mem = buf.as_slice();
@@ -456,14 +461,7 @@ pub fn scattered_point(
 ) -> Result<(HitFigures, HitFigures), String> {
     // Declared before the cache: dropped after it.
     let buf = Buffer::new(n * SCATTER as usize * 4096).map_err(|e| e.to_string())?;
-    let cache = RegCache::new(
-        pd,
-        CacheConfig {
-            max_entries: n.max(1024),
-            ..CacheConfig::default()
-        },
-    )
-    .map_err(|e| e.to_string())?;
+    let cache = sweep_cache(pd, n)?;
     let offsets = random_order(SCATTER as usize, n, 0x9e37_79b9_7f4a_7c15);
     let page_of = |i: u32| i * SCATTER + offsets[i as usize];
     let mem = buf.as_slice();
