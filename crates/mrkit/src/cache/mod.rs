@@ -242,6 +242,21 @@ pub mod test_support {
                 .map(|m| m.registrations())
         }
 
+        /// Attachments the monitor made so far that bridged a gap to a neighbouring attached
+        /// range (`None` when userfaultfd is unavailable).
+        ///
+        /// ```
+        /// # use mrkit::cache::test_support::monitor;
+        /// # let _ = mrkit::cache::RegCache::new(
+        /// #     &mrkit::Context::open(mrkit::DeviceConfig::rxe()).alloc_pd().unwrap(),
+        /// #     Default::default(),
+        /// # ).unwrap();
+        /// assert!(monitor::bridges().is_some());
+        /// ```
+        pub fn bridges() -> Option<u64> {
+            crate::cache::monitor::global().ok().map(|m| m.bridges())
+        }
+
         /// Events (unmap, remove, remap) the monitor has read so far (`None` when userfaultfd
         /// is unavailable).
         ///

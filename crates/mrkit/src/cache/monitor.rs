@@ -62,6 +62,23 @@
 //! `ENOMEM`, out of VMAs, releases every idle range and retries once), and another
 //! userfaultfd cannot register it meanwhile.
 //!
+//! # Bridged gaps (why scattered buffers do not run the process out of VMAs)
+//!
+//! A page attached alone in its mapping splits it in three. Buffers scattered over one
+//! mapping (allocated one by one) would each cost two VMAs, and at the default
+//! `vm.max_map_count` of 65,530 about 32,000 of them exhaust the process: from then on every
+//! `mmap` of the process fails, the device's own pinning included. So an attach whose range
+//! has an attached neighbour at most [`MAX_BRIDGE`] below or above registers the gap between
+//! them too: the gap's VMA is attached whole and merges with its neighbours, and scattered
+//! buffers keep their mapping in a few pieces. The gaps are recorded apart (`bridged`): only
+//! the range itself enters the record of attached pages (a hole in a gap, filled by a later
+//! mapping, is not attached, so a gap is never taken for attached), and a gap is detached
+//! with an idle range next to it, so `flush_idle` still merges every VMA back. The cost: an
+//! `munmap` or `MADV_DONTNEED` of gap memory (not cached: the application's memory between
+//! its buffers) waits for the monitor to read its event and sends each cache's next lookup
+//! through the slow path once, as for an idle range. A gap this userfaultfd cannot attach
+//! (a file mapping in it, another userfaultfd's memory) falls back to the range alone.
+//!
 //! # Deadlock rules
 //!
 //! The monitor thread reads events before taking any lock, never blocks on the subscriber
@@ -419,6 +436,10 @@ impl Pending {
 /// extra VMAs, against the default `vm.max_map_count` of 65,530.
 pub const IDLE_CAP: usize = 256;
 
+/// The widest gap an attachment bridges to a neighbouring attached range (module docs,
+/// "Bridged gaps").
+pub const MAX_BRIDGE: u64 = 256 << 10;
+
 /// Disjoint, coalesced page ranges `[start, end)` (start -> end).
 #[derive(Debug, Default)]
 struct RangeSet(BTreeMap<u64, u64>);
@@ -460,6 +481,30 @@ impl RangeSet {
         self.0.insert(lo, hi);
     }
 
+    /// The window that joins `[s, e)` to the nearest ranges below and above it when they are
+    /// at most `max_gap` away (each side on its own); `None` when neither is.
+    fn bridge(&self, s: u64, e: u64, max_gap: u64) -> Option<(u64, u64)> {
+        let lo = match self.0.range(..s).next_back() {
+            Some((_, &b)) if b <= s && s - b <= max_gap => b,
+            _ => s,
+        };
+        let hi = match self.0.range(e..).next() {
+            Some((&a, _)) if a - e <= max_gap => a,
+            _ => e,
+        };
+        ((lo, hi) != (s, e)).then_some((lo, hi))
+    }
+
+    /// `[s, e)` widened by the ranges of the set that end at `s` or start at `e`.
+    fn around(&self, s: u64, e: u64) -> (u64, u64) {
+        let lo = match self.0.range(..s).next_back() {
+            Some((&a, &b)) if b == s => a,
+            _ => s,
+        };
+        let hi = self.0.get(&e).copied().unwrap_or(e);
+        (lo, hi)
+    }
+
     fn remove(&mut self, s: u64, e: u64) {
         for (a, b) in self.intersect(s, e) {
             // `(a, b)` is the overlap; find the stored interval holding it and cut it out.
@@ -486,6 +531,10 @@ struct Attached {
     registered: RangeSet,
     /// Pages of `registered` with 0 users (kept attached; at most [`IDLE_CAP`] ranges).
     idle: RangeSet,
+    /// Gaps attached with a neighbouring range to bridge it to another ("Bridged gaps" in
+    /// the module docs): disjoint from `registered`, never taken for attached by a miss (a
+    /// hole in one may be filled by a later mapping), detached with an adjacent idle range.
+    bridged: RangeSet,
     /// Where the next detach of an idle range starts looking (wraps around).
     hand: u64,
 }
@@ -508,6 +557,9 @@ pub struct Monitor {
     events: AtomicU64,
     /// `UFFDIO_REGISTER` calls issued (statistics and tests; Relaxed, orders nothing).
     registers: AtomicU64,
+    /// Attachments that bridged a gap to a neighbouring attached range (statistics and
+    /// tests; Relaxed, orders nothing).
+    bridges: AtomicU64,
 }
 
 static MONITOR: OnceLock<Result<Arc<Monitor>, String>> = OnceLock::new();
@@ -534,6 +586,7 @@ pub fn global() -> Result<&'static Arc<Monitor>, String> {
                 gone: Pending::new(256),
                 events: AtomicU64::new(0),
                 registers: AtomicU64::new(0),
+                bridges: AtomicU64::new(0),
             });
             let t = m.clone();
             std::thread::Builder::new()
@@ -596,8 +649,26 @@ impl Monitor {
         let mut a = self.att.lock();
         let trusted = self.forget_gone(&mut a, true);
         if !(trusted && a.registered.covers(start, end)) {
-            self.registers.fetch_add(1, Ordering::Relaxed);
-            let mut r = self.uffd.register(start, len);
+            // Attach the gaps to attached neighbours close by too, so that the VMA our
+            // attachments split there merges back instead of splitting again ("Bridged
+            // gaps" in the module docs). Only `[start, end)` enters the record.
+            let (ws, we) = match trusted {
+                true => a.registered.bridge(start, end, MAX_BRIDGE),
+                false => None,
+            }
+            .unwrap_or((start, end));
+            let attach = || {
+                self.registers.fetch_add(1, Ordering::Relaxed);
+                let r = self.uffd.register(ws, we - ws);
+                if r.is_err() && (ws, we) != (start, end) {
+                    // A gap this userfaultfd cannot attach (a file mapping, another
+                    // userfaultfd's memory): the range alone.
+                    self.registers.fetch_add(1, Ordering::Relaxed);
+                    return self.uffd.register(start, len).map(|()| false);
+                }
+                r.map(|()| (ws, we) != (start, end))
+            };
+            let mut r = attach();
             if matches!(&r, Err(e) if e.raw_os_error() == Some(libc::ENOMEM))
                 && trusted
                 && !a.idle.0.is_empty()
@@ -607,11 +678,15 @@ impl Monitor {
                 while let Some((&s, &e)) = a.idle.0.iter().next() {
                     self.release(&mut a, s, e);
                 }
-                self.registers.fetch_add(1, Ordering::Relaxed);
-                r = self.uffd.register(start, len);
+                r = attach();
             }
-            r?;
+            if r? {
+                self.bridges.fetch_add(1, Ordering::Relaxed);
+                a.bridged.insert(ws, start);
+                a.bridged.insert(end, we);
+            }
             a.registered.insert(start, end);
+            a.bridged.remove(start, end);
         }
         a.idle.remove(start, end);
         let _ = a.users.inc(start, end);
@@ -662,10 +737,18 @@ impl Monitor {
         self.registers.load(Ordering::Relaxed)
     }
 
+    /// Attachments so far that bridged a gap to a neighbouring attached range.
+    pub fn bridges(&self) -> u64 {
+        self.bridges.load(Ordering::Relaxed)
+    }
+
     /// Unregister idle range `[s, e)` (no users, still ours: the idle set is kept a subset
     /// of both).
     fn release(&self, a: &mut Attached, s: u64, e: u64) {
-        let _ = self.uffd.unregister(s, e - s);
+        // With the bridged gaps next to it, so that the VMA merges back.
+        let (ws, we) = a.bridged.around(s, e);
+        let _ = self.uffd.unregister(ws, we - ws);
+        a.bridged.remove(ws, we);
         a.idle.remove(s, e);
         a.registered.remove(s, e);
     }
@@ -688,6 +771,7 @@ impl Monitor {
             for (s, e) in self.gone.drain() {
                 a.registered.remove(s, e);
                 a.idle.remove(s, e);
+                a.bridged.remove(s, e);
             }
         }
         true
@@ -774,6 +858,37 @@ mod tests {
 
     fn all(s: &RangeSet) -> Vec<(u64, u64)> {
         s.0.iter().map(|(&a, &b)| (a, b)).collect()
+    }
+
+    /// `bridge` joins a range to neighbours at most `max_gap` away, each side on its own;
+    /// `around` widens a range by set ranges that touch it.
+    #[test]
+    fn range_set_bridge_and_around() {
+        let mut s = RangeSet::default();
+        s.insert(100, 110);
+        s.insert(200, 210);
+        // (range, max gap) -> window
+        for ((a, b), gap, want) in [
+            ((150, 160), 50, Some((110, 200))),
+            ((150, 160), 40, Some((110, 200))),
+            ((140, 150), 30, Some((110, 150))),
+            ((165, 170), 30, Some((165, 200))),
+            ((150, 160), 39, None),
+            ((120, 130), 10, Some((110, 130))),
+            ((50, 60), 40, Some((50, 100))),
+            ((300, 310), 89, None),
+            ((300, 310), 90, Some((210, 310))),
+            ((110, 200), 0, None),
+        ] {
+            assert_eq!(s.bridge(a, b, gap), want, "[{a}, {b}) gap {gap}");
+        }
+        let mut g = RangeSet::default();
+        g.insert(110, 150);
+        g.insert(160, 200);
+        assert_eq!(g.around(150, 160), (110, 200));
+        assert_eq!(g.around(140, 160), (140, 200));
+        assert_eq!(g.around(150, 170), (110, 170));
+        assert_eq!(g.around(0, 10), (0, 10));
     }
 
     #[test]
