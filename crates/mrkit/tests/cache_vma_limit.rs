@@ -92,3 +92,52 @@ fn scattered_entries_past_the_map_count_are_all_cached() {
     drop(cache);
     drop(m);
 }
+
+/// A gap the monitor's userfaultfd cannot attach (a file mapping between two cached pages):
+/// the bridge fails and the range is attached alone, cached and monitored as without it.
+#[test]
+fn a_gap_with_a_file_mapping_falls_back_to_the_range_alone() {
+    let Some(cfg) = monitored_config() else {
+        return;
+    };
+    let (ctx, pd) = open();
+    let cache = RegCache::new(&pd, cfg).unwrap();
+    let m = Map::new(3 * PAGE as usize);
+    let path = std::env::temp_dir().join(format!("mrkit-gap-{}", std::process::id()));
+    let file = std::fs::File::options()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&path)
+        .unwrap();
+    file.set_len(PAGE).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    // SAFETY: replaces the middle page of the test's own mapping (nothing borrows it) with a
+    // shared mapping of the test's own file; unmapped with `m`.
+    let p = unsafe {
+        rustix::mm::mmap(
+            (m.addr + PAGE) as *mut _,
+            PAGE as usize,
+            rustix::mm::ProtFlags::READ | rustix::mm::ProtFlags::WRITE,
+            rustix::mm::MapFlags::SHARED | rustix::mm::MapFlags::FIXED,
+            &file,
+            0,
+        )
+    }
+    .unwrap();
+    assert_eq!(p as u64, m.addr + PAGE);
+    for at in [m.addr, m.addr + 2 * PAGE] {
+        let h = cache.raw(at, PAGE, RW).unwrap();
+        assert_translates(&ctx, &pd, &h, at, PAGE);
+    }
+    let s = cache.stats();
+    assert_eq!((s.entries, s.uncached, s.unmonitored), (2, 0, 0), "{s:?}");
+    // Both are monitored: dropping their pages invalidates them.
+    m.dontneed();
+    let misses = cache.stats().misses;
+    for at in [m.addr, m.addr + 2 * PAGE] {
+        drop(cache.raw(at, PAGE, RW).unwrap());
+    }
+    assert_eq!(cache.stats().misses, misses + 2, "{:?}", cache.stats());
+}
