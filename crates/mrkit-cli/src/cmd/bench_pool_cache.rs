@@ -22,9 +22,10 @@
 //!   untimed lookups by its threads: a thread that waited at a barrier finds an 8 MiB table
 //!   at up to 5x its steady cost on this kind of virtual machine for its first few hundred
 //!   thousand lookups (the UCX program does the same). The key is the median of the batch
-//!   means; the one-thread key is the mean of the two threads' alone figures. One and two threads are thus measured after the same
-//!   warm-up (before session 12 the one-thread figure came from the thread that had created
-//!   the entries, after more passes than the fresh two-thread pair had made).
+//!   means; the one-thread key is the mean of the two threads' alone figures. One and two
+//!   threads are thus measured after the same warm-up (before session 12 the one-thread
+//!   figure came from the thread that had created the entries, after more passes than the
+//!   fresh two-thread pair had made).
 //!   * `cache_hit_ns_p50_n{N}`: one thread; `cache_hit_ns_p50_n{N}_2threads`: two threads
 //!     at once over the same N buffers (each its own random order; mean of the two medians);
 //!   * `cache_fast_share_n{N}`: share of the one-thread lookups served by the per-thread

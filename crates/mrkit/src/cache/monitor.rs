@@ -652,21 +652,22 @@ impl Monitor {
             // Attach the gaps to attached neighbours close by too, so that the VMA our
             // attachments split there merges back instead of splitting again ("Bridged
             // gaps" in the module docs). Only `[start, end)` enters the record.
-            let (ws, we) = match trusted {
-                true => a.registered.bridge(start, end, MAX_BRIDGE),
-                false => None,
-            }
-            .unwrap_or((start, end));
+            let window = a
+                .registered
+                .bridge(start, end, MAX_BRIDGE)
+                .filter(|_| trusted);
+            // Whether the gaps were attached too.
             let attach = || {
-                self.registers.fetch_add(1, Ordering::Relaxed);
-                let r = self.uffd.register(ws, we - ws);
-                if r.is_err() && (ws, we) != (start, end) {
+                if let Some((ws, we)) = window {
+                    self.registers.fetch_add(1, Ordering::Relaxed);
+                    if self.uffd.register(ws, we - ws).is_ok() {
+                        return Ok(true);
+                    }
                     // A gap this userfaultfd cannot attach (a file mapping, another
                     // userfaultfd's memory): the range alone.
-                    self.registers.fetch_add(1, Ordering::Relaxed);
-                    return self.uffd.register(start, len).map(|()| false);
                 }
-                r.map(|()| (ws, we) != (start, end))
+                self.registers.fetch_add(1, Ordering::Relaxed);
+                self.uffd.register(start, len).map(|()| false)
             };
             let mut r = attach();
             if matches!(&r, Err(e) if e.raw_os_error() == Some(libc::ENOMEM))
@@ -680,7 +681,7 @@ impl Monitor {
                 }
                 r = attach();
             }
-            if r? {
+            if let (true, Some((ws, we))) = (r?, window) {
                 self.bridges.fetch_add(1, Ordering::Relaxed);
                 a.bridged.insert(ws, start);
                 a.bridged.insert(end, we);
