@@ -103,14 +103,15 @@ fn a_gap_with_a_file_mapping_falls_back_to_the_range_alone() {
     let (ctx, pd) = open();
     let cache = RegCache::new(&pd, cfg).unwrap();
     let m = Map::new(3 * PAGE as usize);
+    // `create_new` (O_EXCL): a file or symlink planted at the name fails the test instead of
+    // being followed and truncated.
     let path = std::env::temp_dir().join(format!("mrkit-gap-{}", std::process::id()));
     let file = std::fs::File::options()
         .read(true)
         .write(true)
-        .create(true)
-        .truncate(true)
+        .create_new(true)
         .open(&path)
-        .unwrap();
+        .unwrap_or_else(|e| panic!("create {}: {e}", path.display()));
     file.set_len(PAGE).unwrap();
     std::fs::remove_file(&path).unwrap();
     // SAFETY: replaces the middle page of the test's own mapping (nothing borrows it) with a
