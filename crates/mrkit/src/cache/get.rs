@@ -103,7 +103,7 @@ impl RegCache {
     /// let err = cache.get_ref(s.as_bytes(), AccessFlags::REMOTE_WRITE).unwrap_err();
     /// assert_eq!(err.errno(), Errno::EINVAL);
     /// ```
-    #[inline]
+    #[inline(always)]
     pub fn get_ref<'a>(&self, mem: &'a [u8], access: AccessFlags) -> Result<RegRef<'a>> {
         if access.is_writable() || access.intersects(REMOTE_RIGHTS) {
             return Err(borrowed_rights_error(access, "get_ref (a shared borrow)"));
@@ -146,7 +146,7 @@ impl RegCache {
     /// drop(buf); // error: `buf` is still borrowed by `h`
     /// let _keep = h;
     /// ```
-    #[inline]
+    #[inline(always)]
     pub fn get_mut<'a>(&self, mem: &'a mut [u8], access: AccessFlags) -> Result<RegMut<'a>> {
         if access.intersects(REMOTE_RIGHTS) {
             return Err(borrowed_rights_error(access, "get_mut (a borrow)"));
@@ -155,7 +155,7 @@ impl RegCache {
         Ok(RegMut { h, mem })
     }
 
-    #[inline]
+    #[inline(always)]
     pub(super) fn get_local(&self, addr: u64, len: u64, access: AccessFlags) -> Result<RegHandle> {
         if let Some(h) = self.fast_hit(addr, len, access) {
             return Ok(h);

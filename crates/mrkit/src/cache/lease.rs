@@ -538,9 +538,16 @@ impl<T: Retire> Drop for Handle<T> {
         let set = l.entry.leases();
         set.light();
         if l.dead.load(Ordering::Relaxed) {
-            LeaseSet::try_retire(&**l.entry);
+            retire_dead(l);
         }
     }
+}
+
+/// The last step of a handle drop that found its entry dead (out of line: see [`back_out`]).
+#[cold]
+#[inline(never)]
+fn retire_dead<T: Retire>(l: &Lease<T>) {
+    LeaseSet::try_retire(&**l.entry);
 }
 
 /// A hit that found its entry dead (after counting and backing out): dropping it runs the
@@ -574,13 +581,21 @@ unsafe fn take<T: Retire>(p: NonNull<Lease<T>>) -> Result<Handle<T>, Backout<T>>
     // before our load.
     set.light();
     if l.dead.load(Ordering::Relaxed) {
-        l.own_add(u64::MAX);
-        set.light();
-        return Err(Backout {
-            entry: Arc::clone(&l.entry),
-        });
+        return Err(back_out(l));
     }
     Ok(Handle { p })
+}
+
+/// [`take`] found the entry dead: undo the count. Out of line, so that the hit stays short
+/// (its instructions decide how many lookups the CPU overlaps at large working sets).
+#[cold]
+#[inline(never)]
+fn back_out<T: Retire>(l: &Lease<T>) -> Backout<T> {
+    l.own_add(u64::MAX);
+    l.entry.leases().light();
+    Backout {
+        entry: Arc::clone(&l.entry),
+    }
 }
 
 /// The per-thread table's reference on a lease: hits take handles through it. Not `Send`:

@@ -93,7 +93,14 @@ pub(super) enum Lookup {
     Hit(Handle<Entry>),
     /// The hold's entry was killed as the hit counted: dropping this releases the count
     /// (it may retire the entry), so it is dropped only once no record is borrowed.
-    Dead(#[allow(dead_code)] Backout<Entry>),
+    Dead(Backout<Entry>),
+}
+
+/// Drop a dead hit's back-out (it may retire the entry): out of line, off the hit's path.
+#[cold]
+#[inline(never)]
+fn drop_backout(b: Backout<Entry>) {
+    drop(b);
 }
 
 /// The hit on one record: the table's lease for `addr`, checked for coverage and rights (or
@@ -146,7 +153,7 @@ impl RegCache {
     /// [`lease`]). The table is valid only while no monitor event arrived since it caught up
     /// (`mseq`): queued invalidations are applied by the slow path first. The current
     /// record ([`current`]) is tried first, then the thread's other records.
-    #[inline]
+    #[inline(always)]
     pub(super) fn fast_hit(&self, addr: u64, len: u64, access: AccessFlags) -> Option<RegHandle> {
         let end = addr.checked_add(len)?;
         let found = match current::hit(self.inner.id, addr, end, access) {
@@ -157,7 +164,11 @@ impl RegCache {
             Lookup::Hit(h) => Some(RegHandle { h }),
             // Dead (invalidated, evicted, superseded): the back-out is dropped here, outside
             // every borrow; the slow path replaces the hold.
-            Lookup::Dead(_) | Lookup::Miss => None,
+            Lookup::Dead(b) => {
+                drop_backout(b);
+                None
+            }
+            Lookup::Miss => None,
         }
     }
 
