@@ -504,9 +504,15 @@ pub fn ucx_sweep(sizes: &[usize], lookups: usize) -> Result<Vec<UcxPoint>, Strin
     if !std::path::Path::new("/usr/include/ucs/memory/rcache.h").exists() {
         return Err("UCX not installed (libucx-dev): no ucs/memory/rcache.h".into());
     }
-    let dir = std::env::temp_dir().join(format!("mrkit-ucx-bench-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-    let res = (|| {
+    // A private directory (mkdtemp, mode 0700): the program is compiled, then run, from
+    // there, so no other user may place or swap a file in it (a predictable name under /tmp
+    // could be created by another user first).
+    let scratch = tempfile::Builder::new()
+        .prefix("mrkit-ucx-bench-")
+        .tempdir()
+        .map_err(|e| format!("cannot create a private scratch directory: {e}"))?;
+    let dir = scratch.path();
+    (|| {
         let src = dir.join("rcache_bench.c");
         let exe = dir.join("rcache_bench");
         std::fs::write(&src, UCX_BENCH_C).map_err(|e| e.to_string())?;
@@ -560,9 +566,8 @@ pub fn ucx_sweep(sizes: &[usize], lookups: usize) -> Result<Vec<UcxPoint>, Strin
             ));
         }
         Ok(pts)
-    })();
-    let _ = std::fs::remove_dir_all(&dir);
-    res
+    })()
+    // `scratch` is removed when it drops.
 }
 
 /// The UCX side of the sweep, in the same shape as [`one_and_two`].
@@ -1029,4 +1034,59 @@ pub fn run(json: bool, ctx: &Context) -> u8 {
         }
     }
     crate::exit::OK
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    /// The `mrkit-ucx-bench-*` entries of `dir`.
+    fn scratch_dirs(dir: &Path) -> Vec<std::ffi::OsString> {
+        let mut v: Vec<_> = std::fs::read_dir(dir)
+            .unwrap()
+            .filter_map(|e| e.ok().map(|e| e.file_name()))
+            .filter(|n| n.to_string_lossy().starts_with("mrkit-ucx-bench-"))
+            .collect();
+        v.sort();
+        v
+    }
+
+    /// Another user may create, under the shared temporary directory, the name this process
+    /// would pick: before session 16 the UCX program's source went to
+    /// `$TMPDIR/mrkit-ucx-bench-<pid>/rcache_bench.c` through whatever was there (a planted
+    /// symlink made the bench overwrite its target; a planted directory let its owner swap
+    /// the binary between build and run). The program is now built in a private directory
+    /// (mkdtemp): the planted link's target is untouched, and nothing is left behind.
+    #[test]
+    fn the_ucx_program_is_built_in_a_private_directory() {
+        let tmp = std::env::temp_dir();
+        let pid = std::process::id();
+        let planted = tmp.join(format!("mrkit-ucx-bench-{pid}"));
+        let victim = tmp.join(format!("mrkit-ucx-victim-{pid}"));
+        std::fs::create_dir(&planted).expect("plant the directory");
+        std::fs::write(&victim, b"precious").expect("victim");
+        std::os::unix::fs::symlink(&victim, planted.join("rcache_bench.c")).expect("plant");
+        let before = scratch_dirs(&tmp);
+        let r = super::ucx_sweep(&[1, 16], 4000);
+        let after = scratch_dirs(&tmp);
+        let kept = std::fs::read(&victim).expect("victim");
+        std::fs::remove_dir_all(&planted).expect("clean up");
+        std::fs::remove_file(&victim).expect("clean up");
+        assert!(
+            kept == b"precious",
+            "the planted link was followed: its target now holds {} bytes",
+            kept.len()
+        );
+        assert_eq!(before, after, "a scratch directory was left behind");
+        match r {
+            Ok(points) => {
+                assert_eq!(points.len(), 2);
+                assert!(points.iter().all(|p| p.one > 0.0 && p.two > 0.0));
+            }
+            Err(e) if e.contains("not installed") => {
+                eprintln!("MRKIT-SKIP the UCX run itself: {e}");
+            }
+            Err(e) => panic!("UCX sweep: {e}"),
+        }
+    }
 }

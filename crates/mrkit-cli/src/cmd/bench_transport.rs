@@ -290,13 +290,13 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 /// The perf server child: killed, reaped and its log removed however the run ends.
-struct ServerGuard(std::process::Child, std::path::PathBuf);
+/// The server child and its stderr log (a private temporary file, removed on drop).
+struct ServerGuard(std::process::Child, tempfile::NamedTempFile);
 
 impl Drop for ServerGuard {
     fn drop(&mut self) {
         let _ = self.0.kill();
         let _ = self.0.wait();
-        let _ = std::fs::remove_file(&self.1);
     }
 }
 
@@ -336,8 +336,12 @@ fn run_inner(
     let server_addr = server_ip.to_string();
     let server_addr = server_addr.as_str();
     let exe = std::env::current_exe()?;
-    let server_log =
-        std::env::temp_dir().join(format!("mrkit-bench-server-{}.log", std::process::id()));
+    // mkstemp (O_EXCL, mode 0600): a file planted under a predictable name by another user
+    // is never opened, let alone truncated.
+    let server_log = tempfile::Builder::new()
+        .prefix("mrkit-bench-server-")
+        .suffix(".log")
+        .tempfile()?;
     let sizes: &[u64] = &[4096, 65536, 1 << 20];
     let lat_rounds = if quick { LAT_ROUNDS_QUICK } else { LAT_ROUNDS };
     // + the latency rounds (a WRITE and a SEND run each), the start-up probe and the warm-up
@@ -359,13 +363,13 @@ fn run_inner(
     }
     let server = server
         .stdout(Stdio::null())
-        .stderr(Stdio::from(std::fs::File::create(&server_log)?))
+        .stderr(Stdio::from(server_log.as_file().try_clone()?))
         .spawn()?;
-    let mut server = ServerGuard(server, server_log.clone());
+    let mut server = ServerGuard(server, server_log);
     let end = Instant::now() + Duration::from_secs(10);
     while std::net::TcpStream::connect(SocketAddr::from((server_ip, port))).is_err() {
         if let Some(st) = server.0.try_wait()? {
-            let err = std::fs::read_to_string(&server_log).unwrap_or_default();
+            let err = std::fs::read_to_string(server.1.path()).unwrap_or_default();
             anyhow::bail!("perf server exited ({st}): {}", err.trim());
         }
         if Instant::now() >= end {
