@@ -84,4 +84,19 @@ fn bench_pool_cache_on_rdma_core() {
         assert!(x > 0.0, "{k}: {x}");
     }
     assert!(v["cache_miss_overhead_ns"].is_number(), "{v}");
+    // UCX's rcache beside it in the same run, contiguous and scattered, when installed.
+    if std::path::Path::new("/usr/include/ucs/memory/rcache.h").exists() {
+        for k in [
+            "ucx_rcache_hit_ns_p50_n65536",
+            "cache_over_ucx_n65536",
+            "ucx_rcache_hit_ns_p50_n65536_scattered",
+            "cache_over_ucx_n65536_scattered",
+            "cache_over_ucx_n65536_scattered_2threads",
+        ] {
+            let x = v[k].as_f64().unwrap_or_else(|| panic!("{k} missing: {v}"));
+            assert!(x > 0.0, "{k}: {x}");
+        }
+    } else {
+        eprintln!("MRKIT-SKIP the UCX rcache keys: libucx-dev is not installed");
+    }
 }

@@ -449,6 +449,8 @@ pub fn hit_sweep(
 /// Pages per window of the scattered shape: buffer `i` is a page at random in pages
 /// `16i .. 16i + 16` of one mapping.
 const SCATTER: u32 = 16;
+/// Seed of the scattered shape's offsets (the UCX program draws the same ones).
+const SCATTER_SEED: u64 = 0x9e37_79b9_7f4a_7c15;
 
 /// Buffers of the scattered shape (as many as the sweep's largest point). Each is alone in
 /// its part of the mapping; the userfaultfd monitor bridges the gaps between them (its
@@ -467,7 +469,7 @@ pub fn scattered_point(
     // Declared before the cache: dropped after it.
     let buf = Buffer::new(n * SCATTER as usize * 4096).map_err(|e| e.to_string())?;
     let cache = sweep_cache(pd, n)?;
-    let offsets = random_order(SCATTER as usize, n, 0x9e37_79b9_7f4a_7c15);
+    let offsets = random_order(SCATTER as usize, n, SCATTER_SEED);
     let page_of = |i: u32| i * SCATTER + offsets[i as usize];
     let mem = buf.as_slice();
     let cache_figs = cache_one_and_two(&cache, mem, page_of, n, lookups);
@@ -488,6 +490,8 @@ pub fn scattered_point(
 pub struct UcxPoint {
     /// Regions in the cache.
     pub buffers: usize,
+    /// The scattered shape ([`scattered_point`]'s pages), else contiguous buffers.
+    pub scattered: bool,
     /// ns per hit, one thread.
     pub one: f64,
     /// ns per hit, two threads.
@@ -499,8 +503,15 @@ pub struct UcxPoint {
 }
 
 /// The same sweep against UCX's `ucs_rcache` (no-op registration callback, no memory events):
-/// a C program built with `cc ... -lucs` at run time. `Err` says why it could not run.
-pub fn ucx_sweep(sizes: &[usize], lookups: usize) -> Result<Vec<UcxPoint>, String> {
+/// a C program built with `cc ... -lucs` at run time, over `sizes` contiguous buffers and
+/// then `scattered` buffers in the scattered shape (the same pages as [`scattered_point`]:
+/// the program draws the offsets with the same generator and seed). `Err` says why it could
+/// not run.
+pub fn ucx_sweep(
+    sizes: &[usize],
+    scattered: &[usize],
+    lookups: usize,
+) -> Result<Vec<UcxPoint>, String> {
     if !std::path::Path::new("/usr/include/ucs/memory/rcache.h").exists() {
         return Err("UCX not installed (libucx-dev): no ucs/memory/rcache.h".into());
     }
@@ -519,6 +530,8 @@ pub fn ucx_sweep(sizes: &[usize], lookups: usize) -> Result<Vec<UcxPoint>, Strin
         let cc = std::process::Command::new("cc")
             .args(["-O2", "-pthread"])
             .arg(format!("-DREWARM={REWARM_PASSES}"))
+            .arg(format!("-DSCATTER={SCATTER}"))
+            .arg(format!("-DSCATTER_SEED={SCATTER_SEED:#x}ULL"))
             .arg("-o")
             .arg(&exe)
             .arg(&src)
@@ -533,6 +546,7 @@ pub fn ucx_sweep(sizes: &[usize], lookups: usize) -> Result<Vec<UcxPoint>, Strin
         }
         let mut args = vec![lookups.to_string(), BATCH.to_string()];
         args.extend(sizes.iter().map(ToString::to_string));
+        args.extend(scattered.iter().map(|n| format!("{n}s")));
         let run = std::process::Command::new(&exe)
             .args(&args)
             .output()
@@ -546,13 +560,15 @@ pub fn ucx_sweep(sizes: &[usize], lookups: usize) -> Result<Vec<UcxPoint>, Strin
         let text = String::from_utf8_lossy(&run.stdout);
         let pts: Vec<UcxPoint> = text
             .lines()
-            .filter_map(|l| {
+            .enumerate()
+            .filter_map(|(k, l)| {
                 let v: Vec<f64> = l
                     .split_whitespace()
                     .filter_map(|x| x.parse().ok())
                     .collect();
                 (v.len() == 5).then(|| UcxPoint {
                     buffers: v[0] as usize,
+                    scattered: k >= sizes.len(),
                     one: v[1],
                     two: v[2],
                     bytes_per_entry: v[3],
@@ -560,7 +576,7 @@ pub fn ucx_sweep(sizes: &[usize], lookups: usize) -> Result<Vec<UcxPoint>, Strin
                 })
             })
             .collect();
-        if pts.len() != sizes.len() {
+        if pts.len() != sizes.len() + scattered.len() {
             return Err(format!(
                 "unexpected output of the UCX rcache benchmark: {text}"
             ));
@@ -605,7 +621,9 @@ static long rss(void)
 { long a = 0, b = 0; FILE *f = fopen("/proc/self/statm", "r");
   if (f) { if (fscanf(f, "%ld %ld", &a, &b) != 2) b = 0; fclose(f); } return b * sysconf(_SC_PAGESIZE); }
 
-struct job { ucs_rcache_t *rc; char *base; size_t n; uint64_t seed; int first; pthread_barrier_t *bar; double one, two, iso; };
+/* Buffer i is page page[i] of base. */
+struct job { ucs_rcache_t *rc; char *base; const uint32_t *page; size_t n; uint64_t seed; int first; pthread_barrier_t *bar; double one, two, iso; };
+#define BUF(j, i) ((j)->base + (size_t)(j)->page[i] * 4096)
 
 static void one_get(ucs_rcache_t *rc, void *addr)
 {
@@ -629,7 +647,7 @@ static double measure(struct job *j, const uint32_t *order, size_t len, int fenc
     for (b = 0; b < nb; b++) {
         double t0 = now_ns();
         for (i = b * batch; i < (b + 1) * batch; i++) {
-            one_get(j->rc, j->base + (size_t)order[i] * 4096);
+            one_get(j->rc, BUF(j, order[i]));
             if (fenced) SERIALIZE();
         }
         v[b] = (now_ns() - t0) / batch;
@@ -656,24 +674,24 @@ static void *run(void *p)
     /* Three parts, as the mrkit side: alone, isolated, both threads at once. */
     order = malloc((2 * lookups + few) * sizeof(*order));
     order_of(order, 2 * lookups + few, (j->seed << 17) | (j->seed >> 47), j->n);
-    for (i = 0; i < j->n; i++) one_get(j->rc, j->base + i * 4096);
-    for (i = 0; i < warm; i++) one_get(j->rc, j->base + (size_t)w[i] * 4096);
+    for (i = 0; i < j->n; i++) one_get(j->rc, BUF(j, i));
+    for (i = 0; i < warm; i++) one_get(j->rc, BUF(j, w[i]));
     pthread_barrier_wait(j->bar);
     if (j->first) {
         order_of(rw, rewarm, j->seed ^ 1, j->n);
-        for (i = 0; i < rewarm; i++) one_get(j->rc, j->base + (size_t)rw[i] * 4096);
+        for (i = 0; i < rewarm; i++) one_get(j->rc, BUF(j, rw[i]));
         j->one = measure(j, order, lookups, 0, v);
         j->iso = measure(j, order + lookups, few, 1, v);
     }
     pthread_barrier_wait(j->bar);
     if (!j->first) {
         order_of(rw, rewarm, j->seed ^ 3, j->n);
-        for (i = 0; i < rewarm; i++) one_get(j->rc, j->base + (size_t)rw[i] * 4096);
+        for (i = 0; i < rewarm; i++) one_get(j->rc, BUF(j, rw[i]));
         j->one = measure(j, order, lookups, 0, v);
     }
     pthread_barrier_wait(j->bar);
     order_of(rw, rewarm, j->seed ^ 2, j->n);
-    for (i = 0; i < rewarm; i++) one_get(j->rc, j->base + (size_t)rw[i] * 4096);
+    for (i = 0; i < rewarm; i++) one_get(j->rc, BUF(j, rw[i]));
     j->two = measure(j, order + lookups + few, lookups, 0, v);
     free(w); free(rw); free(order); free(v);
     return NULL;
@@ -685,13 +703,25 @@ int main(int argc, char **argv)
     if (argc < 4) return 2;
     lookups = strtoul(argv[1], NULL, 0); batch = strtoul(argv[2], NULL, 0);
     for (k = 3; k < argc; k++) {
-        size_t n = strtoul(argv[k], NULL, 0), i;
+        /* "N": N contiguous buffers; "Ns": N buffers in the scattered shape, page
+           SCATTER * i + r_i of the mapping, r_i drawn as the mrkit side draws them. */
+        char *end;
+        size_t n = strtoul(argv[k], &end, 0), i;
+        int scattered = *end == 's';
+        size_t span = scattered ? n * SCATTER : n;
+        uint32_t *page = malloc(n * sizeof(*page));
         ucs_rcache_params_t prm;
         ucs_rcache_t *rc;
-        char *base = mmap(NULL, n * 4096, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        char *base = mmap(NULL, span * 4096, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
         long r0;
-        if (base == MAP_FAILED) return 1;
-        memset(base, 1, n * 4096);
+        if (base == MAP_FAILED || !page) return 1;
+        if (scattered) {
+            order_of(page, n, SCATTER_SEED, SCATTER);
+            for (i = 0; i < n; i++) page[i] += (uint32_t)(i * SCATTER);
+        } else {
+            for (i = 0; i < n; i++) page[i] = (uint32_t)i;
+        }
+        for (i = 0; i < n; i++) memset(base + (size_t)page[i] * 4096, 1, 4096);
         memset(&prm, 0, sizeof(prm));
         prm.region_struct_size = sizeof(ucs_rcache_region_t);
         prm.alignment = 16;
@@ -707,12 +737,12 @@ int main(int argc, char **argv)
             fprintf(stderr, "ucs_rcache_create failed\n"); return 1;
         }
         r0 = rss();
-        for (i = 0; i < n; i++) one_get(rc, base + i * 4096);
+        for (i = 0; i < n; i++) one_get(rc, base + (size_t)page[i] * 4096);
         {
             double bpe = (double)(rss() - r0) / n;
             pthread_barrier_t bar; pthread_t th[2];
-            struct job t[2] = { { rc, base, n, 0x2545f4914f6cdd1dULL, 1, &bar, 0, 0, 0 },
-                                { rc, base, n, 0x14057b7ef767814fULL, 0, &bar, 0, 0, 0 } };
+            struct job t[2] = { { rc, base, page, n, 0x2545f4914f6cdd1dULL, 1, &bar, 0, 0, 0 },
+                                { rc, base, page, n, 0x14057b7ef767814fULL, 0, &bar, 0, 0, 0 } };
             pthread_barrier_init(&bar, NULL, 2);
             pthread_create(&th[0], NULL, run, &t[0]); pthread_create(&th[1], NULL, run, &t[1]);
             pthread_join(th[0], NULL); pthread_join(th[1], NULL);
@@ -721,7 +751,8 @@ int main(int argc, char **argv)
             fflush(stdout);
         }
         ucs_rcache_destroy(rc);
-        munmap(base, n * 4096);
+        munmap(base, span * 4096);
+        free(page);
     }
     return 0;
 }
@@ -810,7 +841,18 @@ pub fn sweep_rows(
     lookups: usize,
 ) -> Result<(Rows, Option<String>), String> {
     let pts = hit_sweep(pd, sizes, lookups)?;
-    let ucx = ucx_sweep(sizes, lookups);
+    let scattered: &[usize] = if sizes.iter().any(|&n| n >= SCATTERED_BUFFERS) {
+        &[SCATTERED_BUFFERS]
+    } else {
+        &[]
+    };
+    let ucx = ucx_sweep(sizes, scattered, lookups);
+    let ucx_at = |n: usize, scattered: bool| {
+        ucx.as_ref().ok().and_then(|u| {
+            u.iter()
+                .find(|u| u.buffers == n && u.scattered == scattered)
+        })
+    };
     let mut rows = Rows::new();
     for p in &pts {
         let n = p.buffers;
@@ -823,17 +865,14 @@ pub fn sweep_rows(
         rows.push((format!("hit_floor_ns_n{n}_2threads"), f.two));
         rows.push((format!("hit_floor_isolated_ns_n{n}"), f.isolated));
         ratio_rows(&mut rows, n, "floor", c, (f.one, f.two, f.isolated));
-        if let Ok(u) = &ucx {
-            if let Some(u) = u.iter().find(|u| u.buffers == n) {
-                rows.push((format!("ucx_rcache_hit_ns_p50_n{n}"), u.one));
-                rows.push((format!("ucx_rcache_hit_ns_p50_n{n}_2threads"), u.two));
-                rows.push((format!("ucx_rcache_hit_isolated_ns_n{n}"), u.isolated));
-                ratio_rows(&mut rows, n, "ucx", c, (u.one, u.two, u.isolated));
-            }
+        if let Some(u) = ucx_at(n, false) {
+            rows.push((format!("ucx_rcache_hit_ns_p50_n{n}"), u.one));
+            rows.push((format!("ucx_rcache_hit_ns_p50_n{n}_2threads"), u.two));
+            rows.push((format!("ucx_rcache_hit_isolated_ns_n{n}"), u.isolated));
+            ratio_rows(&mut rows, n, "ucx", c, (u.one, u.two, u.isolated));
         }
     }
-    if sizes.iter().any(|&n| n >= SCATTERED_BUFFERS) {
-        let n = SCATTERED_BUFFERS;
+    for &n in scattered {
         let (c, f) = scattered_point(pd, n, lookups)?;
         rows.push((format!("cache_hit_ns_p50_n{n}_scattered"), c.one));
         rows.push((format!("cache_hit_ns_p50_n{n}_scattered_2threads"), c.two));
@@ -845,16 +884,32 @@ pub fn sweep_rows(
             format!("cache_over_floor_n{n}_scattered_2threads"),
             c.two / f.two,
         ));
+        if let Some(u) = ucx_at(n, true) {
+            rows.push((format!("ucx_rcache_hit_ns_p50_n{n}_scattered"), u.one));
+            rows.push((
+                format!("ucx_rcache_hit_ns_p50_n{n}_scattered_2threads"),
+                u.two,
+            ));
+            rows.push((
+                format!("ucx_rcache_hit_isolated_ns_n{n}_scattered"),
+                u.isolated,
+            ));
+            rows.push((format!("cache_over_ucx_n{n}_scattered"), c.one / u.one));
+            rows.push((
+                format!("cache_over_ucx_n{n}_scattered_2threads"),
+                c.two / u.two,
+            ));
+            rows.push((
+                format!("cache_over_ucx_isolated_n{n}_scattered"),
+                c.isolated / u.isolated,
+            ));
+        }
     }
     if let Some(p) = pts.iter().max_by_key(|p| p.buffers) {
         if let Some(b) = p.bytes_per_entry {
             rows.push(row("cache_bytes_per_entry", b));
         }
-        if let Some(u) = ucx
-            .as_ref()
-            .ok()
-            .and_then(|u| u.iter().find(|u| u.buffers == p.buffers))
-        {
+        if let Some(u) = ucx_at(p.buffers, false) {
             rows.push(row("ucx_rcache_bytes_per_entry", u.bytes_per_entry));
         }
     }
@@ -888,11 +943,11 @@ pub fn sweep_json(sizes: &[usize], lookups: usize) -> serde_json::Value {
         Ok(p) => p,
         Err(e) => return json!({ "lookups": lookups, "points": [], "error": e }),
     };
-    let ucx = ucx_sweep(sizes, lookups);
+    let ucx = ucx_sweep(sizes, &[], lookups);
     let ucx_at = |n: usize| {
         ucx.as_ref()
             .ok()
-            .and_then(|u| u.iter().find(|u| u.buffers == n))
+            .and_then(|u| u.iter().find(|u| u.buffers == n && !u.scattered))
     };
     let points: Vec<_> = pts
         .iter()
@@ -1067,7 +1122,7 @@ mod tests {
         std::fs::write(&victim, b"precious").expect("victim");
         std::os::unix::fs::symlink(&victim, planted.join("rcache_bench.c")).expect("plant");
         let before = scratch_dirs(&tmp);
-        let r = super::ucx_sweep(&[1, 16], 4000);
+        let r = super::ucx_sweep(&[1, 16], &[64], 4000);
         let after = scratch_dirs(&tmp);
         let kept = std::fs::read(&victim).expect("victim");
         std::fs::remove_dir_all(&planted).expect("clean up");
@@ -1080,8 +1135,11 @@ mod tests {
         assert_eq!(before, after, "a scratch directory was left behind");
         match r {
             Ok(points) => {
-                assert_eq!(points.len(), 2);
-                assert!(points.iter().all(|p| p.one > 0.0 && p.two > 0.0));
+                let shape: Vec<_> = points.iter().map(|p| (p.buffers, p.scattered)).collect();
+                assert_eq!(shape, [(1, false), (16, false), (64, true)]);
+                assert!(points
+                    .iter()
+                    .all(|p| p.one > 0.0 && p.two > 0.0 && p.isolated > 0.0));
             }
             Err(e) if e.contains("not installed") => {
                 eprintln!("MRKIT-SKIP the UCX run itself: {e}");
