@@ -48,7 +48,8 @@
 //! * Scattered shape (`…_n65536_scattered`): the same protocol over 65,536 single-page
 //!   buffers at a random page of each 16-page window of one mapping, beside the floor over
 //!   the same pages ([`scattered_point`]): the layout the lease table's hash does not place
-//!   in home cells.
+//!   in home cells; UCX's rcache over the same pages beside it (`ucx_rcache_…_scattered`,
+//!   `cache_over_ucx_…_scattered`).
 //! * `cache_bytes_per_entry`: resident memory the process gains per entry while 65,536
 //!   entries are created (cache and device state: index, per-thread table, MR), and
 //!   `ucx_rcache_bytes_per_entry` for UCX's cache (no device behind it).
