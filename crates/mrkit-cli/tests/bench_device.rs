@@ -54,6 +54,12 @@ fn bench_transport_on_rdma_core() {
     assert!(rounds.iter().all(|r| r.get("floor_us").is_none()), "{v}");
 }
 
+/// Key `k` of the JSON object `v` is a number above zero.
+fn assert_positive(v: &serde_json::Value, k: &str) {
+    let x = v[k].as_f64().unwrap_or_else(|| panic!("{k} missing: {v}"));
+    assert!(x > 0.0, "{k}: {x}");
+}
+
 /// `bench pool-cache` runs every experiment on the drop-in's device through the generic API.
 #[test]
 fn bench_pool_cache_on_rdma_core() {
@@ -80,8 +86,7 @@ fn bench_pool_cache_on_rdma_core() {
         "pooled_ns",
         "per_message_over_pooled",
     ] {
-        let x = v[k].as_f64().unwrap_or_else(|| panic!("{k} missing: {v}"));
-        assert!(x > 0.0, "{k}: {x}");
+        assert_positive(&v, k);
     }
     assert!(v["cache_miss_overhead_ns"].is_number(), "{v}");
     // UCX's rcache beside it in the same run, contiguous and scattered, when installed.
@@ -93,8 +98,7 @@ fn bench_pool_cache_on_rdma_core() {
             "cache_over_ucx_n65536_scattered",
             "cache_over_ucx_n65536_scattered_2threads",
         ] {
-            let x = v[k].as_f64().unwrap_or_else(|| panic!("{k} missing: {v}"));
-            assert!(x > 0.0, "{k}: {x}");
+            assert_positive(&v, k);
         }
     } else {
         eprintln!("MRKIT-SKIP the UCX rcache keys: libucx-dev is not installed");
