@@ -156,7 +156,7 @@ pub(super) fn report(raw: &Value, points: &[Point], floors: &[Floor], pm: &PerMe
 /// The hit sweep's table (see `bench_pool_cache::sweep_json`).
 pub(super) fn cache_hits_report(s: &mut String, c: &Value) {
     use std::fmt::Write as _;
-    let _ = writeln!(s, "\nHits by working set: N cached 4 KiB buffers, two threads warmed up alike, then {} lookups (`get` + drop) in a random order by the first alone and then by both at once, median of 1,000-lookup batches (ns); *isolated*: the first thread alone with an `LFENCE` after every lookup (no overlap between lookups); the memory floor under a hit (its one line, the thread's lease cell, and count updates without the cache) and UCX's `ucs_rcache` (no-op registration callback) in the same shape and run.\n", c["lookups"]);
+    let _ = writeln!(s, "\nHits by working set: N cached 4 KiB buffers, two threads warmed up alike, then {} lookups (`get` + drop) in a random order by each alone (*mrkit*: the mean of the two) and then by both at once, each phase after untimed lookups of its own, median of 1,000-lookup batches (ns); *isolated*: the first thread alone with an `LFENCE` after every lookup (no overlap between lookups); the memory floor under a hit (its one line, the thread's lease cell, and count updates without the cache) and UCX's `ucs_rcache` (no-op registration callback) in the same shape and run.\n", c["lookups"]);
     if let Some(e) = c["error"].as_str() {
         let _ = writeln!(s, "Not measured: {e}");
         return;
