@@ -24,7 +24,9 @@ use support::{drop_in_dir, Dev};
 
 struct Server {
     child: Child,
+    /// The server's stderr, in a private temporary directory (removed on drop).
     log: PathBuf,
+    _scratch: tempfile::TempDir,
     addr: String,
     port: u16,
     dev: Dev,
@@ -34,7 +36,6 @@ impl Drop for Server {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-        let _ = std::fs::remove_file(&self.log);
     }
 }
 
@@ -46,10 +47,11 @@ impl Server {
             .unwrap()
             .port();
         let addr = addr(role);
-        let log = std::env::temp_dir().join(format!(
-            "mrkit-perf-hostile-{}-{role}.log",
-            std::process::id()
-        ));
+        let scratch = tempfile::Builder::new()
+            .prefix("mrkit-perf-hostile-")
+            .tempdir()
+            .unwrap();
+        let log = scratch.path().join(format!("server-{role}.log"));
         let mut c = Command::new(env!("CARGO_BIN_EXE_mrkit"));
         c.args(["perf", "--server", "--port", &port.to_string()])
             .args(extra)
@@ -60,6 +62,7 @@ impl Server {
         let mut s = Server {
             child,
             log,
+            _scratch: scratch,
             addr,
             port,
             dev,

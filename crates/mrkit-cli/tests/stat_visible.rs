@@ -34,8 +34,10 @@ fn mrkit_perf_server_is_listed_with_counters() {
     ) {
         return;
     }
-    let dir = std::env::temp_dir().join(format!("mrkit-stat-visible-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    // A directory the exporter creates, inside a private one (a predictable name under /tmp
+    // could be planted by another user).
+    let scratch = tempfile::tempdir().unwrap();
+    let dir = scratch.path().join("stat");
     let port = free_tcp_port();
     let (srv, cli) = (
         mrkit_testsupport::loopback_addr(150),
@@ -110,7 +112,6 @@ fn mrkit_perf_server_is_listed_with_counters() {
     );
     assert!(text.contains(" rcvd_pkts "), "{text}");
     drop(server);
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]

@@ -27,8 +27,9 @@ fn a_squatted_claim_name_does_not_stop_the_export() {
         .read_line(&mut line)
         .unwrap();
     assert_eq!(line.trim(), "ready");
-    let dir = std::env::temp_dir().join(format!("mrkit-claim-test-{pid}"));
-    std::fs::create_dir_all(&dir).unwrap();
+    let scratch = tempfile::tempdir().unwrap();
+    let dir = scratch.path().join("stat");
+    std::fs::create_dir(&dir).unwrap();
     std::env::set_var("MRKIT_STAT_DIR", &dir);
     std::env::remove_var("MRKIT_STAT");
     let ctx = mrkit_soft::Context::open(mrkit_soft::DeviceConfig::rxe());
@@ -37,7 +38,6 @@ fn a_squatted_claim_name_does_not_stop_the_export() {
     drop(ctx);
     let _ = squatter.kill();
     let _ = squatter.wait();
-    let _ = std::fs::remove_dir_all(&dir);
     assert!(
         exported,
         "{} missing: the squatter silenced the export",

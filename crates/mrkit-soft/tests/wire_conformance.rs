@@ -65,8 +65,11 @@ fn every_opcode_on_the_wire_decodes_and_checks() {
     let pid = std::process::id();
     let ip_a = Ipv4Addr::new(127, 211, (pid >> 8) as u8, pid as u8 | 1);
     let ip_b = Ipv4Addr::new(127, 212, (pid >> 8) as u8, pid as u8 | 1);
-    let pcap = std::env::temp_dir().join(format!("mrkit-wire-{pid}.pcap"));
-    let log = std::env::temp_dir().join(format!("mrkit-wire-{pid}.log"));
+    // In a private directory: the capture (written by root) and its log must not follow a
+    // file planted under a predictable name.
+    let scratch = tempfile::tempdir().unwrap();
+    let pcap = scratch.path().join("capture.pcap");
+    let log = scratch.path().join("tshark.log");
     let filter = format!("udp port 4791 and host {ip_a} and host {ip_b}");
     let mut cap = Command::new("tshark")
         .args(["-i", "lo", "-f", &filter, "-w"])
@@ -254,9 +257,10 @@ fn every_opcode_on_the_wire_decodes_and_checks() {
         "tshark decode failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    if std::env::var("MRKIT_KEEP_PCAP").is_err() {
-        let _ = std::fs::remove_file(&pcap);
-        let _ = std::fs::remove_file(&log);
+    if std::env::var("MRKIT_KEEP_PCAP").is_ok() {
+        // Kept for inspection (otherwise removed with the directory).
+        eprintln!("capture kept: {}", pcap.display());
+        let _ = scratch.keep();
     }
 
     let mut seen = BTreeSet::new();

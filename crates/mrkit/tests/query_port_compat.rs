@@ -15,9 +15,11 @@ use mrkit_testsupport::ibverbs_shim::{Mode, Shim};
 
 #[test]
 fn compat_query_port_answers_what_the_extended_path_answers() {
-    let dir = std::env::temp_dir().join(format!("mrkit-query-port-compat-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let shim = Shim::build(&dir, &providers_util::drop_in(), Mode::Legacy);
+    // The shim library is built, then loaded, from a private directory: from a predictable
+    // name under /tmp another user could swap it in between.
+    let scratch = tempfile::tempdir().unwrap();
+    let dir = scratch.path();
+    let shim = Shim::build(dir, &providers_util::drop_in(), Mode::Legacy);
     // Set before anything reads the environment (the only test of this binary).
     for (k, v) in shim.env() {
         std::env::set_var(k, v);
@@ -55,5 +57,4 @@ fn compat_query_port_answers_what_the_extended_path_answers() {
     assert_eq!(raw.device_cap_flags_ex, 0);
     assert_eq!(raw.max_ah, extended.provider().query_device_ex().max_ah);
     // The library stays loaded (a provider never unloads one); its file can go.
-    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -10,8 +10,9 @@ use mrkit::{AccessFlags as A, Buffer, Context};
 
 #[test]
 fn one_exporter_per_process_with_two_device_copies() {
-    let dir = std::env::temp_dir().join(format!("mrkit-rdma-core-stat-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    // A directory the exporter creates, inside a private one.
+    let scratch = tempfile::tempdir().unwrap();
+    let dir = scratch.path().join("stat");
     // Set before any thread of this binary reads the environment (the only test here).
     std::env::set_var("MRKIT_STAT_DIR", &dir);
     std::env::set_var("MRKIT_STAT_INTERVAL_MS", "10");
@@ -59,5 +60,4 @@ fn one_exporter_per_process_with_two_device_copies() {
         std::thread::sleep(Duration::from_millis(15));
     }
     mrkit::stat_export::shutdown();
-    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -12,9 +12,9 @@ use serde_json::Value;
 
 #[test]
 fn rdma_core_process_lists_the_provider_and_the_drop_in_copy() {
-    let dir =
-        std::env::temp_dir().join(format!("mrkit-rdma-core-stat-only-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    // A directory the exporter creates, inside a private one.
+    let scratch = tempfile::tempdir().unwrap();
+    let dir = scratch.path().join("stat");
     // Set before any thread of this binary reads the environment (the only test here).
     std::env::set_var("MRKIT_STAT_DIR", &dir);
     std::env::set_var("MRKIT_STAT_INTERVAL_MS", "10");
@@ -92,5 +92,4 @@ fn rdma_core_process_lists_the_provider_and_the_drop_in_copy() {
 
     drop(mrs);
     mrkit::stat_export::shutdown();
-    let _ = std::fs::remove_dir_all(&dir);
 }
