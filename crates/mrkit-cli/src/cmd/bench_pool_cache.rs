@@ -513,6 +513,16 @@ pub fn ucx_sweep(
     scattered: &[usize],
     lookups: usize,
 ) -> Result<Vec<UcxPoint>, String> {
+    ucx_sweep_in(&std::env::temp_dir(), sizes, scattered, lookups)
+}
+
+/// [`ucx_sweep`] with its scratch directory made in `parent`.
+fn ucx_sweep_in(
+    parent: &std::path::Path,
+    sizes: &[usize],
+    scattered: &[usize],
+    lookups: usize,
+) -> Result<Vec<UcxPoint>, String> {
     if !std::path::Path::new("/usr/include/ucs/memory/rcache.h").exists() {
         return Err("UCX not installed (libucx-dev): no ucs/memory/rcache.h".into());
     }
@@ -521,7 +531,7 @@ pub fn ucx_sweep(
     // could be created by another user first).
     let scratch = tempfile::Builder::new()
         .prefix("mrkit-ucx-bench-")
-        .tempdir()
+        .tempdir_in(parent)
         .map_err(|e| format!("cannot create a private scratch directory: {e}"))?;
     let dir = scratch.path();
     (|| {
@@ -1094,46 +1104,40 @@ pub fn run(json: bool, ctx: &Context) -> u8 {
 
 #[cfg(test)]
 mod tests {
-    use std::path::Path;
-
-    /// The `mrkit-ucx-bench-*` entries of `dir`.
-    fn scratch_dirs(dir: &Path) -> Vec<std::ffi::OsString> {
-        let mut v: Vec<_> = std::fs::read_dir(dir)
-            .unwrap()
-            .filter_map(|e| e.ok().map(|e| e.file_name()))
-            .filter(|n| n.to_string_lossy().starts_with("mrkit-ucx-bench-"))
-            .collect();
-        v.sort();
-        v
-    }
-
     /// Another user may create, under the shared temporary directory, the name this process
     /// would pick: before session 16 the UCX program's source went to
     /// `$TMPDIR/mrkit-ucx-bench-<pid>/rcache_bench.c` through whatever was there (a planted
     /// symlink made the bench overwrite its target; a planted directory let its owner swap
     /// the binary between build and run). The program is now built in a private directory
-    /// (mkdtemp): the planted link's target is untouched, and nothing is left behind.
+    /// (mkdtemp): the planted link's target is untouched, and nothing is left behind. (The
+    /// parent here is a private directory of the test, standing for `$TMPDIR`, so that
+    /// other processes' benches cannot disturb the count.)
     #[test]
     fn the_ucx_program_is_built_in_a_private_directory() {
-        let tmp = std::env::temp_dir();
+        let tmp = tempfile::tempdir().expect("parent");
         let pid = std::process::id();
-        let planted = tmp.join(format!("mrkit-ucx-bench-{pid}"));
-        let victim = tmp.join(format!("mrkit-ucx-victim-{pid}"));
+        let planted = tmp.path().join(format!("mrkit-ucx-bench-{pid}"));
+        let victim = tmp.path().join("victim");
         std::fs::create_dir(&planted).expect("plant the directory");
         std::fs::write(&victim, b"precious").expect("victim");
         std::os::unix::fs::symlink(&victim, planted.join("rcache_bench.c")).expect("plant");
-        let before = scratch_dirs(&tmp);
-        let r = super::ucx_sweep(&[1, 16], &[64], 4000);
-        let after = scratch_dirs(&tmp);
+        let r = super::ucx_sweep_in(tmp.path(), &[1, 16], &[64], 4000);
         let kept = std::fs::read(&victim).expect("victim");
-        std::fs::remove_dir_all(&planted).expect("clean up");
-        std::fs::remove_file(&victim).expect("clean up");
         assert!(
             kept == b"precious",
             "the planted link was followed: its target now holds {} bytes",
             kept.len()
         );
-        assert_eq!(before, after, "a scratch directory was left behind");
+        let mut left: Vec<_> = std::fs::read_dir(tmp.path())
+            .expect("parent")
+            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(
+            left,
+            [format!("mrkit-ucx-bench-{pid}"), "victim".to_string()],
+            "a scratch directory was left behind"
+        );
         match r {
             Ok(points) => {
                 let shape: Vec<_> = points.iter().map(|p| (p.buffers, p.scattered)).collect();
