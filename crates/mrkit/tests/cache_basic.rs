@@ -352,11 +352,9 @@ fn concurrent_misses_register_once() {
 
 #[test]
 fn userfaultfd_unmap_and_remap_never_serves_old_pages() {
-    let Some(cfg) = monitored_config() else {
+    let Some((ctx, pd, cache)) = monitored_cache() else {
         return;
     };
-    let (ctx, pd) = open();
-    let cache = RegCache::new(&pd, cfg).unwrap();
     assert!(cache.is_monitored());
     let len = 64 << 10;
     let mut m = Map::new(len);

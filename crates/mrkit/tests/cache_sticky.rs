@@ -8,7 +8,6 @@ mod providers_util;
 
 use cache_util::*;
 use mrkit::cache::test_support::monitor;
-use mrkit::cache::RegCache;
 use mrkit::AccessFlags;
 
 const RW: AccessFlags = AccessFlags::LOCAL_WRITE;
@@ -38,11 +37,9 @@ fn replace_page(at: u64, fill: u8) {
 #[test]
 fn sticky_attachment_invariants() {
     // One test function: the three parts share the process-wide monitor and its counters.
-    let Some(cfg) = monitored_config() else {
+    let Some((ctx, pd, cache)) = monitored_cache() else {
         return;
     };
-    let (ctx, pd) = open();
-    let cache = RegCache::new(&pd, cfg).unwrap();
     assert!(cache.is_monitored());
 
     // 1. Repeated misses on one buffer register it with userfaultfd once.

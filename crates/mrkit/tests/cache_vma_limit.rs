@@ -97,11 +97,9 @@ fn scattered_entries_past_the_map_count_are_all_cached() {
 /// the bridge fails and the range is attached alone, cached and monitored as without it.
 #[test]
 fn a_gap_with_a_file_mapping_falls_back_to_the_range_alone() {
-    let Some(cfg) = monitored_config() else {
+    let Some((ctx, pd, cache)) = monitored_cache() else {
         return;
     };
-    let (ctx, pd) = open();
-    let cache = RegCache::new(&pd, cfg).unwrap();
     let m = Map::new(3 * PAGE as usize);
     // `create_new` (O_EXCL): a file or symlink planted at the name fails the test instead of
     // being followed and truncated.

@@ -358,6 +358,15 @@ pub fn monitored_config() -> Option<mrkit::cache::CacheConfig> {
     }
 }
 
+/// A device, a PD and a cache with the default (userfaultfd) monitor, or `None` with a note
+/// when userfaultfd is not available here (see [`monitored_config`]).
+pub fn monitored_cache() -> Option<(Context, ProtectionDomain, RegCache)> {
+    let cfg = monitored_config()?;
+    let (ctx, pd) = open();
+    let cache = RegCache::new(&pd, cfg).unwrap();
+    Some((ctx, pd, cache))
+}
+
 /// VMAs of /proc/self/maps that intersect `[a, b)`.
 pub fn vmas_in(a: u64, b: u64) -> usize {
     std::fs::read_to_string("/proc/self/maps")
