@@ -651,25 +651,23 @@ impl Monitor {
         if !(trusted && a.registered.covers(start, end)) {
             // Attach the gaps to attached neighbours close by too, so that the VMA our
             // attachments split there merges back instead of splitting again ("Bridged
-            // gaps" in the module docs). Only `[start, end)` enters the record.
-            let window = a
-                .registered
-                .bridge(start, end, MAX_BRIDGE)
-                .filter(|_| trusted);
-            // Whether the gaps were attached too.
-            let attach = || {
-                if let Some((ws, we)) = window {
+            // gaps" in the module docs). Only `[start, end)` enters the record. Returns the
+            // window when the gaps were attached too; computed from the record as it is at
+            // each attempt (the retry below may have detached a neighbour).
+            let attach = |a: &Attached| -> io::Result<Option<(u64, u64)>> {
+                let window = a.registered.bridge(start, end, MAX_BRIDGE);
+                if let Some((ws, we)) = window.filter(|_| trusted) {
                     self.registers.fetch_add(1, Ordering::Relaxed);
                     if self.uffd.register(ws, we - ws).is_ok() {
-                        return Ok(true);
+                        return Ok(Some((ws, we)));
                     }
                     // A gap this userfaultfd cannot attach (a file mapping, another
                     // userfaultfd's memory): the range alone.
                 }
                 self.registers.fetch_add(1, Ordering::Relaxed);
-                self.uffd.register(start, len).map(|()| false)
+                self.uffd.register(start, len).map(|()| None)
             };
-            let mut r = attach();
+            let mut r = attach(&a);
             if matches!(&r, Err(e) if e.raw_os_error() == Some(libc::ENOMEM))
                 && trusted
                 && !a.idle.0.is_empty()
@@ -679,9 +677,9 @@ impl Monitor {
                 while let Some((&s, &e)) = a.idle.0.iter().next() {
                     self.release(&mut a, s, e);
                 }
-                r = attach();
+                r = attach(&a);
             }
-            if let (true, Some((ws, we))) = (r?, window) {
+            if let Some((ws, we)) = r? {
                 self.bridges.fetch_add(1, Ordering::Relaxed);
                 a.bridged.insert(ws, start);
                 a.bridged.insert(end, we);
