@@ -875,12 +875,10 @@ pub fn sweep_rows(
         rows.push((format!("hit_floor_ns_n{n}"), f.one));
         rows.push((format!("hit_floor_ns_n{n}_2threads"), f.two));
         rows.push((format!("hit_floor_isolated_ns_n{n}"), f.isolated));
-        ratio_rows(&mut rows, n, "floor", c, (f.one, f.two, f.isolated));
+        let point = format!("n{n}");
+        ratio_rows(&mut rows, &point, "floor", c, (f.one, f.two, f.isolated));
         if let Some(u) = ucx_at(n, false) {
-            rows.push((format!("ucx_rcache_hit_ns_p50_n{n}"), u.one));
-            rows.push((format!("ucx_rcache_hit_ns_p50_n{n}_2threads"), u.two));
-            rows.push((format!("ucx_rcache_hit_isolated_ns_n{n}"), u.isolated));
-            ratio_rows(&mut rows, n, "ucx", c, (u.one, u.two, u.isolated));
+            ucx_rows(&mut rows, &point, c, u);
         }
     }
     for &n in scattered {
@@ -896,24 +894,7 @@ pub fn sweep_rows(
             c.two / f.two,
         ));
         if let Some(u) = ucx_at(n, true) {
-            rows.push((format!("ucx_rcache_hit_ns_p50_n{n}_scattered"), u.one));
-            rows.push((
-                format!("ucx_rcache_hit_ns_p50_n{n}_scattered_2threads"),
-                u.two,
-            ));
-            rows.push((
-                format!("ucx_rcache_hit_isolated_ns_n{n}_scattered"),
-                u.isolated,
-            ));
-            rows.push((format!("cache_over_ucx_n{n}_scattered"), c.one / u.one));
-            rows.push((
-                format!("cache_over_ucx_n{n}_scattered_2threads"),
-                c.two / u.two,
-            ));
-            rows.push((
-                format!("cache_over_ucx_isolated_n{n}_scattered"),
-                c.isolated / u.isolated,
-            ));
+            ucx_rows(&mut rows, &format!("n{n}_scattered"), &c, u);
         }
     }
     if let Some(p) = pts.iter().max_by_key(|p| p.buffers) {
@@ -927,18 +908,31 @@ pub fn sweep_rows(
     Ok((rows, ucx.err()))
 }
 
-/// `cache_over_{peer}_n{n}`, `…_n{n}_2threads` and `cache_over_{peer}_isolated_n{n}`: the
-/// cache's figures divided by a peer's (one thread, two threads, isolated).
+/// `cache_over_{peer}_{point}`, `…_{point}_2threads` and `cache_over_{peer}_isolated_{point}`
+/// (`point`: `n{N}`, or `n{N}_scattered`): the cache's figures divided by a peer's (one
+/// thread, two threads, isolated).
 fn ratio_rows(
     rows: &mut Rows,
-    n: usize,
+    point: &str,
     peer: &str,
     c: &HitFigures,
     (one, two, iso): (f64, f64, f64),
 ) {
-    rows.push((format!("cache_over_{peer}_n{n}"), c.one / one));
-    rows.push((format!("cache_over_{peer}_n{n}_2threads"), c.two / two));
-    rows.push((format!("cache_over_{peer}_isolated_n{n}"), c.isolated / iso));
+    rows.push((format!("cache_over_{peer}_{point}"), c.one / one));
+    rows.push((format!("cache_over_{peer}_{point}_2threads"), c.two / two));
+    rows.push((
+        format!("cache_over_{peer}_isolated_{point}"),
+        c.isolated / iso,
+    ));
+}
+
+/// UCX's figures at `point` (`ucx_rcache_hit_ns_p50_{point}`, `…_2threads`,
+/// `ucx_rcache_hit_isolated_ns_{point}`) and the cache's over them ([`ratio_rows`]).
+fn ucx_rows(rows: &mut Rows, point: &str, c: &HitFigures, u: &UcxPoint) {
+    rows.push((format!("ucx_rcache_hit_ns_p50_{point}"), u.one));
+    rows.push((format!("ucx_rcache_hit_ns_p50_{point}_2threads"), u.two));
+    rows.push((format!("ucx_rcache_hit_isolated_ns_{point}"), u.isolated));
+    ratio_rows(rows, point, "ucx", c, (u.one, u.two, u.isolated));
 }
 
 /// The hit sweep for `mrkit bench`'s raw.json (`"cache_hits"`): `sizes`, `lookups` per
