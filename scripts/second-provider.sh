@@ -26,8 +26,10 @@ TARGET="$(cd "$TARGET" && pwd)"
 DROPIN="$TARGET/debug/deps/libibverbs.so"
 
 # Every test binary of crates/mrkit and crates/mrkit-cli, except those that already run both
-# providers side by side in one process (rdma_core*, query_port, provider_rules), the loom models (no device)
-# and the CLI's perf tests (a perf helper's; tests/rdma_core.rs runs `mrkit perf` on both).
+# providers side by side in one process (rdma_core*, query_port, provider_rules), those that
+# name the rdma-core device themselves (bench_device: `--device rdma-core:mrkit0` in both
+# passes, ~2 minutes each), the loom models (no device) and the CLI's perf tests (a perf
+# helper's; tests/rdma_core.rs runs `mrkit perf` on both).
 # The binaries of the first pass are reused (the same cargo command and features: another
 # feature set would rebuild the drop-in), run directly in their package's directory as
 # `cargo test` does.
@@ -43,7 +45,7 @@ while read -r src exe; do
   dir="${src%/tests/*}" name="$(basename "$src" .rs)"
   crate="$(basename "$dir")"
   case "$dir" in "$ROOT/crates/mrkit" | "$ROOT/crates/mrkit-cli") ;; *) continue ;; esac
-  case "$name" in rdma_core* | query_port | provider_rules | loom_* | perf*) continue ;; esac
+  case "$name" in rdma_core* | query_port | provider_rules | bench_device | loom_* | perf*) continue ;; esac
   if ((${#ONLY[@]})) && [[ ! " ${ONLY[*]} " == *" $name "* ]]; then continue; fi
   t0=$(date +%s%N)
   rc=0

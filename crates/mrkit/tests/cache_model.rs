@@ -20,8 +20,8 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use cache_util::*;
-use mrkit::cache::{CacheConfig, MonitorMode, RegCache, RegHandle, Shape};
 use mrkit::AccessFlags;
+use mrkit::cache::{CacheConfig, MonitorMode, RegCache, RegHandle, Shape};
 use proptest::prelude::*;
 
 /// Pages per mapping, small scale.
@@ -255,14 +255,12 @@ fn check(
                 }
             }
             // Held handles stay usable (possibly retired, never deregistered under us).
-            for h in &held {
-                for p in h.pieces() {
-                    prop_assert!(
-                        key_valid(&ctx, &pd, p.lkey, p.addr),
-                        "held key {:#x} died",
-                        p.lkey
-                    );
-                }
+            let probes: Vec<(u32, u64)> = held
+                .iter()
+                .flat_map(|h| h.pieces().iter().map(|p| (p.lkey, p.addr)))
+                .collect();
+            for (&(key, _), ok) in probes.iter().zip(keys_valid(&ctx, &pd, &probes)) {
+                prop_assert!(ok, "held key {:#x} died", key);
             }
             let entries = cache.entries();
             prop_assert!(entries.len() <= max_entries);

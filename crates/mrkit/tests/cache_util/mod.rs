@@ -76,50 +76,51 @@ pub fn native_live_mrs(ctx: &Context) -> Option<u64> {
     Some(live_mrs(ctx))
 }
 
-/// A device-side look at a key, on any provider: an RDMA WRITE whose gather list is
-/// `[addr, addr+len)` under `key`, from a QP of `pd` to a scratch MR of the same PD. The device
-/// checks the key as a local key (PD, range, no rights asked for) and reads the bytes through
-/// its translation: `Some(bytes)` when it accepted the key, `None` when the WRITE completed
-/// with an error. mrkit0 answers the same question from its key table (`check_local`).
-pub fn write_through_key(pd: &ProtectionDomain, key: u32, addr: u64, len: u64) -> Option<Vec<u8>> {
-    use mrkit::{Buffer, MemoryRegion, QpCap, QueuePair, WcStatus};
-    use std::cell::RefCell;
-    struct KeyRange {
-        key: u32,
-        addr: u64,
-        len: u64,
+/// A gather list of one piece, `[addr, addr+len)` under `key`: what a probe WRITE reads.
+struct KeyRange {
+    key: u32,
+    addr: u64,
+    len: u64,
+}
+
+// SAFETY: a probe of the test's own memory: the device only reads `[addr, addr+len)`, and
+// only if `key` is a live registration of it (the test keeps that memory mapped while it
+// probes); a dead or wrong key fails the work request instead.
+unsafe impl mrkit::Registered for KeyRange {
+    fn len(&self) -> u64 {
+        self.len
     }
-    // SAFETY: a probe of the test's own memory: the device only reads `[addr, addr+len)`,
-    // and only if `key` is a live registration of it (the test keeps that memory mapped while
-    // it probes); a dead or wrong key fails the work request instead.
-    unsafe impl mrkit::Registered for KeyRange {
-        fn len(&self) -> u64 {
-            self.len
-        }
-        fn sges(
-            &self,
-            range: std::ops::Range<u64>,
-            out: &mut Vec<mrkit::LocalSlice>,
-        ) -> mrkit::Result<()> {
-            out.push(mrkit::LocalSlice {
-                addr: self.addr + range.start,
-                len: u32::try_from(range.end - range.start).unwrap(),
-                lkey: self.key,
-            });
-            Ok(())
-        }
+    fn sges(
+        &self,
+        range: std::ops::Range<u64>,
+        out: &mut Vec<mrkit::LocalSlice>,
+    ) -> mrkit::Result<()> {
+        out.push(mrkit::LocalSlice {
+            addr: self.addr + range.start,
+            len: u32::try_from(range.end - range.start).unwrap(),
+            lkey: self.key,
+        });
+        Ok(())
     }
-    /// The probing QPs and the scratch MR, kept per thread and PD while their QP is usable
-    /// (a failed WRITE moves it to ERR: the next probe makes a new pair).
-    struct Probe {
-        pd: ProtectionDomain,
-        q1: QueuePair,
-        _q2: QueuePair,
-        scratch: MemoryRegion,
-    }
-    thread_local! {
-        static PROBE: RefCell<Option<Probe>> = const { RefCell::new(None) };
-    }
+}
+
+/// The probing QPs and the scratch MR, kept per thread and PD while their QP is usable (a
+/// failed WRITE moves it to ERR: the next probe makes a new pair).
+struct Probe {
+    pd: mrkit::ProtectionDomain,
+    q1: mrkit::QueuePair<KeyRange>,
+    _q2: mrkit::QueuePair,
+    scratch: mrkit::MemoryRegion,
+}
+
+thread_local! {
+    static PROBE: std::cell::RefCell<Option<Probe>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Run `f` on this thread's probe pair for `pd` with a scratch MR of at least `len` bytes
+/// (made on first use or after a failed probe); `f` returns whether the pair is still usable.
+fn with_probe<R>(pd: &ProtectionDomain, len: u64, f: impl FnOnce(&mut Probe) -> (R, bool)) -> R {
+    use mrkit::{Buffer, QpCap, QueuePair};
     let same = |p: &Probe| {
         p.pd.handle() == pd.handle()
             && std::sync::Arc::ptr_eq(p.pd.context().provider(), pd.context().provider())
@@ -129,7 +130,7 @@ pub fn write_through_key(pd: &ProtectionDomain, key: u32, addr: u64, len: u64) -
         let mut cell = cell.borrow_mut();
         if !cell.as_ref().is_some_and(same) {
             *cell = None; // the old pair and scratch go first
-            let q1 = QueuePair::new(pd, QpCap::default()).unwrap();
+            let q1 = QueuePair::new_typed(pd, QpCap::default()).unwrap();
             let q2 = QueuePair::new(pd, QpCap::default()).unwrap();
             QueuePair::connect(&q1, &q2, AccessFlags::REMOTE_WRITE).unwrap();
             let scratch = pd
@@ -145,7 +146,21 @@ pub fn write_through_key(pd: &ProtectionDomain, key: u32, addr: u64, len: u64) -
                 scratch,
             });
         }
-        let p = cell.as_mut().unwrap();
+        let (r, usable) = f(cell.as_mut().unwrap());
+        if !usable {
+            *cell = None;
+        }
+        r
+    })
+}
+
+/// A device-side look at a key, on any provider: an RDMA WRITE whose gather list is
+/// `[addr, addr+len)` under `key`, from a QP of `pd` to a scratch MR of the same PD. The device
+/// checks the key as a local key (PD, range, no rights asked for) and reads the bytes through
+/// its translation: `Some(bytes)` when it accepted the key, `None` when the WRITE completed
+/// with an error. mrkit0 answers the same question from its key table (`check_local`).
+pub fn write_through_key(pd: &ProtectionDomain, key: u32, addr: u64, len: u64) -> Option<Vec<u8>> {
+    with_probe(pd, len, |p| {
         let wc =
             p.q1.write(
                 &KeyRange { key, addr, len },
@@ -153,13 +168,55 @@ pub fn write_through_key(pd: &ProtectionDomain, key: u32, addr: u64, len: u64) -
                 p.scratch.remote(0..len).unwrap(),
             )
             .unwrap();
-        if wc.status == WcStatus::Success {
-            Some(p.scratch.as_slice()[..len as usize].to_vec())
+        if wc.status == mrkit::WcStatus::Success {
+            (Some(p.scratch.as_slice()[..len as usize].to_vec()), true)
         } else {
-            *cell = None;
-            None
+            (None, false)
         }
     })
+}
+
+/// [`key_valid`] for each `(key, addr)`, in order. On a provider other than mrkit0 the
+/// WRITEs of [`write_through_key`] are posted as one pipeline (up to the send queue's depth
+/// at a time) instead of one round trip each; when one of a batch fails, the QP goes to ERR
+/// and flushes the rest, so that batch is probed again one by one, on fresh pairs, to say
+/// which key failed.
+pub fn keys_valid(ctx: &Context, pd: &ProtectionDomain, probes: &[(u32, u64)]) -> Vec<bool> {
+    if ctx.soft().is_some() {
+        return probes
+            .iter()
+            .map(|&(k, a)| key_valid(ctx, pd, k, a))
+            .collect();
+    }
+    let mut out = Vec::with_capacity(probes.len());
+    for batch in probes.chunks(mrkit::QpCap::default().max_send_wr as usize) {
+        let all_ok = with_probe(pd, batch.len() as u64, |p| {
+            for (i, &(key, addr)) in batch.iter().enumerate() {
+                let i = i as u64;
+                let remote = p.scratch.remote(i..i + 1).unwrap();
+                if p.q1
+                    .post_write(KeyRange { key, addr, len: 1 }, 0..1, remote)
+                    .is_err()
+                {
+                    return (false, false);
+                }
+            }
+            let done = p.q1.wait_all(std::time::Duration::from_secs(30)).unwrap();
+            let ok = done.len() == batch.len()
+                && done.iter().all(|c| c.wc.status == mrkit::WcStatus::Success);
+            (ok, ok)
+        });
+        if all_ok {
+            out.extend(batch.iter().map(|_| true));
+        } else {
+            out.extend(
+                batch
+                    .iter()
+                    .map(|&(k, a)| write_through_key(pd, k, a, 1).is_some()),
+            );
+        }
+    }
+    out
 }
 
 /// An anonymous mapping we can unmap and remap at the same address.
