@@ -66,7 +66,7 @@ fn bench_pool_cache_on_rdma_core() {
     let dir = drop_in_dir();
     let mut c = mrkit_clean();
     let o = c
-        .args(["bench", "pool-cache", "--json"])
+        .args(["bench", "pool-cache", "--quick", "--json"])
         .args(["--device", "rdma-core:mrkit0"])
         .env("MRKIT_RDMA_CORE_LIB", lib(dir.path()))
         .env("MRKIT_STAT", "0")

@@ -77,8 +77,30 @@ const MSG: usize = 4096;
 
 /// Working-set sizes of the hit sweep.
 pub const SWEEP_SIZES: [usize; 6] = [1, 16, 64, 1024, 4096, 65536];
-/// Lookups per sweep point and thread.
-const SWEEP_LOOKUPS: usize = 200_000;
+/// How long each point of the hit sweep measures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Effort {
+    /// Timed lookups per point and thread.
+    pub lookups: usize,
+    /// Passes over the working set a thread makes, untimed, right before each timed phase
+    /// ([`rewarm`]).
+    pub rewarm_passes: usize,
+}
+
+impl Effort {
+    /// `mrkit bench pool-cache`: 200,000 lookups, [`REWARM_PASSES`].
+    pub const FULL: Effort = Effort {
+        lookups: 200_000,
+        rewarm_passes: REWARM_PASSES,
+    };
+    /// `--quick`: a tenth of the lookups and 2 passes of re-warm. Every key is reported; the
+    /// figures are noisier and, at 65,536 buffers, may include the slow start after a wait
+    /// that [`REWARM_PASSES`] is there to skip.
+    pub const QUICK: Effort = Effort {
+        lookups: 20_000,
+        rewarm_passes: 2,
+    };
+}
 /// Lookups per timed batch.
 const BATCH: usize = 1000;
 /// The isolated pass makes 1/ISOLATED of a point's lookups (each pays its misses in full).
@@ -210,10 +232,10 @@ fn warm_thread(n: usize, seed: u64, lookup: &impl Fn(u32)) {
     }
 }
 
-/// Lookups a thread makes, untimed, right before each timed phase: [`REWARM_PASSES`] times
-/// the working set (at least 4 batches) in random order.
-fn rewarm(n: usize, seed: u64, lookup: &impl Fn(u32)) {
-    for i in random_order(n, (REWARM_PASSES * n).max(4 * BATCH), seed) {
+/// Lookups a thread makes, untimed, right before each timed phase: `passes` times the working
+/// set (at least 4 batches) in random order.
+fn rewarm(n: usize, passes: usize, seed: u64, lookup: &impl Fn(u32)) {
+    for i in random_order(n, (passes * n).max(4 * BATCH), seed) {
         lookup(i);
     }
 }
@@ -245,7 +267,7 @@ fn hit_random(order: &[u32], lookup: &impl Fn(u32)) -> f64 {
 /// of the first thread alone did not show.
 fn one_and_two<S, A: Send>(
     n: usize,
-    lookups: usize,
+    effort: Effort,
     setup: impl Fn() -> S + Sync,
     lookup: impl Fn(&S, u32) + Sync,
     alone: impl Fn(&dyn Fn() -> f64) -> (f64, A) + Sync,
@@ -262,13 +284,14 @@ fn one_and_two<S, A: Send>(
                     let look = |i: u32| lookup(&st, i);
                     warm_thread(n, seed, &look);
                     // Three parts: alone, isolated, then both threads at once.
+                    let lookups = effort.lookups;
                     let few = (lookups / ISOLATED).max(BATCH).min(lookups);
                     let order = random_order(n, 2 * lookups + few, seed.rotate_left(17));
                     let (first, rest) = order.split_at(lookups);
                     let (few, second) = rest.split_at(few);
                     go.wait();
                     let one = (k == 0).then(|| {
-                        rewarm(n, seed ^ 1, &look);
+                        rewarm(n, effort.rewarm_passes, seed ^ 1, &look);
                         let (one, a) = alone(&|| hit_random(first, &look));
                         let isolated = hit_random(few, &|i| {
                             look(i);
@@ -278,11 +301,11 @@ fn one_and_two<S, A: Send>(
                     });
                     go.wait();
                     let alone_too = (k == 1).then(|| {
-                        rewarm(n, seed ^ 3, &look);
+                        rewarm(n, effort.rewarm_passes, seed ^ 3, &look);
                         hit_random(first, &look)
                     });
                     go.wait();
-                    rewarm(n, seed ^ 2, &look);
+                    rewarm(n, effort.rewarm_passes, seed ^ 2, &look);
                     (one, alone_too, hit_random(second, &look))
                 })
             })
@@ -304,12 +327,12 @@ fn cache_one_and_two(
     mem: &[u8],
     page_of: impl Fn(u32) -> u32 + Sync,
     n: usize,
-    lookups: usize,
+    effort: Effort,
 ) -> HitFigures {
     let acc = AccessFlags::empty();
     let ((one, isolated, share), two) = one_and_two(
         n,
-        lookups,
+        effort,
         || (),
         |(), i| {
             let h = cache
@@ -354,13 +377,13 @@ fn floor_one_and_two(
     mem: &[u8],
     page_of: impl Fn(u32) -> u32 + Sync,
     n: usize,
-    lookups: usize,
+    effort: Effort,
 ) -> HitFigures {
     let base = mem.as_ptr() as u64;
     let addr = |i: u32| base + u64::from(page_of(i)) * 4096;
     let ((one, isolated, _), two) = one_and_two(
         n,
-        lookups,
+        effort,
         || HitFloor::at_pages(&(0..n as u32).map(addr).collect::<Vec<_>>()),
         |f, i| assert!(f.hit(addr(i), 4096)),
         |measure| (measure(), ()),
@@ -410,7 +433,7 @@ fn sweep_cache(pd: &ProtectionDomain, n: usize) -> Result<RegCache, String> {
 pub fn hit_sweep(
     pd: &ProtectionDomain,
     sizes: &[usize],
-    lookups: usize,
+    effort: Effort,
 ) -> Result<Vec<SweepPoint>, String> {
     let mut out = Vec::new();
     for &n in sizes {
@@ -433,8 +456,8 @@ pub fn hit_sweep(
             (Some(a), Some(b)) => Some(b.saturating_sub(a) as f64 / n as f64),
             _ => None,
         };
-        let cache_figs = cache_one_and_two(&cache, mem, |i| i, n, lookups);
-        let floor = floor_one_and_two(mem, |i| i, n, lookups);
+        let cache_figs = cache_one_and_two(&cache, mem, |i| i, n, effort);
+        let floor = floor_one_and_two(mem, |i| i, n, effort);
         out.push(SweepPoint {
             buffers: n,
             cache: cache_figs,
@@ -465,7 +488,7 @@ pub const SCATTERED_BUFFERS: usize = 65_536;
 pub fn scattered_point(
     pd: &ProtectionDomain,
     n: usize,
-    lookups: usize,
+    effort: Effort,
 ) -> Result<(HitFigures, HitFigures), String> {
     // Declared before the cache: dropped after it.
     let buf = Buffer::new(n * SCATTER as usize * 4096).map_err(|e| e.to_string())?;
@@ -473,7 +496,7 @@ pub fn scattered_point(
     let offsets = random_order(SCATTER as usize, n, SCATTER_SEED);
     let page_of = |i: u32| i * SCATTER + offsets[i as usize];
     let mem = buf.as_slice();
-    let cache_figs = cache_one_and_two(&cache, mem, page_of, n, lookups);
+    let cache_figs = cache_one_and_two(&cache, mem, page_of, n, effort);
     let stats = cache.stats();
     if stats.uncached > 0 || stats.entries as usize != n {
         return Err(format!(
@@ -481,7 +504,7 @@ pub fn scattered_point(
             stats.entries, stats.uncached
         ));
     }
-    let floor = floor_one_and_two(mem, page_of, n, lookups);
+    let floor = floor_one_and_two(mem, page_of, n, effort);
     drop(cache);
     Ok((cache_figs, floor))
 }
@@ -511,9 +534,9 @@ pub struct UcxPoint {
 pub fn ucx_sweep(
     sizes: &[usize],
     scattered: &[usize],
-    lookups: usize,
+    effort: Effort,
 ) -> Result<Vec<UcxPoint>, String> {
-    ucx_sweep_in(&std::env::temp_dir(), sizes, scattered, lookups)
+    ucx_sweep_in(&std::env::temp_dir(), sizes, scattered, effort)
 }
 
 /// [`ucx_sweep`] with its scratch directory made in `parent`.
@@ -521,7 +544,7 @@ fn ucx_sweep_in(
     parent: &std::path::Path,
     sizes: &[usize],
     scattered: &[usize],
-    lookups: usize,
+    effort: Effort,
 ) -> Result<Vec<UcxPoint>, String> {
     if !std::path::Path::new("/usr/include/ucs/memory/rcache.h").exists() {
         return Err("UCX not installed (libucx-dev): no ucs/memory/rcache.h".into());
@@ -540,7 +563,7 @@ fn ucx_sweep_in(
         std::fs::write(&src, UCX_BENCH_C).map_err(|e| e.to_string())?;
         let cc = std::process::Command::new("cc")
             .args(["-O2", "-pthread"])
-            .arg(format!("-DREWARM={REWARM_PASSES}"))
+            .arg(format!("-DREWARM={}", effort.rewarm_passes))
             .arg(format!("-DSCATTER={SCATTER}"))
             .arg(format!("-DSCATTER_SEED={SCATTER_SEED:#x}ULL"))
             .arg("-o")
@@ -555,7 +578,7 @@ fn ucx_sweep_in(
                 String::from_utf8_lossy(&cc.stderr).trim()
             ));
         }
-        let mut args = vec![lookups.to_string(), BATCH.to_string()];
+        let mut args = vec![effort.lookups.to_string(), BATCH.to_string()];
         args.extend(sizes.iter().map(ToString::to_string));
         args.extend(scattered.iter().map(|n| format!("{n}s")));
         let run = std::process::Command::new(&exe)
@@ -849,15 +872,15 @@ fn row(k: &str, v: f64) -> (String, f64) {
 pub fn sweep_rows(
     pd: &ProtectionDomain,
     sizes: &[usize],
-    lookups: usize,
+    effort: Effort,
 ) -> Result<(Rows, Option<String>), String> {
-    let pts = hit_sweep(pd, sizes, lookups)?;
+    let pts = hit_sweep(pd, sizes, effort)?;
     let scattered: &[usize] = if sizes.iter().any(|&n| n >= SCATTERED_BUFFERS) {
         &[SCATTERED_BUFFERS]
     } else {
         &[]
     };
-    let ucx = ucx_sweep(sizes, scattered, lookups);
+    let ucx = ucx_sweep(sizes, scattered, effort);
     let ucx_at = |n: usize, scattered: bool| {
         ucx.as_ref().ok().and_then(|u| {
             u.iter()
@@ -882,7 +905,7 @@ pub fn sweep_rows(
         }
     }
     for &n in scattered {
-        let (c, f) = scattered_point(pd, n, lookups)?;
+        let (c, f) = scattered_point(pd, n, effort)?;
         rows.push((format!("cache_hit_ns_p50_n{n}_scattered"), c.one));
         rows.push((format!("cache_hit_ns_p50_n{n}_scattered_2threads"), c.two));
         rows.push((format!("cache_hit_isolated_ns_n{n}_scattered"), c.isolated));
@@ -937,18 +960,18 @@ fn ucx_rows(rows: &mut Rows, point: &str, c: &HitFigures, u: &UcxPoint) {
 
 /// The hit sweep for `mrkit bench`'s raw.json (`"cache_hits"`): `sizes`, `lookups` per
 /// point and thread, UCX beside it when installed.
-pub fn sweep_json(sizes: &[usize], lookups: usize) -> serde_json::Value {
+pub fn sweep_json(sizes: &[usize], effort: Effort) -> serde_json::Value {
     use serde_json::json;
     let ctx = Context::open(DeviceConfig::rxe());
     let pts = match ctx
         .alloc_pd()
         .map_err(|e| e.to_string())
-        .and_then(|pd| hit_sweep(&pd, sizes, lookups))
+        .and_then(|pd| hit_sweep(&pd, sizes, effort))
     {
         Ok(p) => p,
-        Err(e) => return json!({ "lookups": lookups, "points": [], "error": e }),
+        Err(e) => return json!({ "lookups": effort.lookups, "points": [], "error": e }),
     };
-    let ucx = ucx_sweep(sizes, &[], lookups);
+    let ucx = ucx_sweep(sizes, &[], effort);
     let ucx_at = |n: usize| {
         ucx.as_ref()
             .ok()
@@ -977,7 +1000,7 @@ pub fn sweep_json(sizes: &[usize], lookups: usize) -> serde_json::Value {
         .collect();
     let last = pts.last();
     json!({
-        "lookups": lookups,
+        "lookups": effort.lookups,
         "points": points,
         "bytes_per_entry": last.and_then(|p| p.bytes_per_entry),
         "ucx_bytes_per_entry": last.and_then(|p| ucx_at(p.buffers)).map(|u| u.bytes_per_entry),
@@ -986,21 +1009,26 @@ pub fn sweep_json(sizes: &[usize], lookups: usize) -> serde_json::Value {
     })
 }
 
-fn measure(ctx: &Context) -> Result<(Rows, Rows, Option<String>), String> {
+fn measure(ctx: &Context, quick: bool) -> Result<(Rows, Rows, Option<String>), String> {
+    // `--quick`: a tenth of every count (every key is still measured).
+    let k = if quick { 10 } else { 1 };
+    let effort = if quick { Effort::QUICK } else { Effort::FULL };
     let pd = ctx.alloc_pd().map_err(|e| e.to_string())?;
     let pool = MrPool::new(&pd, pool_cfg()).map_err(|e| e.to_string())?;
-    let one = pool_alloc_free(&pool, 20_000_000);
+    let one = pool_alloc_free(&pool, 20_000_000 / k);
     let two = std::thread::scope(|s| {
-        let a = s.spawn(|| pool_alloc_free(&pool, 10_000_000));
-        let b = s.spawn(|| pool_alloc_free(&pool, 10_000_000));
+        let a = s.spawn(|| pool_alloc_free(&pool, 10_000_000 / k));
+        let b = s.spawn(|| pool_alloc_free(&pool, 10_000_000 / k));
         (a.join().unwrap_or(f64::NAN) + b.join().unwrap_or(f64::NAN)) / 2.0
     });
-    let owned_same = best_of(5, || owned_alloc_free(&pool, 4_000_000));
+    let owned_same = best_of(5, || owned_alloc_free(&pool, 4_000_000 / k));
     let owned_cross = best_of(5, || {
-        cross_thread::<OwnedSlot>(1 << 20, || pool.alloc_owned().expect("pool alloc"))
+        cross_thread::<OwnedSlot>((1 << 20) / k as usize, || {
+            pool.alloc_owned().expect("pool alloc")
+        })
     });
     let borrowed_cross = best_of(5, || {
-        cross_thread::<Slot<'_>>(1 << 20, || pool.alloc().expect("pool alloc"))
+        cross_thread::<Slot<'_>>((1 << 20) / k as usize, || pool.alloc().expect("pool alloc"))
     });
     // The safe lookups need the userfaultfd monitor (explicit invalidation is an `unsafe`
     // promise this crate does not make).
@@ -1022,7 +1050,7 @@ fn measure(ctx: &Context) -> Result<(Rows, Rows, Option<String>), String> {
     });
     let miss = cache_miss_overhead(&pd, &cache, &buf);
     drop(cache);
-    let (sweep, ucx_note) = sweep_rows(&pd, &SWEEP_SIZES, SWEEP_LOOKUPS)?;
+    let (sweep, ucx_note) = sweep_rows(&pd, &SWEEP_SIZES, effort)?;
     let per_msg = per_message(&pd, false);
     let pooled_ns = pooled(&pool, false);
     let per_msg_w = per_message(&pd, true);
@@ -1053,8 +1081,8 @@ fn measure(ctx: &Context) -> Result<(Rows, Rows, Option<String>), String> {
 
 /// Run the pool/cache benchmark on `ctx` (any device: every experiment goes through the
 /// generic API); `json` selects JSON output.
-pub fn run(json: bool, ctx: &Context) -> u8 {
-    let (rows, extra, ucx_note) = match measure(ctx) {
+pub fn run(json: bool, quick: bool, ctx: &Context) -> u8 {
+    let (rows, extra, ucx_note) = match measure(ctx, quick) {
         Ok(r) => r,
         Err(e) => {
             eprintln!("mrkit bench pool-cache: {e}");
@@ -1115,7 +1143,15 @@ mod tests {
         std::fs::create_dir(&planted).expect("plant the directory");
         std::fs::write(&victim, b"precious").expect("victim");
         std::os::unix::fs::symlink(&victim, planted.join("rcache_bench.c")).expect("plant");
-        let r = super::ucx_sweep_in(tmp.path(), &[1, 16], &[64], 4000);
+        let r = super::ucx_sweep_in(
+            tmp.path(),
+            &[1, 16],
+            &[64],
+            super::Effort {
+                lookups: 4000,
+                rewarm_passes: 2,
+            },
+        );
         let kept = std::fs::read(&victim).expect("victim");
         assert!(
             kept == b"precious",

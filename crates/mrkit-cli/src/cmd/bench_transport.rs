@@ -414,7 +414,8 @@ fn run_inner(
     // system call and instruction ~30-40 % slower; the raw ping-pong alone reads 3.9-5.3 µs
     // over a minute), so a floor measured once may come from another state than the run it
     // divides. Each ratio is taken within its round; the report gives their median and range.
-    // iters / 4 = 5000 round trips per run (see `mrkit perf`).
+    // iters / 4 round trips per run (see `mrkit perf`): 5,000, or 1,000 with `--quick`.
+    let lat_iters = if quick { 4_000 } else { 20_000 };
     let mut rounds = Vec::new();
     for _ in 0..lat_rounds {
         let mut round = json!({});
@@ -422,8 +423,8 @@ fn run_inner(
             round["floor_us"] = json!(raw_pingpong(8, 5_000, false)?);
             round["floor_connected_us"] = json!(raw_pingpong(8, 5_000, true)?);
         }
-        round["write"] = one(Op::Write, 8, 20_000)?;
-        round["send"] = one(Op::Send, 8, 20_000)?;
+        round["write"] = one(Op::Write, 8, lat_iters)?;
+        round["send"] = one(Op::Send, 8, lat_iters)?;
         rounds.push(round);
     }
     let floor_median = |k: &str| median(rounds.iter().filter_map(|r| r[k].as_f64()).collect());

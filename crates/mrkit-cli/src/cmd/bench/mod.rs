@@ -63,6 +63,9 @@ enum BenchSub {
         /// Machine-readable output.
         #[arg(long)]
         json: bool,
+        /// A tenth of the iterations and a short re-warm (every key, noisier figures; for CI).
+        #[arg(long)]
+        quick: bool,
     },
 }
 
@@ -71,7 +74,7 @@ pub const SCHEMA: &str = "mrkit-bench/2";
 
 /// `mrkit bench`: a subcommand, or the whole suite into `--out` (the exit status).
 pub fn run(a: BenchArgs, dev: &super::device::Selected) -> u8 {
-    if let Some(BenchSub::PoolCache { json }) = a.sub {
+    if let Some(BenchSub::PoolCache { json, quick }) = a.sub {
         // Every experiment of the pool and the cache runs through the generic API; mrkit0
         // with its built-in (rxe) limits by default, as the suite below.
         let ctx = if dev.is_embedded() {
@@ -82,7 +85,7 @@ pub fn run(a: BenchArgs, dev: &super::device::Selected) -> u8 {
                 Err(code) => return code,
             }
         };
-        return super::bench_pool_cache::run(json, &ctx);
+        return super::bench_pool_cache::run(json, quick, &ctx);
     }
     if let Some(BenchSub::Transport { json, quick }) = a.sub {
         return super::bench_transport::run(json, quick, dev);
@@ -165,9 +168,12 @@ pub fn run(a: BenchArgs, dev: &super::device::Selected) -> u8 {
     let cache_hits = if !embedded {
         mrkit0_only()
     } else if a.quick {
-        super::bench_pool_cache::sweep_json(&[1, 64, 4096], 20_000)
+        super::bench_pool_cache::sweep_json(&[1, 64, 4096], super::bench_pool_cache::Effort::QUICK)
     } else {
-        super::bench_pool_cache::sweep_json(&super::bench_pool_cache::SWEEP_SIZES, 200_000)
+        super::bench_pool_cache::sweep_json(
+            &super::bench_pool_cache::SWEEP_SIZES,
+            super::bench_pool_cache::Effort::FULL,
+        )
     };
     pb.inc(1);
     pb.set_message("data path in process: WRITE/READ over the loopback link");
