@@ -20,8 +20,8 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use cache_util::*;
-use mrkit::AccessFlags;
 use mrkit::cache::{CacheConfig, MonitorMode, RegCache, RegHandle, Shape};
+use mrkit::AccessFlags;
 use proptest::prelude::*;
 
 /// Pages per mapping, small scale.

@@ -157,7 +157,7 @@ fn bad_clients_get_clear_errors_and_the_listener_serves_on() {
     // Too much: a body over 256 bytes is refused from its header, never read.
     let mut s = connect();
     let mut big = msg(1, &[0u8; 48], u16::MAX);
-    big.extend(std::iter::repeat(7u8).take(60_000));
+    big.extend(std::iter::repeat_n(7u8, 60_000));
     let _ = s.write_all(&big); // the server may close before all of it is sent
     let e = next(&rx).unwrap_err();
     assert!(e.to_string().contains("at most 256"), "{e}");

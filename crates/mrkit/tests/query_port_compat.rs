@@ -20,9 +20,10 @@ fn compat_query_port_answers_what_the_extended_path_answers() {
     let scratch = tempfile::tempdir().unwrap();
     let dir = scratch.path();
     let shim = Shim::build(dir, &providers_util::drop_in(), Mode::Legacy);
-    // Set before anything reads the environment (the only test of this binary).
     for (k, v) in shim.env() {
-        std::env::set_var(k, v);
+        // SAFETY: the only test of this binary, and no thread reads the environment yet: the
+        // test harness runs it on its own thread, and nothing here has opened a device.
+        unsafe { std::env::set_var(k, v) };
     }
     let legacy_lib = library_at(shim.path.to_str().unwrap()).expect("load the shim");
     let legacy = Context::from_provider(Arc::new(

@@ -6,9 +6,12 @@ use mrkit::{AccessFlags as A, Buffer, Context, Errno};
 #[test]
 fn no_rdma_core_is_one_clear_error_and_mrkit0_works() {
     let missing = "/nonexistent/mrkit-test/libibverbs.so.1";
-    // Set before any thread of this binary reads the environment (the only test here).
-    std::env::set_var(mrkit::rdma_core::LIB_ENV, missing);
-    std::env::remove_var(mrkit::DEVICE_ENV);
+    // SAFETY: the only test of this binary, and no thread reads the environment yet: the
+    // test harness runs it on its own thread, and nothing here has opened a device.
+    unsafe {
+        std::env::set_var(mrkit::rdma_core::LIB_ENV, missing);
+        std::env::remove_var(mrkit::DEVICE_ENV);
+    }
 
     let devs = Context::devices().unwrap();
     assert_eq!(
@@ -29,9 +32,13 @@ fn no_rdma_core_is_one_clear_error_and_mrkit0_works() {
     assert_eq!(e.errno(), Errno::ENODEV);
     assert!(e.to_string().contains("mrkit:mrkit0"), "{e}");
     // Asked through MRKIT_DEVICE: the same error.
-    std::env::set_var(mrkit::DEVICE_ENV, "rdma-core:mlx5_0");
+    // SAFETY: the only test of this binary (no other test thread). The devices opened so far
+    // read the environment when they were opened, on this thread; their own threads
+    // (progress, completion, stat export) never read it.
+    unsafe { std::env::set_var(mrkit::DEVICE_ENV, "rdma-core:mlx5_0") };
     assert_eq!(Context::open_default().unwrap_err().errno(), Errno::ENODEV);
-    std::env::remove_var(mrkit::DEVICE_ENV);
+    // SAFETY: as above.
+    unsafe { std::env::remove_var(mrkit::DEVICE_ENV) };
 
     // A library that is not libibverbs: the missing symbol is named.
     let e = mrkit::rdma_core::library_at("libc.so.6").unwrap_err();

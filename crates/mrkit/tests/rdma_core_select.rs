@@ -7,9 +7,13 @@ use mrkit::{Context, Errno};
 
 #[test]
 fn devices_and_names_with_the_drop_in_as_rdma_core() {
-    // Set before any thread of this binary reads the environment (the only test here).
-    std::env::set_var(mrkit::rdma_core::LIB_ENV, providers_util::drop_in());
-    std::env::remove_var(mrkit::DEVICE_ENV);
+    let lib = providers_util::drop_in();
+    // SAFETY: the only test of this binary, and no thread reads the environment yet: the
+    // test harness runs it on its own thread, and nothing here has opened a device.
+    unsafe {
+        std::env::set_var(mrkit::rdma_core::LIB_ENV, lib);
+        std::env::remove_var(mrkit::DEVICE_ENV);
+    }
 
     let devs = Context::devices().unwrap();
     let names: Vec<String> = devs.iter().map(|d| d.qualified()).collect();
@@ -52,7 +56,10 @@ fn devices_and_names_with_the_drop_in_as_rdma_core() {
 
     // MRKIT_DEVICE picks the default.
     assert!(Context::open_default().unwrap().soft().is_some());
-    std::env::set_var(mrkit::DEVICE_ENV, "rdma-core:mrkit0");
+    // SAFETY: the only test of this binary (no other test thread). The devices opened so far
+    // read the environment when they were opened, on this thread; their own threads
+    // (progress, completion, stat export) never read it.
+    unsafe { std::env::set_var(mrkit::DEVICE_ENV, "rdma-core:mrkit0") };
     let d = Context::open_default().unwrap();
     assert!(d.soft().is_none());
     let pd = d.alloc_pd().unwrap();
@@ -63,7 +70,9 @@ fn devices_and_names_with_the_drop_in_as_rdma_core() {
         )
         .unwrap();
     assert_eq!(mr.info().length, 4096);
-    std::env::set_var(mrkit::DEVICE_ENV, "nothing0");
+    // SAFETY: as above.
+    unsafe { std::env::set_var(mrkit::DEVICE_ENV, "nothing0") };
     assert_eq!(Context::open_default().unwrap_err().errno(), Errno::ENODEV);
-    std::env::remove_var(mrkit::DEVICE_ENV);
+    // SAFETY: as above.
+    unsafe { std::env::remove_var(mrkit::DEVICE_ENV) };
 }

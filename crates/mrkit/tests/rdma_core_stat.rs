@@ -13,10 +13,13 @@ fn one_exporter_per_process_with_two_device_copies() {
     // A directory the exporter creates, inside a private one.
     let scratch = tempfile::tempdir().unwrap();
     let dir = scratch.path().join("stat");
-    // Set before any thread of this binary reads the environment (the only test here).
-    std::env::set_var("MRKIT_STAT_DIR", &dir);
-    std::env::set_var("MRKIT_STAT_INTERVAL_MS", "10");
-    std::env::remove_var("MRKIT_STAT");
+    // SAFETY: the only test of this binary, and no thread reads the environment yet: the
+    // test harness runs it on its own thread, and nothing here has opened a device.
+    unsafe {
+        std::env::set_var("MRKIT_STAT_DIR", &dir);
+        std::env::set_var("MRKIT_STAT_INTERVAL_MS", "10");
+        std::env::remove_var("MRKIT_STAT");
+    }
     mrkit::stat_export::register_source("copy", || serde_json::json!("native"));
 
     let native = Context::open(mrkit::DeviceConfig::rxe()); // starts the native exporter

@@ -15,10 +15,13 @@ fn rdma_core_process_lists_the_provider_and_the_drop_in_copy() {
     // A directory the exporter creates, inside a private one.
     let scratch = tempfile::tempdir().unwrap();
     let dir = scratch.path().join("stat");
-    // Set before any thread of this binary reads the environment (the only test here).
-    std::env::set_var("MRKIT_STAT_DIR", &dir);
-    std::env::set_var("MRKIT_STAT_INTERVAL_MS", "10");
-    std::env::remove_var("MRKIT_STAT");
+    // SAFETY: the only test of this binary, and no thread reads the environment yet: the
+    // test harness runs it on its own thread, and nothing here has opened a device.
+    unsafe {
+        std::env::set_var("MRKIT_STAT_DIR", &dir);
+        std::env::set_var("MRKIT_STAT_INTERVAL_MS", "10");
+        std::env::remove_var("MRKIT_STAT");
+    }
 
     let rc = providers_util::rdma_core(); // no native context in this process
     let pd = rc.alloc_pd().unwrap();

@@ -70,7 +70,7 @@ impl<V> IntervalIndex<V> {
         let hi = if touch { b } else { b.saturating_sub(1) };
         self.map
             .range((lo, 0)..=(hi, u64::MAX))
-            .filter(move |(&(s, _), (end, _))| {
+            .filter(move |&(&(s, _), (end, _))| {
                 if touch {
                     *end >= a && s <= b
                 } else {
