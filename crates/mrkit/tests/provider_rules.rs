@@ -119,28 +119,6 @@ fn mr(pd: &ProtectionDomain, len: usize, access: A) -> MemoryRegion {
     pd.register(populated(len), access).unwrap()
 }
 
-/// A gather entry under the key of a deregistered MR (its memory is gone too: the device
-/// must refuse the key before it reads anything).
-struct StaleKey(mrkit::LocalSlice);
-// SAFETY: the key is dead, so the device reads nothing through it (the work request fails).
-unsafe impl mrkit::Registered for StaleKey {
-    fn len(&self) -> u64 {
-        u64::from(self.0.len)
-    }
-    fn sges(
-        &self,
-        range: std::ops::Range<u64>,
-        out: &mut Vec<mrkit::LocalSlice>,
-    ) -> mrkit::Result<()> {
-        out.push(mrkit::LocalSlice {
-            addr: self.0.addr + range.start,
-            len: u32::try_from(range.end - range.start).unwrap(),
-            lkey: self.0.lkey,
-        });
-        Ok(())
-    }
-}
-
 const ALL_REMOTE: A = A::REMOTE_WRITE
     .union(A::REMOTE_READ)
     .union(A::REMOTE_ATOMIC)
@@ -693,7 +671,8 @@ fn rows() -> Vec<Row> {
             |f| {
                 let (q1, _q2) = pair(f);
                 let dst = mr(&f.pd, 4096, ALL_REMOTE);
-                let src = StaleKey(mr(&f.pd, 4096, A::LOCAL_WRITE).local(0..64).unwrap());
+                let src =
+                    providers_util::KeySlice(mr(&f.pd, 4096, A::LOCAL_WRITE).local(0..64).unwrap());
                 wc(q1.write(&src, 0..64, dst.remote(0..64).unwrap()))
             },
             Wc(WcStatus::LocProtErr),

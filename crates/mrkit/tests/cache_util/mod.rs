@@ -4,7 +4,9 @@
 use std::os::unix::fs::FileExt;
 
 use mrkit::cache::{MonitorMode, RegCache, RegHandle, Registration};
-use mrkit::{AccessFlags, Context, ProtectionDomain};
+use mrkit::{AccessFlags, Context, LocalSlice, ProtectionDomain};
+
+use crate::providers_util::KeySlice;
 use mrkit_soft::mr::{AccessDenied, KeyUse, MrGuard};
 
 pub fn open() -> (Context, ProtectionDomain) {
@@ -76,39 +78,11 @@ pub fn native_live_mrs(ctx: &Context) -> Option<u64> {
     Some(live_mrs(ctx))
 }
 
-/// A gather list of one piece, `[addr, addr+len)` under `key`: what a probe WRITE reads.
-struct KeyRange {
-    key: u32,
-    addr: u64,
-    len: u64,
-}
-
-// SAFETY: a probe of the test's own memory: the device only reads `[addr, addr+len)`, and
-// only if `key` is a live registration of it (the test keeps that memory mapped while it
-// probes); a dead or wrong key fails the work request instead.
-unsafe impl mrkit::Registered for KeyRange {
-    fn len(&self) -> u64 {
-        self.len
-    }
-    fn sges(
-        &self,
-        range: std::ops::Range<u64>,
-        out: &mut Vec<mrkit::LocalSlice>,
-    ) -> mrkit::Result<()> {
-        out.push(mrkit::LocalSlice {
-            addr: self.addr + range.start,
-            len: u32::try_from(range.end - range.start).unwrap(),
-            lkey: self.key,
-        });
-        Ok(())
-    }
-}
-
 /// The probing QPs and the scratch MR, kept per thread and PD while their QP is usable (a
 /// failed WRITE moves it to ERR: the next probe makes a new pair).
 struct Probe {
     pd: mrkit::ProtectionDomain,
-    q1: mrkit::QueuePair<KeyRange>,
+    q1: mrkit::QueuePair<KeySlice>,
     _q2: mrkit::QueuePair,
     scratch: mrkit::MemoryRegion,
 }
@@ -163,7 +137,11 @@ pub fn write_through_key(pd: &ProtectionDomain, key: u32, addr: u64, len: u64) -
     with_probe(pd, len, |p| {
         let wc =
             p.q1.write(
-                &KeyRange { key, addr, len },
+                &KeySlice(LocalSlice {
+                    addr,
+                    len: u32::try_from(len).unwrap(),
+                    lkey: key,
+                }),
                 0..len,
                 p.scratch.remote(0..len).unwrap(),
             )
@@ -195,7 +173,15 @@ pub fn keys_valid(ctx: &Context, pd: &ProtectionDomain, probes: &[(u32, u64)]) -
                 let i = i as u64;
                 let remote = p.scratch.remote(i..i + 1).unwrap();
                 if p.q1
-                    .post_write(KeyRange { key, addr, len: 1 }, 0..1, remote)
+                    .post_write(
+                        KeySlice(LocalSlice {
+                            addr,
+                            len: 1,
+                            lkey: key,
+                        }),
+                        0..1,
+                        remote,
+                    )
                     .is_err()
                 {
                     return (false, false);

@@ -189,3 +189,28 @@ pub fn populated(len: usize) -> mrkit::Buffer {
     )
     .unwrap()
 }
+
+/// One gather entry under a key the test chose, posted as is: a probe through a live key of
+/// the test's own memory, or a check that a dead key is refused.
+pub struct KeySlice(pub mrkit::LocalSlice);
+
+// SAFETY: the device reads only `[addr, addr+len)` through the key, and only if the key is a
+// live registration of that memory (the tests keep their memory mapped while they post); a
+// dead or wrong key fails the work request before anything is read.
+unsafe impl mrkit::Registered for KeySlice {
+    fn len(&self) -> u64 {
+        u64::from(self.0.len)
+    }
+    fn sges(
+        &self,
+        range: std::ops::Range<u64>,
+        out: &mut Vec<mrkit::LocalSlice>,
+    ) -> mrkit::Result<()> {
+        out.push(mrkit::LocalSlice {
+            addr: self.0.addr + range.start,
+            len: u32::try_from(range.end - range.start).unwrap(),
+            lkey: self.0.lkey,
+        });
+        Ok(())
+    }
+}
