@@ -64,7 +64,7 @@ fn min_term(terms: &[Term], thp: bool) -> (Option<u64>, Option<&'static str>) {
     for t in terms {
         let v = if thp { t.bytes_thp } else { t.bytes };
         if let Some(v) = v {
-            if best.0.map_or(true, |b| v < b) {
+            if best.0.is_none_or(|b| v < b) {
                 best = (Some(v), Some(t.name));
             }
         }

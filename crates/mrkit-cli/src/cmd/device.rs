@@ -48,7 +48,7 @@ impl Selected {
         self.device() == mrkit_soft::DEVICE_NAME
             && self
                 .provider()
-                .map_or(true, |p| p == mrkit::EMBEDDED_PROVIDER)
+                .is_none_or(|p| p == mrkit::EMBEDDED_PROVIDER)
     }
 
     /// Open it; on failure print `mrkit VERB: reason` and return the exit status: 2 for a

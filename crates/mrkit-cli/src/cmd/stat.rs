@@ -526,7 +526,7 @@ fn kernel(a: &StatArgs, dev: &super::device::Selected, explicit_device: bool) ->
     let mrs: Vec<_> = mrs
         .into_iter()
         .filter(|m| !explicit_device || m.dev == dev.device())
-        .filter(|m| a.pid.map_or(true, |p| m.pid == Some(p)))
+        .filter(|m| a.pid.is_none_or(|p| m.pid == Some(p)))
         .collect();
     if a.json {
         let v: Vec<Value> = mrs

@@ -349,7 +349,7 @@ pub(crate) fn poll_rx<Q>(
         match parsed {
             Ok(p) => {
                 let qpn = p.bth.dest_qpn;
-                if cur.as_ref().map_or(true, |(n, _)| *n != qpn) {
+                if cur.as_ref().is_none_or(|(n, _)| *n != qpn) {
                     if let Some((_, q)) = cur.take() {
                         deliver(q, &mut run);
                     }

@@ -140,7 +140,7 @@ impl Out {
             if owners.is_empty() {
                 for (_, p, owner) in &self.copies {
                     if let crate::pkt::Payload::Mem(pieces) = p {
-                        owners.extend(std::iter::repeat(*owner).take(pieces.len()));
+                        owners.extend(std::iter::repeat_n(*owner, pieces.len()));
                     }
                 }
             }
@@ -694,7 +694,7 @@ impl QpObject {
         st.inbox_spare = inbox;
         if let Some(at) = timer {
             let ns = host.timer_key(at);
-            if st.timer_at.map_or(true, |t| ns < t) {
+            if st.timer_at.is_none_or(|t| ns < t) {
                 st.timer_at = Some(ns);
                 host.arm_timer(self.qpn, ns);
             }
