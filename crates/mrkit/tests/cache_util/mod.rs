@@ -4,7 +4,10 @@
 use std::os::unix::fs::FileExt;
 
 use mrkit::cache::{MonitorMode, RegCache, RegHandle, Registration};
-use mrkit::{AccessFlags, Context, LocalSlice, ProtectionDomain};
+use mrkit::{
+    AccessFlags, Buffer, Context, LocalSlice, MemoryRegion, ProtectionDomain, QpCap, QueuePair,
+    WcStatus,
+};
 
 use crate::providers_util::KeySlice;
 use mrkit_soft::mr::{AccessDenied, KeyUse, MrGuard};
@@ -81,10 +84,10 @@ pub fn native_live_mrs(ctx: &Context) -> Option<u64> {
 /// The probing QPs and the scratch MR, kept per thread and PD while their QP is usable (a
 /// failed WRITE moves it to ERR: the next probe makes a new pair).
 struct Probe {
-    pd: mrkit::ProtectionDomain,
-    q1: mrkit::QueuePair<KeySlice>,
-    _q2: mrkit::QueuePair,
-    scratch: mrkit::MemoryRegion,
+    pd: ProtectionDomain,
+    q1: QueuePair<KeySlice>,
+    _q2: QueuePair,
+    scratch: MemoryRegion,
 }
 
 thread_local! {
@@ -94,7 +97,6 @@ thread_local! {
 /// Run `f` on this thread's probe pair for `pd` with a scratch MR of at least `len` bytes
 /// (made on first use or after a failed probe); `f` returns whether the pair is still usable.
 fn with_probe<R>(pd: &ProtectionDomain, len: u64, f: impl FnOnce(&mut Probe) -> (R, bool)) -> R {
-    use mrkit::{Buffer, QpCap, QueuePair};
     let same = |p: &Probe| {
         p.pd.handle() == pd.handle()
             && std::sync::Arc::ptr_eq(p.pd.context().provider(), pd.context().provider())
@@ -146,7 +148,7 @@ pub fn write_through_key(pd: &ProtectionDomain, key: u32, addr: u64, len: u64) -
                 p.scratch.remote(0..len).unwrap(),
             )
             .unwrap();
-        if wc.status == mrkit::WcStatus::Success {
+        if wc.status == WcStatus::Success {
             (Some(p.scratch.as_slice()[..len as usize].to_vec()), true)
         } else {
             (None, false)
@@ -167,7 +169,7 @@ pub fn keys_valid(ctx: &Context, pd: &ProtectionDomain, probes: &[(u32, u64)]) -
             .collect();
     }
     let mut out = Vec::with_capacity(probes.len());
-    for batch in probes.chunks(mrkit::QpCap::default().max_send_wr as usize) {
+    for batch in probes.chunks(QpCap::default().max_send_wr as usize) {
         let all_ok = with_probe(pd, batch.len() as u64, |p| {
             for (i, &(key, addr)) in batch.iter().enumerate() {
                 let i = i as u64;
@@ -188,8 +190,8 @@ pub fn keys_valid(ctx: &Context, pd: &ProtectionDomain, probes: &[(u32, u64)]) -
                 }
             }
             let done = p.q1.wait_all(std::time::Duration::from_secs(30)).unwrap();
-            let ok = done.len() == batch.len()
-                && done.iter().all(|c| c.wc.status == mrkit::WcStatus::Success);
+            let ok =
+                done.len() == batch.len() && done.iter().all(|c| c.wc.status == WcStatus::Success);
             (ok, ok)
         });
         if all_ok {
