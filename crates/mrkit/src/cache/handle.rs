@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use mrkit_soft::OwnedMemory;
 
-use super::entry::{Entry, Piece, REMOTE_RIGHTS};
+use super::entry::{Entry, Meta, Piece, REMOTE_RIGHTS};
 use super::lease::Handle;
 use crate::qp::registered::check_range;
 use crate::verbs::{LocalSlice, RemoteSlice};
@@ -47,6 +47,12 @@ impl RegHandle {
     pub(super) fn e(&self) -> &Entry {
         self.h.entry()
     }
+    /// The registration's range, rights and (one MR) lkey, from the lease's line: what a hit
+    /// just read, so no further cache miss (the entry and its pieces are two more).
+    #[inline]
+    fn meta(&self) -> &Meta {
+        self.h.meta()
+    }
     /// The MRs, in address order (one unless the range was split).
     ///
     /// ```
@@ -79,8 +85,9 @@ impl RegHandle {
     /// let h = unsafe { cache.get_raw(buf.addr() + 10, 100, A::empty()) }.unwrap();
     /// assert_eq!(h.range(), (buf.addr(), buf.addr() + 4096)); // rounded out to the page
     /// ```
+    #[inline]
     pub fn range(&self) -> (u64, u64) {
-        (self.e().start, self.e().end)
+        (self.meta().start, self.meta().end)
     }
     /// Rights of the registration (a superset of the requested ones).
     ///
@@ -97,8 +104,9 @@ impl RegHandle {
     /// assert_eq!(r.lkey(), w.lkey());
     /// assert!(r.access().contains(A::LOCAL_WRITE));
     /// ```
+    #[inline]
     pub fn access(&self) -> AccessFlags {
-        self.e().access
+        self.meta().access
     }
     /// lkey of the piece holding `addr` (`None` outside the registration).
     ///
@@ -115,8 +123,13 @@ impl RegHandle {
     /// assert_eq!(h.lkey_for(buf.addr() + 5000), Some(h.pieces()[1].lkey)); // second MR
     /// assert_eq!(h.lkey_for(buf.addr() + 8192), None);
     /// ```
+    #[inline]
     pub fn lkey_for(&self, addr: u64) -> Option<u32> {
-        self.piece_for(addr).map(|p| p.lkey)
+        let m = self.meta();
+        match m.lkey {
+            Some(k) => (m.start <= addr && addr < m.end).then_some(k.get()),
+            None => self.piece_for(addr).map(|p| p.lkey),
+        }
     }
     /// rkey of the piece holding `addr` (`None` outside the registration).
     ///
@@ -136,6 +149,16 @@ impl RegHandle {
     pub fn rkey_for(&self, addr: u64) -> Option<u32> {
         self.piece_for(addr).map(|p| p.rkey)
     }
+    /// The lkey at `addr`, the first byte of a wrapper's own memory, which its lookup checked
+    /// is inside the registration: one MR's key from the lease's line with no range check,
+    /// else the piece's (0 at the end of the registration: empty memory there).
+    #[inline]
+    pub(super) fn own_lkey(&self, addr: u64) -> u32 {
+        match self.meta().lkey {
+            Some(k) => k.get(),
+            None => self.piece_for(addr).map_or(0, |p| p.lkey),
+        }
+    }
     pub(super) fn piece_for(&self, addr: u64) -> Option<&Piece> {
         self.pieces()
             .iter()
@@ -154,8 +177,12 @@ impl RegHandle {
     /// assert_eq!(h.lkey(), h.pieces()[0].lkey);
     /// assert_eq!(h.sges_at(buf.addr(), 64).unwrap()[0].lkey, h.lkey());
     /// ```
+    #[inline]
     pub fn lkey(&self) -> u32 {
-        self.pieces().first().map(|p| p.lkey).unwrap_or(0)
+        match self.meta().lkey {
+            Some(k) => k.get(),
+            None => self.pieces().first().map(|p| p.lkey).unwrap_or(0),
+        }
     }
     /// rkey (first piece; [`rkey_for`](Self::rkey_for) names the piece of an address).
     ///
@@ -195,11 +222,41 @@ impl RegHandle {
     /// assert!(h.sges_at(a + 8000, 200).is_none()); // runs past the registration
     /// ```
     pub fn sges_at(&self, addr: u64, len: u64) -> Option<Vec<LocalSlice>> {
-        self.split(addr, len, |a, l, p| LocalSlice {
-            addr: a,
-            len: l as u32,
-            lkey: p.lkey,
-        })
+        let mut out = Vec::new();
+        self.local_sges(addr, len, &mut out).then_some(out)
+    }
+    /// [`sges_at`](Self::sges_at) appended to `out`; false (`out` unchanged) when the range is
+    /// not inside the registration. One MR whose key the lease holds: no access to the entry.
+    #[inline]
+    fn local_sges(&self, addr: u64, len: u64, out: &mut Vec<LocalSlice>) -> bool {
+        let m = self.meta();
+        let Some(end) = addr.checked_add(len) else {
+            return false;
+        };
+        if addr < m.start || end > m.end {
+            return false;
+        }
+        let Some(lkey) = m.lkey else {
+            return self
+                .split(addr, len, |a, l, p| LocalSlice {
+                    addr: a,
+                    len: l as u32,
+                    lkey: p.lkey,
+                })
+                .map(|v| out.extend(v))
+                .is_some();
+        };
+        let mut a = addr;
+        while a < end {
+            let l = sge_len(a, end, end);
+            out.push(LocalSlice {
+                addr: a,
+                len: l as u32,
+                lkey: lkey.get(),
+            });
+            a += l;
+        }
+        true
     }
     /// Remote descriptors covering `[addr, addr+len)` (absolute addresses), one per MR they
     /// span; `None` when the range is not inside the registration.
@@ -240,8 +297,7 @@ impl RegHandle {
         let mut a = addr;
         while a < end {
             let p = self.piece_for(a)?;
-            let l = (p.addr + p.len).min(end) - a;
-            let l = l.min(u64::from(u32::MAX));
+            let l = sge_len(a, p.addr + p.len, end);
             out.push(f(a, l, p));
             a += l;
         }
@@ -275,6 +331,13 @@ impl Clone for RegHandle {
     }
 }
 
+/// Bytes of the SGE at `a`: to the end of its MR (`piece_end`) or of the range (`end`),
+/// whichever comes first, and at most 4 GiB - 1 (an SGE's length is 32 bits).
+#[inline]
+fn sge_len(a: u64, piece_end: u64, end: u64) -> u64 {
+    (piece_end.min(end) - a).min(u64::from(u32::MAX))
+}
+
 // Dropping the `Handle` gives its count back; the last release of a dead entry deregisters
 // it (see [`lease`]).
 
@@ -282,18 +345,13 @@ impl RegHandle {
     /// Append the SGEs of `len` bytes at absolute `addr` to `out` (EINVAL, `out` unchanged,
     /// when they are not inside the registration).
     pub(super) fn push_sges(&self, addr: u64, len: u64, out: &mut Vec<LocalSlice>) -> Result<()> {
-        if len == 0 {
-            return Ok(());
-        }
-        match self.sges_at(addr, len) {
-            Some(v) => {
-                out.extend(v);
-                Ok(())
-            }
-            None => Err(Error::new(
+        if len == 0 || self.local_sges(addr, len, out) {
+            Ok(())
+        } else {
+            Err(Error::new(
                 Errno::EINVAL,
                 format!("{len} bytes at {addr:#x} are not inside the cached registration"),
-            )),
+            ))
         }
     }
 }
@@ -383,8 +441,9 @@ impl<M: OwnedMemory> RegOwned<M> {
     /// h.sges(0..64, &mut sges).unwrap(); // what a work request carries
     /// assert_eq!((sges[0].addr, sges[0].lkey), (buf.addr(), h.lkey()));
     /// ```
+    #[inline]
     pub fn lkey(&self) -> u32 {
-        self.h.lkey_for(self.addr).unwrap_or(0)
+        self.h.own_lkey(self.addr)
     }
     /// rkey of the registration (of its first MR when it was split).
     ///
@@ -527,8 +586,9 @@ impl<'a> RegRef<'a> {
     /// h.sges(0..4, &mut sges).unwrap();
     /// assert_eq!((sges[0].addr, sges[0].lkey), (msg.as_ptr() as u64, h.lkey()));
     /// ```
+    #[inline]
     pub fn lkey(&self) -> u32 {
-        self.h.lkey_for(self.mem.as_ptr() as u64).unwrap_or(0)
+        self.h.own_lkey(self.mem.as_ptr() as u64)
     }
     /// The borrowed bytes (for the whole borrow `'a`, not just the handle's life).
     ///
@@ -615,8 +675,9 @@ impl RegMut<'_> {
     /// h.sges(0..512, &mut sges).unwrap();
     /// assert_eq!(sges[0].lkey, h.lkey());
     /// ```
+    #[inline]
     pub fn lkey(&self) -> u32 {
-        self.h.lkey_for(self.mem.as_ptr() as u64).unwrap_or(0)
+        self.h.own_lkey(self.mem.as_ptr() as u64)
     }
     /// The borrowed bytes (not while a work request holds the handle: it is moved or
     /// borrowed by it).

@@ -500,6 +500,12 @@ impl<T: Retire> Handle<T> {
     pub fn entry(&self) -> &T {
         &self.lease().entry
     }
+
+    /// The entry's facts, from the lease's own line (the line the hit just read).
+    #[inline]
+    pub fn meta(&self) -> &T::Meta {
+        &self.lease().meta
+    }
 }
 
 impl<T: Retire> Clone for Handle<T> {
