@@ -82,6 +82,8 @@ fn bench_pool_cache_on_rdma_core() {
         "cache_hit_ns_p50_n65536",
         "cache_hit_ns_p50_n65536_scattered",
         "hit_floor_ns_n65536_scattered",
+        "cache_hit_key_ns_p50_n64",
+        "cache_hit_key_ns_p50_n65536_2threads",
         "cache_two_over_one_n64",
         "hit_floor_two_over_one_n64",
         "cache_two_over_one_n65536",
@@ -100,6 +102,7 @@ fn bench_pool_cache_on_rdma_core() {
         for k in [
             "ucx_rcache_hit_ns_p50_n65536",
             "cache_over_ucx_n65536",
+            "cache_key_over_ucx_n65536",
             "ucx_rcache_hit_ns_p50_n65536_scattered",
             "cache_over_ucx_n65536_scattered",
             "cache_over_ucx_n65536_scattered_2threads",

@@ -977,12 +977,18 @@ fn bench_quick_writes_report() {
     let hp = hits["points"].as_array().unwrap();
     assert_eq!(hp.len(), 3, "{hits}");
     for p in hp {
-        for k in ["ns", "ns_2threads", "two_over_one", "floor_two_over_one"] {
+        for k in [
+            "ns",
+            "ns_2threads",
+            "two_over_one",
+            "floor_two_over_one",
+            "key_ns",
+        ] {
             assert!(p[k].as_f64().unwrap() > 0.0, "{k}: {p}");
         }
     }
     let report = std::fs::read_to_string(dir.path().join("report.md")).unwrap();
-    assert!(report.contains("| 2 ÷ 1 |"), "{report}");
+    assert!(report.contains("| 2 ÷ 1 | mrkit + lkey |"), "{report}");
     let svg = std::fs::read_to_string(dir.path().join("reg_cost.svg")).unwrap();
     assert!(svg.starts_with("<svg"));
     // Data path, in process: WRITE and READ at 4 KiB, 64 KiB, 1 MiB, and 8-byte latencies.

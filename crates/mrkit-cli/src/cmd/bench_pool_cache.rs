@@ -37,6 +37,10 @@
 //!     one-thread ratios, the cache beside the memory floor (also `…_n65536_scattered`);
 //!   * `cache_fast_share_n{N}`: share of the one-thread lookups served by the per-thread
 //!     path (first round);
+//!   * `cache_hit_key_ns_p50_n{N}` (and `_2threads`, `cache_hit_key_isolated_ns_n{N}`): the
+//!     same lookups reading the handle's lkey before the drop (`get_ref` + `lkey` + drop), as
+//!     a program about to post does; `cache_key_over_ucx_n{N}` (and `_2threads`) divide it
+//!     by UCX's figure (whose lookups always read their region's key);
 //!   * `cache_hit_isolated_ns_n{N}`: the first thread alone again after its alone phase of
 //!     each round, over 50,000 further lookups each followed by `LFENCE` (`serialize`): no overlap between lookups, each pays its
 //!     misses in full, as in a program that looks a buffer up and then posts; the same key
@@ -49,7 +53,9 @@
 //!     `_2threads`): the cache divided by it. At 65,536 buffers (~8 MiB per thread) both are
 //!     bound by the memory system, which moves ~3x between states of the VM;
 //!   * `ucx_rcache_hit_ns_p50_n{N}` (and `_2threads`): UCX's `ucs_rcache` in the same shape
-//!     and the same run, with a no-op registration callback and no memory events, when
+//!     and the same run, each lookup reading the key its region carries (as a UCX transport
+//!     keeps it, right after the rcache's header), with a no-op registration callback
+//!     storing it and no memory events, when
 //!     `libucx-dev` and a C compiler are installed (a small C program built at run time);
 //!     `cache_over_ucx_n{N}` (and `_2threads`): the mrkit figure divided by UCX's.
 //! * Scattered shape (`…_n65536_scattered`): the same protocol over 65,536 single-page
@@ -381,7 +387,16 @@ fn one_and_two<S, A: Send>(
     }
 }
 
-/// The cache's hits ([`one_and_two`] over `get_ref` + drop) on buffer `i` = page
+/// What each lookup of the sweep does with its handle.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Use {
+    /// Nothing (`get_ref` + drop: the shape of the issue that set the targets).
+    Nothing,
+    /// Reads its lkey, as a program about to post does (`get_ref` + `lkey` + drop).
+    Key,
+}
+
+/// The cache's hits ([`one_and_two`] over `get_ref`, `used`, drop) on buffer `i` = page
 /// `page_of(i)` of `mem`.
 fn cache_one_and_two(
     cache: &RegCache,
@@ -389,6 +404,7 @@ fn cache_one_and_two(
     page_of: impl Fn(u32) -> u32 + Sync,
     n: usize,
     effort: Effort,
+    used: Use,
 ) -> HitFigures {
     let acc = AccessFlags::empty();
     let p = one_and_two(
@@ -399,7 +415,14 @@ fn cache_one_and_two(
             let h = cache
                 .get_ref(page(mem, page_of(i)), acc)
                 .expect("cache get");
-            black_box(&h);
+            match used {
+                Use::Nothing => {
+                    black_box(&h);
+                }
+                Use::Key => {
+                    black_box(h.lkey());
+                }
+            }
             drop(h);
         },
         |measure| {
@@ -475,6 +498,8 @@ pub struct SweepPoint {
     pub buffers: usize,
     /// The cache's hits.
     pub cache: HitFigures,
+    /// The cache's hits, each reading its handle's lkey.
+    pub cache_key: HitFigures,
     /// The memory floor under a hit ([`HitFloor`]) in the same protocol.
     pub floor: HitFigures,
     /// Resident bytes gained per entry while the entries were created.
@@ -521,11 +546,13 @@ pub fn hit_sweep(
             (Some(a), Some(b)) => Some(b.saturating_sub(a) as f64 / n as f64),
             _ => None,
         };
-        let cache_figs = cache_one_and_two(&cache, mem, |i| i, n, effort);
+        let cache_figs = cache_one_and_two(&cache, mem, |i| i, n, effort, Use::Nothing);
+        let cache_key = cache_one_and_two(&cache, mem, |i| i, n, effort, Use::Key);
         let floor = floor_one_and_two(mem, |i| i, n, effort);
         out.push(SweepPoint {
             buffers: n,
             cache: cache_figs,
+            cache_key,
             floor,
             bytes_per_entry,
         });
@@ -561,7 +588,7 @@ pub fn scattered_point(
     let offsets = random_order(SCATTER as usize, n, SCATTER_SEED);
     let page_of = |i: u32| i * SCATTER + offsets[i as usize];
     let mem = buf.as_slice();
-    let cache_figs = cache_one_and_two(&cache, mem, page_of, n, effort);
+    let cache_figs = cache_one_and_two(&cache, mem, page_of, n, effort, Use::Nothing);
     let stats = cache.stats();
     if stats.uncached > 0 || stats.entries as usize != n {
         return Err(format!(
@@ -698,8 +725,11 @@ const UCX_BENCH_C: &str = r#"
 #include <time.h>
 #include <unistd.h>
 
+/* A region as a UCX transport keeps it: the rcache's header, then the registration's key
+   (what a lookup is for: every lookup below reads it). */
+struct region { ucs_rcache_region_t super; uint32_t lkey; };
 static ucs_status_t reg(void *c, ucs_rcache_t *r, void *a, ucs_rcache_region_t *g, uint16_t f)
-{ (void)c; (void)r; (void)a; (void)g; (void)f; return UCS_OK; }
+{ (void)c; (void)r; (void)a; (void)f; ((struct region *)g)->lkey = (uint32_t)(uintptr_t)g; return UCS_OK; }
 static void dereg(void *c, ucs_rcache_t *r, ucs_rcache_region_t *g) { (void)c; (void)r; (void)g; }
 static void dump(void *c, ucs_rcache_t *r, ucs_rcache_region_t *g, char *b, size_t m)
 { (void)c; (void)r; (void)g; if (m) b[0] = 0; }
@@ -725,12 +755,14 @@ static long rss(void)
 struct job { ucs_rcache_t *rc; char *base; const uint32_t *page; size_t n; uint64_t seed; int first; pthread_barrier_t *bar; double one[ROUNDS], two[ROUNDS], iso[ROUNDS]; };
 #define BUF(j, i) ((j)->base + (size_t)(j)->page[i] * 4096)
 
+static volatile uint32_t key_sink;
 static void one_get(ucs_rcache_t *rc, void *addr)
 {
     ucs_rcache_region_t *r;
     if (ucs_rcache_get(rc, addr, 4096, PROT_READ | PROT_WRITE, NULL, &r) != UCS_OK) {
         fprintf(stderr, "ucs_rcache_get failed\n"); exit(1);
     }
+    key_sink = ((struct region *)r)->lkey;
     ucs_rcache_region_put(rc, r);
 }
 
@@ -827,7 +859,7 @@ int main(int argc, char **argv)
         }
         for (i = 0; i < n; i++) memset(base + (size_t)page[i] * 4096, 1, 4096);
         memset(&prm, 0, sizeof(prm));
-        prm.region_struct_size = sizeof(ucs_rcache_region_t);
+        prm.region_struct_size = sizeof(struct region);
         prm.alignment = 16;
         prm.max_alignment = 4096;
         prm.ucm_events = 0;
@@ -984,6 +1016,14 @@ pub fn sweep_rows(
         if let Some(u) = ucx_at(n, false) {
             ucx_rows(&mut rows, &point, c, u);
         }
+        let k = &p.cache_key;
+        rows.push((format!("cache_hit_key_ns_p50_n{n}"), k.one));
+        rows.push((format!("cache_hit_key_ns_p50_n{n}_2threads"), k.two));
+        rows.push((format!("cache_hit_key_isolated_ns_n{n}"), k.isolated));
+        if let Some(u) = ucx_at(n, false) {
+            rows.push((format!("cache_key_over_ucx_n{n}"), k.one / u.one));
+            rows.push((format!("cache_key_over_ucx_n{n}_2threads"), k.two / u.two));
+        }
     }
     for &n in scattered {
         let (c, f) = scattered_point(pd, n, effort)?;
@@ -1088,6 +1128,8 @@ pub fn sweep_json(sizes: &[usize], effort: Effort) -> serde_json::Value {
                 "floor_ns_2threads": p.floor.two,
                 "floor_ns_isolated": p.floor.isolated,
                 "two_over_one": p.cache.two_over_one,
+                "key_ns": p.cache_key.one,
+                "key_ns_2threads": p.cache_key.two,
                 "floor_two_over_one": p.floor.two_over_one,
                 "ucx_ns": u.map(|u| u.one),
                 "ucx_ns_2threads": u.map(|u| u.two),
