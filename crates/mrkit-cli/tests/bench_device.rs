@@ -83,6 +83,8 @@ fn bench_pool_cache_on_rdma_core() {
         "cache_hit_ns_p50_n65536_scattered",
         "hit_floor_ns_n65536_scattered",
         "cache_hit_key_ns_p50_n64",
+        "cache_cross_thread_drop_ns_n64",
+        "cache_cross_thread_drop_ns_n65536",
         "cache_hit_key_ns_p50_n65536_2threads",
         "cache_two_over_one_n64",
         "hit_floor_two_over_one_n64",

@@ -58,6 +58,10 @@
 //!     storing it and no memory events, when
 //!     `libucx-dev` and a C compiler are installed (a small C program built at run time);
 //!     `cache_over_ucx_n{N}` (and `_2threads`): the mrkit figure divided by UCX's.
+//! * `cache_cross_thread_drop_ns_n64`, `…_n65536`: the posting thread / completion thread
+//!   shape: `get_ref` in random order on one thread, the handles dropped on another,
+//!   handed over 1,024 at a time (as `pool_slot_cross_thread_ns`, the hand-over's own cost);
+//!   ns per lookup, fastest of 3 runs.
 //! * Scattered shape (`…_n65536_scattered`): the same protocol over 65,536 single-page
 //!   buffers at a random page of each 16-page window of one mapping, beside the floor over
 //!   the same pages ([`scattered_point`]): the layout the lease table's hash does not place
@@ -504,6 +508,33 @@ pub struct SweepPoint {
     pub floor: HitFigures,
     /// Resident bytes gained per entry while the entries were created.
     pub bytes_per_entry: Option<f64>,
+    /// Lookups whose handles are dropped on another thread ([`cross_thread_drops`]), at
+    /// [`CROSS_DROP_SIZES`].
+    pub cross_drop: Option<f64>,
+}
+
+/// Sweep sizes that also measure [`cross_thread_drops`].
+const CROSS_DROP_SIZES: [usize; 2] = [64, 65536];
+
+/// The posting thread / completion thread shape: `get_ref` of buffers in random order on
+/// this thread, the handles dropped on another, handed over [`HANDOVER`] at a time (as
+/// [`cross_thread`] hands pool slots over: `pool_slot_cross_thread_ns` is the hand-over's
+/// own cost); ns per lookup, the fastest of 3 runs. A handle dropped off its lease's owner
+/// thread takes the lease's read-modify-write path, and the lease's line moves to that
+/// thread and back.
+fn cross_thread_drops(cache: &RegCache, mem: &[u8], n: usize, effort: Effort) -> f64 {
+    let order = random_order(n, effort.lookups, 0x5851_f42d_4c95_7f2d);
+    let next = std::cell::Cell::new(0usize);
+    best_of(3, || {
+        next.set(0);
+        cross_thread(order.len(), || {
+            let i = order[next.get() % order.len()];
+            next.set(next.get() + 1);
+            cache
+                .get_ref(page(mem, i), AccessFlags::empty())
+                .expect("cache get")
+        })
+    })
 }
 
 /// A cache for a sweep point of `n` buffers: room for all of them, the userfaultfd monitor
@@ -549,12 +580,16 @@ pub fn hit_sweep(
         let cache_figs = cache_one_and_two(&cache, mem, |i| i, n, effort, Use::Nothing);
         let cache_key = cache_one_and_two(&cache, mem, |i| i, n, effort, Use::Key);
         let floor = floor_one_and_two(mem, |i| i, n, effort);
+        let cross_drop = CROSS_DROP_SIZES
+            .contains(&n)
+            .then(|| cross_thread_drops(&cache, mem, n, effort));
         out.push(SweepPoint {
             buffers: n,
             cache: cache_figs,
             cache_key,
             floor,
             bytes_per_entry,
+            cross_drop,
         });
         drop(cache);
         drop(buf);
@@ -1015,6 +1050,9 @@ pub fn sweep_rows(
         two_over_one_rows(&mut rows, &point, c, f);
         if let Some(u) = ucx_at(n, false) {
             ucx_rows(&mut rows, &point, c, u);
+        }
+        if let Some(x) = p.cross_drop {
+            rows.push((format!("cache_cross_thread_drop_ns_n{n}"), x));
         }
         let k = &p.cache_key;
         rows.push((format!("cache_hit_key_ns_p50_n{n}"), k.one));
