@@ -105,6 +105,8 @@ fn bench_pool_cache_on_rdma_core() {
             "ucx_rcache_hit_ns_p50_n65536",
             "cache_over_ucx_n65536",
             "cache_key_over_ucx_n65536",
+            "ucx_rcache_cross_thread_drop_ns_n64",
+            "cache_cross_thread_drop_over_ucx_n65536",
             "ucx_rcache_hit_ns_p50_n65536_scattered",
             "cache_over_ucx_n65536_scattered",
             "cache_over_ucx_n65536_scattered_2threads",

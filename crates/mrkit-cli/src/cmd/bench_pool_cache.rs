@@ -61,7 +61,10 @@
 //! * `cache_cross_thread_drop_ns_n64`, `…_n65536`: the posting thread / completion thread
 //!   shape: `get_ref` in random order on one thread, the handles dropped on another,
 //!   handed over 1,024 at a time (as `pool_slot_cross_thread_ns`, the hand-over's own cost);
-//!   ns per lookup, fastest of 3 runs.
+//!   ns per lookup, fastest of 3 runs; `ucx_rcache_cross_thread_drop_ns_n{N}` UCX's rcache
+//!   in the same shape (`ucs_rcache_get` here, `ucs_rcache_region_put` there, the batches
+//!   handed over through polled queues: no blocking wake-up on UCX's side) and
+//!   `cache_cross_thread_drop_over_ucx_n{N}` the ratio.
 //! * Scattered shape (`…_n65536_scattered`): the same protocol over 65,536 single-page
 //!   buffers at a random page of each 16-page window of one mapping, beside the floor over
 //!   the same pages ([`scattered_point`]): the layout the lease table's hash does not place
@@ -651,6 +654,8 @@ pub struct UcxPoint {
     pub isolated: f64,
     /// Resident bytes per region.
     pub bytes_per_entry: f64,
+    /// Cross-thread drops ([`cross_thread_drops`]'s shape), at [`CROSS_DROP_SIZES`].
+    pub cross_drop: Option<f64>,
 }
 
 /// The same sweep against UCX's `ucs_rcache` (no-op registration callback, no memory events):
@@ -707,7 +712,14 @@ fn ucx_sweep_in(
             ));
         }
         let mut args = vec![effort.lookups.to_string(), BATCH.to_string()];
-        args.extend(sizes.iter().map(ToString::to_string));
+        args.extend(sizes.iter().map(|n| {
+            let cross = if CROSS_DROP_SIZES.contains(n) {
+                "x"
+            } else {
+                ""
+            };
+            format!("{n}{cross}")
+        }));
         args.extend(scattered.iter().map(|n| format!("{n}s")));
         let run = std::process::Command::new(&exe)
             .args(&args)
@@ -720,8 +732,17 @@ fn ucx_sweep_in(
             ));
         }
         let text = String::from_utf8_lossy(&run.stdout);
+        // "cross N ns" lines: the cross-thread drops of the point before.
+        let cross: Vec<(usize, f64)> = text
+            .lines()
+            .filter_map(|l| {
+                let mut w = l.strip_prefix("cross ")?.split_whitespace();
+                Some((w.next()?.parse().ok()?, w.next()?.parse().ok()?))
+            })
+            .collect();
         let pts: Vec<UcxPoint> = text
             .lines()
+            .filter(|l| !l.starts_with("cross "))
             .enumerate()
             .filter_map(|(k, l)| {
                 let v: Vec<f64> = l
@@ -735,6 +756,10 @@ fn ucx_sweep_in(
                     two: v[2],
                     bytes_per_entry: v[3],
                     isolated: v[4],
+                    cross_drop: cross
+                        .iter()
+                        .find(|c| c.0 == v[0] as usize && k < sizes.len())
+                        .map(|c| c.1),
                 })
             })
             .collect();
@@ -868,6 +893,78 @@ static void *run(void *p)
     return NULL;
 }
 
+/* Cross-thread drops, as the mrkit side's `cross_thread_drops`: this thread gets regions in
+   random order and hands them to a thread that puts them, HANDOVER at a time through a
+   queue of 2 batches, the batch buffers travelling back for reuse. Both queues are polled
+   (no blocking wake-up: the best case for this side). */
+#define HANDOVER 1024
+struct handq { ucs_rcache_region_t **b[4]; int cap; unsigned head, tail; int closed; };
+static void hq_push(struct handq *q, ucs_rcache_region_t **b)
+{
+    while (__atomic_load_n(&q->tail, __ATOMIC_ACQUIRE) - __atomic_load_n(&q->head, __ATOMIC_ACQUIRE) >= (unsigned)q->cap) ;
+    q->b[q->tail % 4] = b;
+    __atomic_store_n(&q->tail, q->tail + 1, __ATOMIC_RELEASE);
+}
+static ucs_rcache_region_t **hq_pop(struct handq *q)
+{
+    ucs_rcache_region_t **b;
+    while (__atomic_load_n(&q->head, __ATOMIC_ACQUIRE) == __atomic_load_n(&q->tail, __ATOMIC_ACQUIRE))
+        if (__atomic_load_n(&q->closed, __ATOMIC_ACQUIRE) &&
+            __atomic_load_n(&q->head, __ATOMIC_ACQUIRE) == __atomic_load_n(&q->tail, __ATOMIC_ACQUIRE)) return NULL;
+    b = q->b[q->head % 4];
+    __atomic_store_n(&q->head, q->head + 1, __ATOMIC_RELEASE);
+    return b;
+}
+struct xjob { ucs_rcache_t *rc; struct handq *full, *back; };
+static void *putter(void *p)
+{
+    struct xjob *x = p;
+    ucs_rcache_region_t **b;
+    size_t i;
+    while ((b = hq_pop(x->full)) != NULL) {
+        for (i = 0; i < HANDOVER; i++) ucs_rcache_region_put(x->rc, b[i]);
+        hq_push(x->back, b);
+    }
+    return NULL;
+}
+static double cross_once(ucs_rcache_t *rc, char *base, const uint32_t *page, const uint32_t *order, size_t len)
+{
+    struct handq full = { {0}, 2, 0, 0, 0 }, back = { {0}, 4, 0, 0, 0 };
+    struct xjob x = { rc, &full, &back };
+    ucs_rcache_region_t **mem[4];
+    pthread_t t;
+    size_t k, i, done = len / HANDOVER * HANDOVER;
+    double t0;
+    for (k = 0; k < 4; k++) { mem[k] = malloc(HANDOVER * sizeof(**mem)); hq_push(&back, mem[k]); }
+    t0 = now_ns();
+    pthread_create(&t, NULL, putter, &x);
+    for (k = 0; k < done; k += HANDOVER) {
+        ucs_rcache_region_t **b = hq_pop(&back);
+        for (i = 0; i < HANDOVER; i++) {
+            if (ucs_rcache_get(rc, base + (size_t)page[order[k + i]] * 4096, 4096, PROT_READ | PROT_WRITE, NULL, &b[i]) != UCS_OK) {
+                fprintf(stderr, "ucs_rcache_get failed\n"); exit(1);
+            }
+        }
+        hq_push(&full, b);
+    }
+    __atomic_store_n(&full.closed, 1, __ATOMIC_RELEASE);
+    pthread_join(t, NULL);
+    t0 = (now_ns() - t0) / done;
+    for (k = 0; k < 4; k++) free(mem[k]);
+    return t0;
+}
+/* The fastest of 3, over the mrkit side's order (same generator and seed). */
+static double cross_drops(ucs_rcache_t *rc, char *base, const uint32_t *page, size_t n)
+{
+    uint32_t *order = malloc(lookups * sizeof(*order));
+    double best = 1e30, v;
+    int r;
+    order_of(order, lookups, 0x5851f42d4c957f2dULL, n);
+    for (r = 0; r < 3; r++) { v = cross_once(rc, base, page, order, lookups); if (v < best) best = v; }
+    free(order);
+    return best;
+}
+
 int main(int argc, char **argv)
 {
     int k;
@@ -875,10 +972,11 @@ int main(int argc, char **argv)
     lookups = strtoul(argv[1], NULL, 0); batch = strtoul(argv[2], NULL, 0);
     for (k = 3; k < argc; k++) {
         /* "N": N contiguous buffers; "Ns": N buffers in the scattered shape, page
-           SCATTER * i + r_i of the mapping, r_i drawn as the mrkit side draws them. */
+           SCATTER * i + r_i of the mapping, r_i drawn as the mrkit side draws them; "Nx": N
+           contiguous buffers, then cross-thread drops over them. */
         char *end;
         size_t n = strtoul(argv[k], &end, 0), i;
-        int scattered = *end == 's';
+        int scattered = *end == 's', cross = *end == 'x';
         size_t span = scattered ? n * SCATTER : n;
         uint32_t *page = malloc(n * sizeof(*page));
         ucs_rcache_params_t prm;
@@ -929,6 +1027,7 @@ int main(int argc, char **argv)
             qsort(two, ROUNDS, sizeof(*two), cmp);
             qsort(t[0].iso, ROUNDS, sizeof(*t[0].iso), cmp);
             printf("%zu %.2f %.2f %.1f %.2f\n", n, one[ROUNDS / 2], two[ROUNDS / 2], bpe, t[0].iso[ROUNDS / 2]);
+            if (cross) printf("cross %zu %.2f\n", n, cross_drops(rc, base, page, n));
             fflush(stdout);
         }
         ucs_rcache_destroy(rc);
@@ -1053,6 +1152,10 @@ pub fn sweep_rows(
         }
         if let Some(x) = p.cross_drop {
             rows.push((format!("cache_cross_thread_drop_ns_n{n}"), x));
+            if let Some(u) = ucx_at(n, false).and_then(|u| u.cross_drop) {
+                rows.push((format!("ucx_rcache_cross_thread_drop_ns_n{n}"), u));
+                rows.push((format!("cache_cross_thread_drop_over_ucx_n{n}"), x / u));
+            }
         }
         let k = &p.cache_key;
         rows.push((format!("cache_hit_key_ns_p50_n{n}"), k.one));
