@@ -134,17 +134,85 @@ fn whole_allocation_shape() {
         ..explicit()
     };
     let cache = RegCache::new(&pd, cfg).unwrap();
-    let m = Map::new(64 << 10);
-    let h = cache.raw(m.addr + 5000, 100, RW).unwrap();
+    // The allocation between two inaccessible guard pages: an anonymous mapping next to
+    // another one with the same rights (another test's, in this process) is merged into one
+    // VMA by the kernel, and the shape then widens over both; when the other one is unmapped
+    // while this registration pins it, the registration fails and falls back to the page
+    // (`fallback_shrink`), as it should. That made this test fail once in CI (session 18).
+    let g = Map::new((64 << 10) + 2 * 4096);
+    for guard in [g.addr, g.addr + 4096 + (64 << 10)] {
+        // SAFETY: a page of our own mapping, which nothing reads or writes from now on.
+        unsafe { rustix::mm::mprotect(guard as *mut _, 4096, rustix::mm::MprotectFlags::empty()) }
+            .unwrap();
+    }
+    let base = g.addr + 4096;
+    let h = cache.raw(base + 5000, 100, RW).unwrap();
     let (s, e) = h.range();
     assert!(
-        s <= m.addr && e >= m.addr + (64 << 10),
-        "{s:#x}..{e:#x} vs {:#x}",
-        m.addr
+        (s, e) == (base, base + (64 << 10)),
+        "{s:#x}..{e:#x} vs {base:#x}; {:?}; VMAs around it now:\n{}",
+        cache.stats(),
+        maps_around(base, base + (64 << 10))
     );
     // Any other part of the allocation now hits.
-    drop(cache.raw(m.addr + 60000, 4000, RW).unwrap());
+    drop(cache.raw(base + 60000, 4000, RW).unwrap());
     assert_eq!(cache.stats().misses, 1);
+}
+
+/// With remote rights the whole-allocation shape does not widen: the kernel merges adjacent
+/// anonymous mappings with the same rights into one VMA, so "the allocation" can hold other
+/// owners' bytes, and a peer holding the rkey would reach them. Two adjacent mappings here:
+/// local rights widen over both (what the shape does), remote rights get the page.
+#[test]
+fn whole_allocation_never_widens_remote_rights_over_other_mappings() {
+    let (_ctx, pd) = open();
+    let cfg = CacheConfig {
+        shape: Shape::WholeAllocation { cap: 1 << 30 },
+        ..explicit()
+    };
+    let cache = RegCache::new(&pd, cfg).unwrap();
+    // One mapping cut in two by rights, then given the same rights back: two owners' memory
+    // in one VMA, as two adjacent `mmap`s become.
+    let both = Map::new(128 << 10);
+    let (mine, theirs) = (both.addr, both.addr + (64 << 10));
+    for rights in [
+        rustix::mm::MprotectFlags::READ,
+        rustix::mm::MprotectFlags::READ | rustix::mm::MprotectFlags::WRITE,
+    ] {
+        // SAFETY: our own mapping; nothing else uses it.
+        unsafe { rustix::mm::mprotect(theirs as *mut _, 64 << 10, rights) }.unwrap();
+    }
+    let local = cache.raw(mine + 100, 100, RW).unwrap();
+    let (s, e) = local.range();
+    assert!(
+        s <= mine && e >= theirs + (64 << 10),
+        "local rights: {s:#x}..{e:#x} should cover the merged VMA {mine:#x}..{:#x}",
+        theirs + (64 << 10)
+    );
+    let remote = cache
+        .raw(mine + 100, 100, RW | AccessFlags::REMOTE_WRITE)
+        .unwrap();
+    assert_eq!(
+        remote.range(),
+        (mine, mine + 4096),
+        "remote rights widened over other owners' bytes"
+    );
+    drop((local, remote));
+}
+
+/// The lines of /proc/self/maps within 1 MiB of `[a, b)`.
+fn maps_around(a: u64, b: u64) -> String {
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
+    maps.lines()
+        .filter(|l| {
+            let r = l.split_whitespace().next().unwrap_or("");
+            let (s, e) = r.split_once('-').unwrap_or(("0", "0"));
+            let s = u64::from_str_radix(s, 16).unwrap_or(0);
+            let e = u64::from_str_radix(e, 16).unwrap_or(0);
+            e.saturating_add(1 << 20) > a && s < b.saturating_add(1 << 20)
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 #[test]

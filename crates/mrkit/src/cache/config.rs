@@ -30,7 +30,10 @@ pub enum Shape {
         /// Largest merged registration.
         cap: u64,
     },
-    /// The whole mapping (VMA) containing the range, if at most `cap` bytes.
+    /// The whole mapping (VMA) containing the range, if at most `cap` bytes. Requests with
+    /// remote rights are page-rounded instead: the kernel merges adjacent anonymous mappings
+    /// with the same rights into one VMA, so the "allocation" can hold other owners' bytes,
+    /// which peers holding the rkey must not reach.
     WholeAllocation {
         /// Largest registration.
         cap: u64,

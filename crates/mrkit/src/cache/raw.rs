@@ -64,7 +64,8 @@ impl RegCache {
     ///
     /// The registration may cover more than the requested bytes: the whole pages around them,
     /// with [`Shape::Merge`](super::Shape::Merge) the neighbouring raw registrations of the same kind (rights are
-    /// the union), with [`Shape::WholeAllocation`](super::Shape::WholeAllocation) the whole mapping; [`RegHandle::range`]
+    /// the union), with [`Shape::WholeAllocation`](super::Shape::WholeAllocation) the whole mapping (with local rights
+    /// only: a request with remote rights gets the pages around its bytes); [`RegHandle::range`]
     /// says which. For all of those bytes the caller guarantees:
     ///
     /// * they stay mapped, and are not freed or reused for data the device must not touch,
