@@ -138,7 +138,8 @@ fn whole_allocation_shape() {
     // another one with the same rights (another test's, in this process) is merged into one
     // VMA by the kernel, and the shape then widens over both; when the other one is unmapped
     // while this registration pins it, the registration fails and falls back to the page
-    // (`fallback_shrink`), as it should. That made this test fail once in CI (session 18).
+    // (`fallback_shrink`), as it should: the likely cause of this test's one failure in CI
+    // (session 18: the page alone; not reproduced in 80 runs).
     let g = Map::new((64 << 10) + 2 * 4096);
     for guard in [g.addr, g.addr + 4096 + (64 << 10)] {
         // SAFETY: a page of our own mapping, which nothing reads or writes from now on.
