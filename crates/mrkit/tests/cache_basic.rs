@@ -20,6 +20,12 @@ fn explicit() -> CacheConfig {
     }
 }
 
+/// A cache of `shape` (explicit invalidation) on a device of its own, kept open beside it.
+fn shaped(shape: Shape) -> (mrkit::Context, RegCache) {
+    let (ctx, pd) = open();
+    (ctx, shaped_cache(&pd, shape))
+}
+
 #[test]
 fn hit_after_miss_is_thread_local_and_same_keys() {
     let (ctx, pd) = open();
@@ -98,12 +104,7 @@ fn split_above_max_mr_size() {
 
 #[test]
 fn merge_with_neighbours_up_to_cap() {
-    let (_ctx, pd) = open();
-    let cfg = CacheConfig {
-        shape: Shape::Merge { cap: 12 << 10 },
-        ..explicit()
-    };
-    let cache = RegCache::new(&pd, cfg).unwrap();
+    let (_ctx, cache) = shaped(Shape::Merge { cap: 12 << 10 });
     let m = Map::new(64 << 10);
     // Remote rights merge only with remote rights (see `cache_safe.rs`): every request here
     // asks for some, and the merged entry has the union.
@@ -128,12 +129,7 @@ fn merge_with_neighbours_up_to_cap() {
 
 #[test]
 fn whole_allocation_shape() {
-    let (_ctx, pd) = open();
-    let cfg = CacheConfig {
-        shape: Shape::WholeAllocation { cap: 1 << 30 },
-        ..explicit()
-    };
-    let cache = RegCache::new(&pd, cfg).unwrap();
+    let (_ctx, cache) = shaped(Shape::WholeAllocation { cap: 1 << 30 });
     // The allocation between two inaccessible guard pages: an anonymous mapping next to
     // another one with the same rights (another test's, in this process) is merged into one
     // VMA by the kernel, and the shape then widens over both; when the other one is unmapped
@@ -166,12 +162,7 @@ fn whole_allocation_shape() {
 /// local rights widen over both (what the shape does), remote rights get the page.
 #[test]
 fn whole_allocation_never_widens_remote_rights_over_other_mappings() {
-    let (_ctx, pd) = open();
-    let cfg = CacheConfig {
-        shape: Shape::WholeAllocation { cap: 1 << 30 },
-        ..explicit()
-    };
-    let cache = RegCache::new(&pd, cfg).unwrap();
+    let (_ctx, cache) = shaped(Shape::WholeAllocation { cap: 1 << 30 });
     // One mapping cut in two by rights, then given the same rights back: two owners' memory
     // in one VMA, as two adjacent `mmap`s become.
     let both = Map::new(128 << 10);

@@ -153,14 +153,7 @@ fn owned_remote_registration_stays_inside_the_owner() {
         Shape::WholeAllocation { cap: 1 << 30 },
         Shape::Merge { cap: 1 << 20 },
     ] {
-        let cache = RegCache::new(
-            &pd,
-            CacheConfig {
-                shape,
-                ..explicit()
-            },
-        )
-        .unwrap();
+        let cache = shaped_cache(&pd, shape);
         // A heap vector starting and ending inside pages.
         let v: Arc<Vec<u8>> = Arc::new((0..5000).map(|i| i as u8).collect());
         let (start, end) = (v.as_ptr() as u64, v.as_ptr() as u64 + 5000);

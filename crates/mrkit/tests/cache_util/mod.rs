@@ -51,6 +51,19 @@ impl RawGet for RegCache {
     }
 }
 
+/// A cache of `shape` on `pd`, invalidated explicitly ([`explicit_only`]).
+pub fn shaped_cache(pd: &ProtectionDomain, shape: mrkit::cache::Shape) -> RegCache {
+    RegCache::new(
+        pd,
+        mrkit::cache::CacheConfig {
+            shape,
+            monitor: explicit_only(),
+            ..mrkit::cache::CacheConfig::default()
+        },
+    )
+    .unwrap()
+}
+
 /// `MonitorMode::explicit_only()` for the tests, which invalidate what they unmap (or unmap
 /// only to test what the cache does without the monitor).
 pub fn explicit_only() -> MonitorMode {
