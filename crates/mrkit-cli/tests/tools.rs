@@ -1044,14 +1044,18 @@ fn closed_stdout_is_a_normal_exit() {
         &["completions", "bash"],
     ];
     for args in cmds {
-        let mut child = mrkit_in(dir.path())
+        // The read end is closed before the command starts, so its first write fails (until
+        // session 18 the read end was closed right after the spawn: a command that wrote
+        // first, under load, kept its own status — `doctor` on an rdma-core device without a
+        // kernel stack is 1 — and the test failed once in CI).
+        let (read_end, write_end) = rustix::pipe::pipe().unwrap();
+        drop(read_end);
+        let child = mrkit_in(dir.path())
             .args(*args)
-            .stdout(Stdio::piped())
+            .stdout(Stdio::from(write_end))
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
-        // Close the read end before the command writes anything.
-        drop(child.stdout.take());
         let o = child.wait_with_output().unwrap();
         let err = String::from_utf8_lossy(&o.stderr);
         assert!(
