@@ -278,42 +278,27 @@ fn hit_random(order: &[u32], lookup: &impl Fn(u32)) -> f64 {
     median(&mut per_batch)
 }
 
-/// What [`one_and_two`] measured: the medians over its rounds.
-struct Phases<A> {
-    /// One thread: per round, the mean of the two threads' alone figures.
-    one: f64,
-    /// The first thread alone, each lookup followed by [`serialize`] (after its alone phase
-    /// of each round).
-    isolated: f64,
-    /// Two threads at once: per round, the mean of the two threads' figures.
-    two: f64,
-    /// Per round, two threads' figure over one thread's: adjacent phases, so that the VM's
-    /// drift between rounds (its memory state moves the 65,536-buffer figure 3x within
-    /// minutes) does not enter the ratio.
-    two_over_one: f64,
-    /// What `alone` added around the first thread's first alone phase.
-    alone: Option<A>,
-}
-
 /// One thread and two threads looking up `n` buffers, from the same two warm threads: each
 /// sets up its state (`setup`), both warm up alike ([`warm_thread`]), then `effort.rounds`
 /// times: the first measures alone while the second waits, the second alone while the
 /// first waits, then both at once (each over its own random order); every timed phase
 /// starts with [`rewarm`]. `alone` wraps the first thread's one-thread measurement of the
-/// first round (to read counters around it). Alone, the first thread also measures isolated
+/// first round and returns the share of its lookups served by the per-thread path (read
+/// from counters around it; NaN where there are none). Alone, the first thread also measures isolated
 /// lookups each round (each followed by [`serialize`], over lookups its alone phase did not
 /// just make). Each thread measures alone so that both figures include a
 /// thread that waited: on this kind of virtual machine the thread that waited stays ~20 %
 /// slower at 65,536 buffers for as long as we measured (over a million lookups), which the
 /// one-thread figure of the first thread alone did not show. The figures are medians over
-/// the rounds ([`Phases`]).
-fn one_and_two<S, A: Send>(
+/// the rounds; `two_over_one` is the median of each round's ratio (adjacent phases, so the
+/// VM's drift between rounds, 3x at 65,536 buffers within minutes, stays out of it).
+fn one_and_two<S>(
     n: usize,
     effort: Effort,
     setup: impl Fn() -> S + Sync,
     lookup: impl Fn(&S, u32) + Sync,
-    alone: impl Fn(&dyn Fn() -> f64) -> (f64, A) + Sync,
-) -> Phases<A> {
+    alone: impl Fn(&dyn Fn() -> f64) -> (f64, f64) + Sync,
+) -> HitFigures {
     let go = std::sync::Barrier::new(2);
     let (setup, lookup, alone, go) = (&setup, &lookup, &alone, &go);
     let per_thread = std::thread::scope(|s| {
@@ -369,13 +354,13 @@ fn one_and_two<S, A: Send>(
         ts.into_iter().map(|t| t.join().ok()).collect::<Vec<_>>()
     });
     let mut r = per_thread.into_iter().flatten();
-    let (Some((r0, mut isolated, alone)), Some((r1, _, _))) = (r.next(), r.next()) else {
-        return Phases {
+    let (Some((r0, mut isolated, share)), Some((r1, _, _))) = (r.next(), r.next()) else {
+        return HitFigures {
             one: f64::NAN,
-            isolated: f64::NAN,
             two: f64::NAN,
+            isolated: f64::NAN,
             two_over_one: f64::NAN,
-            alone: None,
+            fast_share: f64::NAN,
         };
     };
     let (mut one, mut two, mut ratio) = (Vec::new(), Vec::new(), Vec::new());
@@ -385,12 +370,12 @@ fn one_and_two<S, A: Send>(
         two.push(t);
         ratio.push(t / o);
     }
-    Phases {
+    HitFigures {
         one: median(&mut one),
-        isolated: median(&mut isolated),
         two: median(&mut two),
+        isolated: median(&mut isolated),
         two_over_one: median(&mut ratio),
-        alone,
+        fast_share: share.unwrap_or(f64::NAN),
     }
 }
 
@@ -414,7 +399,7 @@ fn cache_one_and_two(
     used: Use,
 ) -> HitFigures {
     let acc = AccessFlags::empty();
-    let p = one_and_two(
+    one_and_two(
         n,
         effort,
         || (),
@@ -439,14 +424,7 @@ fn cache_one_and_two(
             let hits = (s1.hits - s0.hits).max(1) as f64;
             (ns, (s1.fast_hits - s0.fast_hits) as f64 / hits)
         },
-    );
-    HitFigures {
-        one: p.one,
-        two: p.two,
-        isolated: p.isolated,
-        two_over_one: p.two_over_one,
-        fast_share: p.alone.unwrap_or(f64::NAN),
-    }
+    )
 }
 
 /// One point's figures for one structure (ns per lookup).
@@ -475,20 +453,13 @@ fn floor_one_and_two(
 ) -> HitFigures {
     let base = mem.as_ptr() as u64;
     let addr = |i: u32| base + u64::from(page_of(i)) * 4096;
-    let p = one_and_two(
+    one_and_two(
         n,
         effort,
         || HitFloor::at_pages(&(0..n as u32).map(addr).collect::<Vec<_>>()),
         |f, i| assert!(f.hit(addr(i), 4096)),
-        |measure| (measure(), ()),
-    );
-    HitFigures {
-        one: p.one,
-        two: p.two,
-        isolated: p.isolated,
-        two_over_one: p.two_over_one,
-        fast_share: f64::NAN,
-    }
+        |measure| (measure(), f64::NAN),
+    )
 }
 
 /// Resident bytes of this process (`/proc/self/statm`).
@@ -1147,12 +1118,13 @@ pub fn sweep_rows(
         let point = format!("n{n}");
         ratio_rows(&mut rows, &point, "floor", c, (f.one, f.two, f.isolated));
         two_over_one_rows(&mut rows, &point, c, f);
-        if let Some(u) = ucx_at(n, false) {
+        let ucx = ucx_at(n, false);
+        if let Some(u) = ucx {
             ucx_rows(&mut rows, &point, c, u);
         }
         if let Some(x) = p.cross_drop {
             rows.push((format!("cache_cross_thread_drop_ns_n{n}"), x));
-            if let Some(u) = ucx_at(n, false).and_then(|u| u.cross_drop) {
+            if let Some(u) = ucx.and_then(|u| u.cross_drop) {
                 rows.push((format!("ucx_rcache_cross_thread_drop_ns_n{n}"), u));
                 rows.push((format!("cache_cross_thread_drop_over_ucx_n{n}"), x / u));
             }
@@ -1161,7 +1133,7 @@ pub fn sweep_rows(
         rows.push((format!("cache_hit_key_ns_p50_n{n}"), k.one));
         rows.push((format!("cache_hit_key_ns_p50_n{n}_2threads"), k.two));
         rows.push((format!("cache_hit_key_isolated_ns_n{n}"), k.isolated));
-        if let Some(u) = ucx_at(n, false) {
+        if let Some(u) = ucx {
             rows.push((format!("cache_key_over_ucx_n{n}"), k.one / u.one));
             rows.push((format!("cache_key_over_ucx_n{n}_2threads"), k.two / u.two));
         }

@@ -229,14 +229,7 @@ impl RegHandle {
     /// not inside the registration. One MR whose key the lease holds: no access to the entry.
     #[inline]
     fn local_sges(&self, addr: u64, len: u64, out: &mut Vec<LocalSlice>) -> bool {
-        let m = self.meta();
-        let Some(end) = addr.checked_add(len) else {
-            return false;
-        };
-        if addr < m.start || end > m.end {
-            return false;
-        }
-        let Some(lkey) = m.lkey else {
+        let Some(lkey) = self.meta().lkey else {
             return self
                 .split(addr, len, |a, l, p| LocalSlice {
                     addr: a,
@@ -245,6 +238,9 @@ impl RegHandle {
                 })
                 .map(|v| out.extend(v))
                 .is_some();
+        };
+        let Some(end) = self.inside(addr, len) else {
+            return false;
         };
         let mut a = addr;
         while a < end {
@@ -283,16 +279,21 @@ impl RegHandle {
             rkey: p.rkey,
         })
     }
+    /// The end of `[addr, addr+len)` when the range is inside the registration (overflow-safe;
+    /// the lease's range, no access to the entry).
+    #[inline]
+    fn inside(&self, addr: u64, len: u64) -> Option<u64> {
+        let m = self.meta();
+        let end = addr.checked_add(len)?;
+        (addr >= m.start && end <= m.end).then_some(end)
+    }
     pub(super) fn split<T>(
         &self,
         addr: u64,
         len: u64,
         f: impl Fn(u64, u64, &Piece) -> T,
     ) -> Option<Vec<T>> {
-        let end = addr.checked_add(len)?;
-        if addr < self.e().start || end > self.e().end {
-            return None;
-        }
+        let end = self.inside(addr, len)?;
         let mut out = Vec::new();
         let mut a = addr;
         while a < end {
