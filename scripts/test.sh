@@ -11,7 +11,9 @@ cd "$(dirname "$0")/.."
 # tshark: wire conformance (RoCEv2 decode with Wireshark's InfiniBand dissector)
 # libibverbs-dev, ibverbs-utils, perftest, python3-pyverbs: the drop-in libibverbs tests
 # bpftrace: the USDT probe test (crates/mrkit-ibverbs/tests/monitoring.rs)
-PKGS=(util-linux iproute2 gcc pkg-config tshark libibverbs-dev ibverbs-utils perftest python3-pyverbs bpftrace)
+# libucx-dev: UCX's rcache beside the cache in `mrkit bench pool-cache` (its C program is built
+#   and run by the bench tests; without it they skip those keys, loudly)
+PKGS=(util-linux iproute2 gcc pkg-config tshark libibverbs-dev ibverbs-utils perftest python3-pyverbs bpftrace libucx-dev)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

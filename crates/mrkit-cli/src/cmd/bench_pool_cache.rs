@@ -1401,7 +1401,7 @@ mod tests {
         std::os::unix::fs::symlink(&victim, planted.join("rcache_bench.c")).expect("plant");
         let r = super::ucx_sweep_in(
             tmp.path(),
-            &[1, 16],
+            &[1, 16, 64],
             &[64],
             super::Effort {
                 lookups: 4000,
@@ -1428,7 +1428,11 @@ mod tests {
         match r {
             Ok(points) => {
                 let shape: Vec<_> = points.iter().map(|p| (p.buffers, p.scattered)).collect();
-                assert_eq!(shape, [(1, false), (16, false), (64, true)]);
+                assert_eq!(shape, [(1, false), (16, false), (64, false), (64, true)]);
+                // 64 contiguous buffers are a cross-thread drop size: that figure too.
+                let cross: Vec<_> = points.iter().map(|p| p.cross_drop.is_some()).collect();
+                assert_eq!(cross, [false, false, true, false]);
+                assert!(points.iter().filter_map(|p| p.cross_drop).all(|x| x > 0.0));
                 assert!(points
                     .iter()
                     .all(|p| p.one > 0.0 && p.two > 0.0 && p.isolated > 0.0));
