@@ -21,7 +21,11 @@
 //! hit's side of it makes `hits_race_invalidation`, `hit_races_eviction` and
 //! `hit_races_invalidation_on_an_existing_lease` fail (a handle on a retired entry); taking
 //! an off-owner clone outside the set's mutex makes `clone_off_owner_dropped_on_owner_races_kill`
-//! fail (the kill's count misses a handle).
+//! fail (the kill's count misses a handle). A handle dropped off its owner thread is ordered
+//! with the kill by their read-modify-writes of the lease's `x` (the kill sets `DEAD` there):
+//! without the kill's `x |= DEAD`, or with the drop checking `DEAD` in a load before a plain
+//! `fetch_add` instead of in its compare-and-swap, five of these models fail (an entry killed
+//! with a handle out is never retired after that handle's drop).
 //!
 //! Properties:
 //!

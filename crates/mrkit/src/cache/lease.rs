@@ -12,9 +12,10 @@
 //! * `own`: handles taken through the lease on the owner thread minus handles dropped there
 //!   (wrapping). Written by the owner only, with a plain load and store.
 //! * `x`: handles dropped on other threads minus handles cloned on other threads, times 4,
-//!   plus the `ORPHAN` bit (the owner let go of its last hold). Read-modify-writes (the rare
-//!   cross-thread path).
-//! * `dead`: the entry was killed (set once, never cleared; also on the entry's set).
+//!   plus the `ORPHAN` bit (the owner let go of its last hold) and the `DEAD` bit (the
+//!   entry was killed). Read-modify-writes (the cross-thread path).
+//! * `dead`: the entry was killed (set once, never cleared; also in `x` and on the entry's
+//!   set): the owner thread's copy, read by its hits and drops.
 //!
 //! Handles alive = `own - x / 4`, read `x` first (a drop seen in `x` has its taking in
 //! `own`, by the happens-before of the hand-over), under the set's mutex (so an off-owner
@@ -37,11 +38,16 @@
 //! * **hit** ([`Hold::get`], owner thread): `own + 1`, barrier (light), load `dead`: if set,
 //!   back out (`own - 1`), [`LeaseSet::try_retire`], miss.
 //! * **drop on the owner thread**: `own - 1`, barrier (light), if `dead`: `try_retire`.
-//! * **drop elsewhere**: keep the entry (an `Arc` clone), `x += 4` (AcqRel), `fence(SeqCst)`,
-//!   if the set is dead: `try_retire`. If the old `x` has `ORPHAN` and the drop brought the
-//!   handles to zero, free the lease.
+//! * **drop elsewhere**: `x += 4` by compare-and-swap from a value without `DEAD` (AcqRel);
+//!   no fence, and the entry is not touched. A drop and the kill's `x |= DEAD` are
+//!   read-modify-writes of one word, so they are totally ordered: a drop that did not see
+//!   `DEAD` comes before it, and the killer's count (which reads `x` after it) has the drop.
+//!   If the old `x` has `ORPHAN` and the drop brought the handles to zero, free the lease.
+//!   A drop that sees `DEAD` keeps the entry (an `Arc` clone, taken while its handle still
+//!   keeps the lease alive), then `x += 4` and `try_retire`.
 //! * **kill** ([`LeaseSet::kill`], under the set's mutex): mark the set and every lease dead
-//!   (leases created later are born dead), heavy barrier, sum the handles.
+//!   (`dead` stored, `x |= DEAD`; leases created later are born dead), heavy barrier, sum
+//!   the handles.
 //! * **try_retire**: under the mutex, if the set is dead, sure, and the sum is 0, retire (the
 //!   owner's [`Retire::retire`], which must be idempotent).
 //! * **last hold dropped** (owner thread; table cell let go of, ring slot replaced, thread exit): the lease
@@ -71,6 +77,9 @@ pub mod table;
 const ORPHAN: u64 = 1;
 /// `x`: one handle dropped off the owner thread (the count lives in bits 2..64).
 const XONE: u64 = 4;
+/// `x`: the entry was killed (set once, by the kill's read-modify-write, or when the lease
+/// is born dead). Cross-thread drops read it in their own read-modify-write of `x`.
+const DEAD: u64 = 2;
 /// Handle counts are compared modulo 2^62 (the width of `x`'s count).
 const COUNT_MASK: u64 = u64::MAX >> 2;
 
@@ -96,9 +105,10 @@ struct Lease<T: Retire> {
     /// (Acquire) also sees the uses of the handle before it; ordered against `dead` by the
     /// barriers (module doc).
     own: AtomicU64,
-    /// `XONE` x (handles dropped off the owner thread minus those cloned off it) | `ORPHAN`.
-    /// Read-modify-writes, AcqRel: the owner's final `own` is published by its `ORPHAN`
-    /// RMW, and the RMW that frees the lease sees every earlier one.
+    /// `XONE` x (handles dropped off the owner thread minus those cloned off it) | `ORPHAN`
+    /// | `DEAD`. Read-modify-writes, AcqRel: the owner's final `own` is published by its
+    /// `ORPHAN` RMW, the RMW that frees the lease sees every earlier one, and a cross-thread
+    /// drop and the kill are ordered by their RMWs of this one word.
     x: AtomicU64,
     /// The owner thread ([`thread_id`]), 0 once the owner dropped its last hold. Written only
     /// by the owner. Relaxed where a thread compares it with its own id (which neither the
@@ -107,8 +117,9 @@ struct Lease<T: Retire> {
     /// The owner's holds (the table's references: its slot, ring and in-flight clones).
     /// Owner only, Relaxed load + store.
     holds: AtomicU8,
-    /// The entry was killed (set once, under the set's mutex). Relaxed stores and loads:
-    /// ordered against the counts by the barriers (module doc).
+    /// The entry was killed (set once, under the set's mutex; `DEAD` in `x` says the same to
+    /// other threads). Relaxed stores and loads: ordered against the owner's count by the
+    /// barriers (module doc).
     dead: AtomicBool,
     /// CLOCK bit: set by a handle drop when clear. Relaxed (a statistic).
     touched: AtomicBool,
@@ -173,10 +184,6 @@ struct State<T: Retire> {
 /// An entry's leases and its dead flag, under one mutex (cold paths only).
 pub struct LeaseSet<T: Retire> {
     st: Mutex<State<T>>,
-    /// Copy of `State::dead` for the cross-thread drop, which may not touch its lease after
-    /// its read-modify-write (the lease may be freed by then). Relaxed: ordered by the
-    /// barriers like the leases' `dead`.
-    dead: AtomicBool,
     /// The loom model of the asymmetric barrier: one read-modify-write of this atomic on
     /// both sides (RMWs of one location are totally ordered, each acquiring the previous).
     #[cfg(loom)]
@@ -213,7 +220,6 @@ impl<T: Retire> LeaseSet<T> {
                 touched: false,
                 leases: Vec::new(),
             }),
-            dead: AtomicBool::new(false),
             #[cfg(loom)]
             barrier: AtomicU64::new(0),
         }
@@ -229,22 +235,9 @@ impl<T: Retire> LeaseSet<T> {
         crate::pool::life::barrier::light();
     }
 
-    /// A full barrier of the calling thread only (the cross-thread drop's, and the killer's
-    /// when every lease is its own).
-    fn full(&self) {
-        #[cfg(loom)]
-        self.barrier.fetch_add(0, Ordering::AcqRel);
-        #[cfg(not(loom))]
-        std::sync::atomic::fence(Ordering::SeqCst);
-    }
-
     /// The cold side: a full barrier on every thread that may own a lease of the set. False
     /// when it could not be executed.
-    fn heavy(&self, others: bool) -> bool {
-        if !others {
-            self.full();
-            return true;
-        }
+    fn heavy(&self) -> bool {
         #[cfg(loom)]
         {
             self.barrier.fetch_add(0, Ordering::AcqRel);
@@ -262,24 +255,26 @@ impl<T: Retire> LeaseSet<T> {
     pub fn kill(&self) -> u64 {
         let mut st = self.st.lock();
         st.dead = true;
-        self.dead.store(true, Ordering::Relaxed);
         let me = thread_id();
         let mut heavy = false;
         for p in &st.leases {
             // SAFETY: linked leases are alive while we hold the mutex (see `free`).
             let l = unsafe { p.0.as_ref() };
             l.dead.store(true, Ordering::Relaxed);
+            // AcqRel: ordered with every cross-thread drop's read-modify-write of `x` (a drop
+            // before it is in the count below, a drop after it sees `DEAD`).
+            l.x.fetch_or(DEAD, Ordering::AcqRel);
             // Another live owner may be hitting right now. (0: ownerless, no hit can come;
-            // its drops take the shared path, whose fence pairs with ours.)
+            // its drops take the shared path, ordered with us by `x`.)
             // Acquire: reading 0 (pairs with the Release in the last hold's drop) shows
             // the owner's final `own`.
             let o = l.owner.load(Ordering::Acquire);
             heavy |= o != me && o != 0;
         }
         st.heavy |= heavy;
-        if !st.heavy && !st.fenced {
-            // Every hit is ours (program order); a fence pairs with the shared drops'.
-            self.full();
+        if !st.heavy {
+            // Every hit and owner drop is ours (program order), and the shared drops are
+            // ordered with us by their read-modify-writes of `x`: the counts are exact.
             st.fenced = true;
         }
         Self::sum(&st)
@@ -288,7 +283,8 @@ impl<T: Retire> LeaseSet<T> {
     /// Run the heavy barrier of a dead, unfenced set (under its mutex).
     fn fence(&self, st: &mut State<T>) {
         if st.dead && !st.fenced {
-            st.fenced = self.heavy(st.heavy);
+            // Unfenced after the kill: a lease of another live thread (`heavy`).
+            st.fenced = self.heavy();
         }
     }
 
@@ -312,7 +308,7 @@ impl<T: Retire> LeaseSet<T> {
         for (s, w) in sets.zip(waiting) {
             if w {
                 #[cfg(loom)]
-                let ok = s.heavy(true);
+                let ok = s.heavy();
                 s.st.lock().fenced |= ok;
             }
         }
@@ -415,6 +411,8 @@ fn link<T: Retire>(p: NonNull<Lease<T>>) {
     let mut st = l.entry.leases().st.lock();
     if st.dead {
         l.dead.store(true, Ordering::Relaxed);
+        // AcqRel: as the kill's (the lease is not shared yet; any ordering would do).
+        l.x.fetch_or(DEAD, Ordering::AcqRel);
     }
     st.leases.push(Ptr(p));
 }
@@ -446,29 +444,57 @@ unsafe fn free<T: Retire>(p: NonNull<Lease<T>>) {
 }
 
 /// Drop one handle off the owner thread (or of an orphaned lease): the cross-thread path.
+/// One read-modify-write of the lease's `x` (a compare-and-swap from a value without `DEAD`);
+/// no fence, and the entry is not touched unless it was killed ([`drop_shared_dead`]).
 #[cold]
 fn drop_shared<T: Retire>(p: NonNull<Lease<T>>) {
     // SAFETY: the caller's handle keeps the lease alive until the read-modify-write below.
     let l = unsafe { p.as_ref() };
-    // The lease may be freed by another thread right after our RMW: keep the entry.
-    let e = Arc::clone(&l.entry);
-    // AcqRel: our uses of the handle happen before a later reader of `x` (Acquire), and
-    // the freeing RMW sees every earlier one. After it the lease may be gone (unless we
-    // free it): it is not touched again.
-    let old = l.x.fetch_add(XONE, Ordering::AcqRel);
+    // Relaxed: a guess for the compare-and-swap, which checks it.
+    let mut old = l.x.load(Ordering::Relaxed);
+    loop {
+        if old & DEAD != 0 {
+            return drop_shared_dead(p);
+        }
+        // AcqRel: our uses of the handle happen before a later reader of `x` (Acquire), the
+        // freeing RMW sees every earlier one, and the kill's `x |= DEAD` is ordered with this
+        // RMW (module doc). Relaxed on failure: the value read is only the next guess. After
+        // it the lease may be gone (unless we free it): it is not touched again.
+        match l.x.compare_exchange_weak(
+            old,
+            old.wrapping_add(XONE),
+            Ordering::AcqRel,
+            Ordering::Relaxed,
+        ) {
+            Ok(_) => break,
+            Err(now) => old = now,
+        }
+    }
     // Orphaned: the count of `x` is minus the handles alive (the owner's final `own` was
     // subtracted); ours brought it to zero: free.
     if old & ORPHAN != 0 && (old / XONE).wrapping_add(1) & COUNT_MASK == 0 {
         // SAFETY: orphaned, and our RMW brought the handles to zero.
         unsafe { free(p) };
     }
-    let set = e.leases();
-    // Dekker with the killer (see the module doc): our count before its read, or its `dead`
-    // before our load.
-    set.full();
-    if set.dead.load(Ordering::Relaxed) {
-        LeaseSet::try_retire(&*e);
+}
+
+/// A cross-thread drop that found the entry killed: keep the entry (the lease may be freed by
+/// another thread right after our read-modify-write), count the drop, and retire the entry if
+/// it was the last handle.
+#[cold]
+#[inline(never)]
+fn drop_shared_dead<T: Retire>(p: NonNull<Lease<T>>) {
+    // SAFETY: the caller's handle keeps the lease alive until the read-modify-write below.
+    let l = unsafe { p.as_ref() };
+    let e = Arc::clone(&l.entry);
+    // AcqRel: as in `drop_shared`. `DEAD` is set for good: a plain add.
+    let old = l.x.fetch_add(XONE, Ordering::AcqRel);
+    if old & ORPHAN != 0 && (old / XONE).wrapping_add(1) & COUNT_MASK == 0 {
+        // SAFETY: orphaned, and our RMW brought the handles to zero.
+        unsafe { free(p) };
     }
+    // The set is dead: its count (under its mutex, after our RMW) has our drop.
+    LeaseSet::try_retire(&*e);
 }
 
 /// One handle: one count on a lease. While it lives the entry's registration stays.
