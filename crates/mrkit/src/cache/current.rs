@@ -13,9 +13,13 @@
 //! records goes through [`tls::tables_mut`](super::tls::tables_mut), which [`clear`]s
 //! `CURRENT` first; the vector's drop at thread exit clears it too. Cache ids start at 1
 //! and are never reused, so a record of a dropped cache is never current for a live one.
+//! A record is made current only with the proof that the process has the asymmetric barrier
+//! ([`Asymmetric`]; [`set`] takes it), so the current record's hit counts without testing
+//! the barrier's flag.
 
 use std::cell::Cell;
 
+use super::lease::Asymmetric;
 use super::tls::{hit_in, Lookup, TlsCache};
 use crate::AccessFlags;
 
@@ -46,14 +50,24 @@ pub(super) fn hit(id: u64, addr: u64, end: u64, access: AccessFlags) -> Option<L
     if c.id != id {
         return None;
     }
+    // SAFETY: a record is made current only with the proof of the asymmetric barrier
+    // (`set`), a decision that never changes.
+    let asymmetric = unsafe { Asymmetric::assume() };
     // SAFETY: by the module invariant the record is alive and no mutable reference to it
     // exists (mutable accesses clear `CURRENT` first and none is running: `hit_in` runs no
     // code that can reach `TLS`, it reads the record and takes one count on a lease).
-    Some(hit_in(unsafe { &*c.rec }, addr, end, access))
+    Some(hit_in(
+        unsafe { &*c.rec },
+        addr,
+        end,
+        access,
+        Some(asymmetric),
+    ))
 }
 
-/// Make `rec` (borrowed from this thread's `TLS`, shared) the current record.
-pub(super) fn set(rec: &TlsCache) {
+/// Make `rec` (borrowed from this thread's `TLS`, shared) the current record. Only with the
+/// asymmetric barrier: [`hit`] assumes it.
+pub(super) fn set(rec: &TlsCache, _: Asymmetric) {
     CURRENT.with(|c| {
         c.set(Current {
             id: rec.cache_id,

@@ -28,8 +28,12 @@
 //! [`LeaseSet::try_retire`]. The barrier is asymmetric, as the pool's lifetime protocol
 //! (`pool::life`): the hit and the same-thread drop have a compiler fence only, the killer
 //! runs `membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED)` (a full barrier on every running thread
-//! of the process) when a lease of the entry belongs to another thread, a `fence(SeqCst)`
-//! otherwise. Without that command both sides use `fence(SeqCst)` (the locked path of old).
+//! of the process) when a lease of the entry belongs to another thread, nothing more
+//! otherwise (every hit is then its own, in program order). Without that command (old
+//! kernels, seccomp sandboxes: [`asymmetric`] says which, once per process) the hit uses
+//! `fence(SeqCst)`, every handle drop takes the read-modify-write path (the owner's path is
+//! closed: [`owner_token`]) and the killer a `fence(SeqCst)`. With it, the hit through the
+//! thread's current record and the owner's drop test no flag (an [`Asymmetric`] proof).
 //! If the membarrier fails, nothing may be concluded from the counts: the set is marked
 //! *unsure* and the registration is released only when the entry itself goes (its last
 //! lease freed), a late release, never a use after release. Under loom both barriers are a
@@ -66,7 +70,9 @@ use std::mem::ManuallyDrop;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use super::sync::{thread_id, AtomicBool, AtomicU64, AtomicU8, Mutex, Ordering};
+use super::sync::{
+    arm_owner_token, owner_token, thread_id, AtomicBool, AtomicU64, AtomicU8, Mutex, Ordering,
+};
 /// The table field of a lease (not part of the modelled protocol: a `std` atomic under loom
 /// too, valid in zeroed memory).
 use std::sync::atomic::AtomicU32 as CellTag;
@@ -145,10 +151,12 @@ impl<T: Retire> Lease<T> {
         self.own.load(Ordering::Acquire).wrapping_sub(x / XONE) & COUNT_MASK
     }
 
-    /// Whether the calling thread owns the lease (and so may write `own`).
-    #[inline]
+    /// Whether the calling thread owns the lease and may take the owner's path (a plain
+    /// update of `own` and a compiler fence): never without the asymmetric barrier, where
+    /// every drop and clone takes the read-modify-write path (see [`owner_token`]).
+    #[inline(always)]
     fn mine(&self) -> bool {
-        self.owner.load(Ordering::Relaxed) == thread_id()
+        self.owner.load(Ordering::Relaxed) == owner_token()
     }
 
     /// The owner's plain add to `own` (no read-modify-write: only the owner writes it).
@@ -226,13 +234,25 @@ impl<T: Retire> LeaseSet<T> {
     }
 
     /// The hot side of the barrier (hit, same-thread drop): orders the calling thread's
-    /// store of `own` before its load of `dead`, given the killer's heavy barrier.
+    /// store of `own` before its load of `dead`, given the killer's heavy barrier. A
+    /// compiler fence with the asymmetric barrier, a full fence without.
     #[inline(always)]
     fn light(&self) {
         #[cfg(loom)]
         self.barrier.fetch_add(0, Ordering::AcqRel);
         #[cfg(not(loom))]
         crate::pool::life::barrier::light();
+    }
+
+    /// [`light`](Self::light) where the caller knows the process has the asymmetric barrier
+    /// (the owner's drop: [`Lease::mine`] is false without it; the hit through the thread's
+    /// current record, which is set only with it): a compiler fence, no flag to test.
+    #[inline(always)]
+    fn light_asymmetric(&self) {
+        #[cfg(loom)]
+        self.barrier.fetch_add(0, Ordering::AcqRel);
+        #[cfg(not(loom))]
+        std::sync::atomic::compiler_fence(Ordering::SeqCst);
     }
 
     /// The cold side: a full barrier on every thread that may own a lease of the set. False
@@ -373,6 +393,35 @@ impl<T: Retire> LeaseSet<T> {
     }
 }
 
+/// Proof that the process has the asymmetric barrier (the owner's side of the lease protocol
+/// is then a compiler fence): made by [`asymmetric`], or assumed by a caller that saw it.
+#[derive(Clone, Copy, Debug)]
+pub struct Asymmetric(());
+
+impl Asymmetric {
+    /// The proof, without asking again.
+    ///
+    /// # Safety
+    ///
+    /// [`asymmetric`] returned `Some` earlier in the process (the decision never changes).
+    #[inline(always)]
+    pub unsafe fn assume() -> Asymmetric {
+        Asymmetric(())
+    }
+}
+
+/// Whether the process has the asymmetric barrier: decided once, before the first lease set
+/// (which [`LeaseSet::new`] makes sure of), never changed after. (Under loom: always, its
+/// barrier being modelled as read-modify-writes on both sides.)
+#[inline]
+pub fn asymmetric() -> Option<Asymmetric> {
+    #[cfg(loom)]
+    let yes = true;
+    #[cfg(not(loom))]
+    let yes = crate::pool::life::barrier::asymmetric();
+    yes.then_some(Asymmetric(()))
+}
+
 /// A new lease on `entry` owned by the calling thread, with one handle, held by the returned
 /// [`Hold`] (the per-thread table's reference). Born dead when the entry's set is dead (the
 /// handle is then private to its holder and the registration is retired at its last
@@ -391,6 +440,7 @@ pub fn lease<T: Retire>(entry: &Arc<T>) -> (Handle<T>, Hold<T>) {
 
 /// A lease owned by the calling thread with `own` handles and `holds` holds (not linked).
 fn new<T: Retire>(entry: &Arc<T>, own: u64, holds: u8) -> Lease<T> {
+    arm_owner_token(asymmetric().is_some());
     Lease {
         own: AtomicU64::new(own),
         x: AtomicU64::new(0),
@@ -556,19 +606,17 @@ impl<T: Retire> Drop for Handle<T> {
     #[inline]
     fn drop(&mut self) {
         let l = self.lease();
-        // CLOCK bit: written only when clear (once per scan period).
-        if !l.touched.load(Ordering::Relaxed) {
-            l.touched.store(true, Ordering::Relaxed);
-        }
+        // CLOCK bit. A plain store, no test: the line is written by this drop anyway (`own`
+        // on the owner thread, `x` elsewhere).
+        l.touched.store(true, Ordering::Relaxed);
         if !l.mine() {
             drop_shared(self.p);
             return;
         }
         // Owner thread: it holds a hold (the owner field is cleared with the last one), so
-        // the lease stays alive throughout.
+        // the lease stays alive throughout. `mine` holds only with the asymmetric barrier.
         l.own_add(u64::MAX);
-        let set = l.entry.leases();
-        set.light();
+        l.entry.leases().light_asymmetric();
         if l.dead.load(Ordering::Relaxed) {
             retire_dead(l);
         }
@@ -602,16 +650,24 @@ impl<T: Retire> Drop for Backout<T> {
 /// # Safety
 ///
 /// The calling thread owns the lease (it holds a hold on it, which keeps it alive
-/// throughout).
+/// throughout); with `ASYMMETRIC`, the process has the asymmetric barrier
+/// ([`asymmetric`] returned `Some`).
 #[inline(always)]
-unsafe fn take<T: Retire>(p: NonNull<Lease<T>>) -> Result<Handle<T>, Backout<T>> {
+unsafe fn take<T: Retire, const ASYMMETRIC: bool>(
+    p: NonNull<Lease<T>>,
+) -> Result<Handle<T>, Backout<T>> {
     // SAFETY: (caller) alive while the caller's hold lives.
     let l = unsafe { p.as_ref() };
     l.own_add(1);
     let set = l.entry.leases();
     // Dekker with the killer (module doc): our count before its read, or its `dead`
-    // before our load.
-    set.light();
+    // before our load. `ASYMMETRIC`: the caller knows the process has the asymmetric
+    // barrier, so no flag is tested.
+    if ASYMMETRIC {
+        set.light_asymmetric();
+    } else {
+        set.light();
+    }
     if l.dead.load(Ordering::Relaxed) {
         return Err(back_out(l));
     }
@@ -660,7 +716,14 @@ impl<T: Retire> Hold<T> {
     #[inline]
     pub fn try_get(&self) -> Result<Handle<T>, Backout<T>> {
         // SAFETY: a hold is on the owner thread and keeps the lease alive.
-        unsafe { take(self.p) }
+        unsafe { take::<T, false>(self.p) }
+    }
+
+    /// [`try_get`](Self::try_get) with the proof of the asymmetric barrier (no flag tested).
+    #[inline(always)]
+    pub fn try_get_asymmetric(&self, _: Asymmetric) -> Result<Handle<T>, Backout<T>> {
+        // SAFETY: a hold is on the owner thread and keeps the lease alive; the proof.
+        unsafe { take::<T, true>(self.p) }
     }
 
     /// The entry.

@@ -214,6 +214,20 @@ pub use stats::CacheStats;
 pub mod test_support {
     pub use crate::cache::floor::{serialize, HitFloor};
 
+    /// Whether this process has the asymmetric barrier of the lease protocol
+    /// (`membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED)`, decided at the first cache or pool):
+    /// with it a hit and a same-thread handle drop have no fence; without it (old kernels,
+    /// seccomp sandboxes) the hit has a full fence and every drop a read-modify-write.
+    ///
+    /// ```
+    /// let pd = mrkit::Context::open_default().unwrap().alloc_pd().unwrap();
+    /// let cache = mrkit::cache::RegCache::new(&pd, Default::default()).unwrap();
+    /// let _either = mrkit::cache::test_support::asymmetric_barrier();
+    /// ```
+    pub fn asymmetric_barrier() -> bool {
+        crate::cache::lease::asymmetric().is_some()
+    }
+
     /// The lease core (see the `lease` module of the cache).
     pub mod lease {
         pub use crate::cache::lease::table::LeaseTable;

@@ -605,6 +605,19 @@ pub fn seq() -> u64 {
     SEQ.0.load(Ordering::Acquire)
 }
 
+/// The sequence a thread table of a cache checks on every hit: the monitor's ([`seq`]) for
+/// a monitored cache, else a constant 0 (what `sync_monitor` returns for an unmonitored
+/// cache), so that the hit compares without first testing whether the cache is monitored.
+pub fn seq_for(monitored: bool) -> &'static AtomicU64 {
+    /// Never written: the sequence of an unmonitored cache.
+    static UNMONITORED: AtomicU64 = AtomicU64::new(0);
+    if monitored {
+        &SEQ.0
+    } else {
+        &UNMONITORED
+    }
+}
+
 /// Wait until no event is being delivered (bounded by `limit`); `false` on timeout.
 pub fn wait_quiescent(limit: Duration) -> bool {
     let t0 = std::time::Instant::now();

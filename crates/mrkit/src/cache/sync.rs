@@ -15,13 +15,39 @@ pub use parking_lot::Mutex;
 /// atomic under loom too (an identity, not part of the modelled protocol).
 static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
+/// [`owner_token`] of a thread that owns no lease (and of every thread without the
+/// asymmetric barrier): no lease's owner field ever holds it (ids count up from 1; 0 is
+/// "no owner").
+pub const NO_OWNER_TOKEN: u64 = u64::MAX;
+
 #[cfg(not(loom))]
 std::thread_local! {
     static ID: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    static TOKEN: std::cell::Cell<u64> = const { std::cell::Cell::new(NO_OWNER_TOKEN) };
 }
 #[cfg(loom)]
 loom::thread_local! {
     static ID: std::cell::Cell<u64> = std::cell::Cell::new(0);
+    static TOKEN: std::cell::Cell<u64> = std::cell::Cell::new(NO_OWNER_TOKEN);
+}
+
+/// What a handle drop compares its lease's owner with to take the owner's path (a plain
+/// count update and a compiler fence): the thread's id once it created a lease, if the
+/// process has the asymmetric barrier; else [`NO_OWNER_TOKEN`], so that every drop takes
+/// the read-modify-write path (which is a full barrier). One thread-local load, no
+/// initialisation check (the hot side of the lease protocol).
+#[inline(always)]
+pub fn owner_token() -> u64 {
+    TOKEN.with(std::cell::Cell::get)
+}
+
+/// Arm [`owner_token`] for the calling thread (it is about to own a lease): its id when the
+/// owner's side of the barrier may be a compiler fence (`asymmetric`), else nothing.
+pub fn arm_owner_token(asymmetric: bool) {
+    if asymmetric {
+        let id = thread_id();
+        TOKEN.with(|t| t.set(id));
+    }
 }
 
 /// The calling thread's id: nonzero, unique in the process for its lifetime (a lease's owner

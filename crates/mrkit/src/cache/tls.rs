@@ -7,9 +7,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 
 use super::entry::Entry;
+use super::entry::Meta;
 use super::handle::RegHandle;
 use super::lease::table::LeaseTable;
-use super::lease::{Backout, Handle, Hold};
+use super::lease::{self, Asymmetric, Backout, Handle, Hold};
 use super::{current, monitor, Inner, RegCache};
 use crate::AccessFlags;
 
@@ -29,8 +30,9 @@ pub(super) struct ThreadStats {
 pub(super) struct TlsCache {
     pub(super) cache_id: u64,
     pub(super) alive: Weak<Inner>,
-    /// The cache has a monitor (its sequence validates the table).
-    pub(super) monitored: bool,
+    /// The sequence validating the table ([`monitor::seq_for`]: the monitor's, or a constant
+    /// 0 for an unmonitored cache), and its value when the table last caught up.
+    pub(super) seq: &'static AtomicU64,
     pub(super) mseq: u64,
     pub(super) cells: LeaseTable<Entry>,
     pub(super) ring: [Option<Hold<Entry>>; RING],
@@ -107,18 +109,34 @@ fn drop_backout(b: Backout<Entry>) {
 /// the ring's), then a count on it. Reads the record and writes only the lease
 /// word and the thread's hit counter: it runs no drop and no code that can reach `TLS`
 /// ([`current::hit`] relies on it).
+///
+/// `asymmetric`: the proof of the asymmetric barrier, if the process has it (a constant
+/// `Some` on the current record's path: the count update then tests no flag).
 #[inline(always)]
-pub(super) fn hit_in(rec: &TlsCache, addr: u64, end: u64, access: AccessFlags) -> Lookup {
-    if rec.monitored && rec.mseq != monitor::seq() {
+pub(super) fn hit_in(
+    rec: &TlsCache,
+    addr: u64,
+    end: u64,
+    access: AccessFlags,
+    asymmetric: Option<Asymmetric>,
+) -> Lookup {
+    // Acquire: as `monitor::seq`.
+    if rec.mseq != rec.seq.load(Ordering::Acquire) {
         return Lookup::Miss;
     }
-    let got = match rec
-        .cells
-        .hit(page_key(addr), |m| m.covers(addr, end, access))
-    {
+    let key = page_key(addr);
+    let covers = |m: &_| Meta::covers(m, addr, end, access);
+    let got = match asymmetric {
+        Some(a) => rec.cells.hit_asymmetric(key, covers, a),
+        None => rec.cells.hit(key, covers),
+    };
+    let got = match got {
         Some(got) => got,
         None => match ring_match(&rec.ring, addr, end, access) {
-            Some(h) => h.try_get(),
+            Some(h) => match asymmetric {
+                Some(a) => h.try_get_asymmetric(a),
+                None => h.try_get(),
+            },
             None => return Lookup::Miss,
         },
     };
@@ -176,9 +194,13 @@ impl RegCache {
     /// and make this cache's current.
     #[inline(never)]
     fn hit_other(&self, addr: u64, end: u64, access: AccessFlags) -> Lookup {
+        let asymmetric = lease::asymmetric();
         with_record(self.inner.id, |rec| {
-            current::set(rec);
-            hit_in(rec, addr, end, access)
+            // Only with the proof: the current record's hit relies on it.
+            if let Some(a) = asymmetric {
+                current::set(rec, a);
+            }
+            hit_in(rec, addr, end, access, asymmetric)
         })
         .unwrap_or(Lookup::Miss)
     }
@@ -208,7 +230,7 @@ impl RegCache {
                     t.push(Box::new(TlsCache {
                         cache_id: inner.id,
                         alive: Arc::downgrade(inner),
-                        monitored: inner.shared.monitor.is_some(),
+                        seq: monitor::seq_for(inner.shared.monitor.is_some()),
                         mseq,
                         cells: LeaseTable::default(),
                         ring: Default::default(),
@@ -253,9 +275,12 @@ impl RegCache {
         self.make_current();
     }
 
-    /// Make this cache's record (if the thread has one) the current record.
+    /// Make this cache's record (if the thread has one) the current record: only with the
+    /// asymmetric barrier (the current record's hit tests no flag).
     fn make_current(&self) {
-        with_record(self.inner.id, current::set);
+        if let Some(a) = lease::asymmetric() {
+            with_record(self.inner.id, |rec| current::set(rec, a));
+        }
     }
 
     /// A handle and a hold through this thread's ring slot on `e`, if any and alive.

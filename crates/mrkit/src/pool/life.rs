@@ -115,7 +115,7 @@ pub(crate) mod barrier {
     }
 
     #[inline(always)]
-    fn asymmetric() -> bool {
+    pub(crate) fn asymmetric() -> bool {
         // `init` ran before any pool existed; a thread holding a slot saw the pool's creation.
         FAST.load(Ordering::Acquire)
     }

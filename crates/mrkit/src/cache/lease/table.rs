@@ -31,7 +31,7 @@ use std::ptr::{addr_of, NonNull};
 use std::sync::Arc;
 
 use super::mem::{self, Block};
-use super::{link, new, take, Backout, Handle, Hold, Lease, Ordering, Retire};
+use super::{link, new, take, Asymmetric, Backout, Handle, Hold, Lease, Ordering, Retire};
 
 /// Tag of a cell that never held a lease since the block was mapped (a fresh block is all
 /// zero). Ends a probe.
@@ -199,13 +199,40 @@ impl<T: Retire> LeaseTable<T> {
         key: u64,
         covers: impl FnOnce(&T::Meta) -> bool,
     ) -> Option<Result<Handle<T>, Backout<T>>> {
+        // SAFETY: `false`: no claim about the barrier.
+        unsafe { self.hit_with::<false>(key, covers) }
+    }
+
+    /// [`hit`](Self::hit) with the proof of the asymmetric barrier: no flag tested on the
+    /// way.
+    #[inline(always)]
+    pub fn hit_asymmetric(
+        &self,
+        key: u64,
+        covers: impl FnOnce(&T::Meta) -> bool,
+        _: Asymmetric,
+    ) -> Option<Result<Handle<T>, Backout<T>>> {
+        // SAFETY: the proof.
+        unsafe { self.hit_with::<true>(key, covers) }
+    }
+
+    /// # Safety
+    ///
+    /// With `ASYMMETRIC`, [`asymmetric`](super::asymmetric) returned `Some`.
+    #[inline(always)]
+    unsafe fn hit_with<const ASYMMETRIC: bool>(
+        &self,
+        key: u64,
+        covers: impl FnOnce(&T::Meta) -> bool,
+    ) -> Option<Result<Handle<T>, Backout<T>>> {
         let p = self.find(key)?;
         // SAFETY: live: an initialised lease, alive while the table holds it.
         if !covers(&unsafe { p.as_ref() }.meta) {
             return None;
         }
-        // SAFETY: the table's hold: this thread owns the lease and keeps it alive.
-        Some(unsafe { take(p) })
+        // SAFETY: the table's hold: this thread owns the lease and keeps it alive; (caller)
+        // the barrier claim.
+        Some(unsafe { take::<T, ASYMMETRIC>(p) })
     }
 
     /// Whether `key` has a live cell.
