@@ -127,7 +127,8 @@ struct Lease<T: Retire> {
     /// other threads). Relaxed stores and loads: ordered against the owner's count by the
     /// barriers (module doc).
     dead: AtomicBool,
-    /// CLOCK bit: set by a handle drop when clear. Relaxed (a statistic).
+    /// CLOCK bit: set by every handle drop, cleared by the eviction scan. Relaxed (a
+    /// statistic).
     touched: AtomicBool,
     /// For a lease placed in a thread's [`table::LeaseTable`]: the cell's state and key in
     /// one word. Written by the table's thread only (Relaxed), and never by the lease
@@ -520,12 +521,18 @@ fn drop_shared<T: Retire>(p: NonNull<Lease<T>>) {
             Err(now) => old = now,
         }
     }
-    // Orphaned: the count of `x` is minus the handles alive (the owner's final `own` was
-    // subtracted); ours brought it to zero: free.
-    if old & ORPHAN != 0 && (old / XONE).wrapping_add(1) & COUNT_MASK == 0 {
+    if drop_freed(old) {
         // SAFETY: orphaned, and our RMW brought the handles to zero.
         unsafe { free(p) };
     }
+}
+
+/// Whether the cross-thread drop whose read-modify-write of `x` returned `old` brought an
+/// orphaned lease to no handle (and so frees it): the count of an orphaned `x` is minus the
+/// handles alive (the owner's final `own` was subtracted).
+#[inline(always)]
+fn drop_freed(old: u64) -> bool {
+    old & ORPHAN != 0 && (old / XONE).wrapping_add(1) & COUNT_MASK == 0
 }
 
 /// A cross-thread drop that found the entry killed: keep the entry (the lease may be freed by
@@ -538,8 +545,7 @@ fn drop_shared_dead<T: Retire>(p: NonNull<Lease<T>>) {
     let l = unsafe { p.as_ref() };
     let e = Arc::clone(&l.entry);
     // AcqRel: as in `drop_shared`. `DEAD` is set for good: a plain add.
-    let old = l.x.fetch_add(XONE, Ordering::AcqRel);
-    if old & ORPHAN != 0 && (old / XONE).wrapping_add(1) & COUNT_MASK == 0 {
+    if drop_freed(l.x.fetch_add(XONE, Ordering::AcqRel)) {
         // SAFETY: orphaned, and our RMW brought the handles to zero.
         unsafe { free(p) };
     }

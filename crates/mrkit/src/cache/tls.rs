@@ -6,8 +6,7 @@ use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 
-use super::entry::Entry;
-use super::entry::Meta;
+use super::entry::{Entry, Meta};
 use super::handle::RegHandle;
 use super::lease::table::LeaseTable;
 use super::lease::{self, Asymmetric, Backout, Handle, Hold};
