@@ -34,9 +34,11 @@ impl Gate {
         if closed.get() {
             return None;
         }
+        let inner = cache.upgrade()?;
         let view = RegCache {
             user: None,
-            inner: cache.upgrade()?,
+            id: inner.id,
+            inner,
         };
         let r = f(&view);
         // Not the last reference: the last user's drop waits at `close` for this pass.

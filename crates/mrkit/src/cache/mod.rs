@@ -365,6 +365,9 @@ pub struct RegCache {
     #[allow(dead_code)] // held for its drop
     user: Option<Arc<gate::User>>,
     inner: Arc<Inner>,
+    /// `inner.id`, here too: the hit compares it with the thread's current record without
+    /// first loading `inner`.
+    id: u64,
 }
 
 fn page_span(page: u64, a: u64, b: u64) -> (u64, u64) {
@@ -408,10 +411,12 @@ impl RegCache {
             m.subscribe(pending.clone());
         }
         let gate = Arc::new(gate::Gate::default());
+        let id = NEXT_CACHE_ID.fetch_add(1, Ordering::Relaxed);
         let cache = RegCache {
             user: Some(Arc::new(gate::User { gate: gate.clone() })),
+            id,
             inner: Arc::new(Inner {
-                id: NEXT_CACHE_ID.fetch_add(1, Ordering::Relaxed),
+                id,
                 shared: Arc::new(Shared {
                     pd: pd.clone(),
                     monitor,

@@ -173,7 +173,7 @@ impl RegCache {
     #[inline(always)]
     pub(super) fn fast_hit(&self, addr: u64, len: u64, access: AccessFlags) -> Option<RegHandle> {
         let end = addr.checked_add(len)?;
-        let found = match current::hit(self.inner.id, addr, end, access) {
+        let found = match current::hit(self.id, addr, end, access) {
             Some(l) => l,
             None => self.hit_other(addr, end, access),
         };
