@@ -341,6 +341,62 @@ fn a_cache_dropped_during_a_scan_or_a_snapshot_is_released_by_its_dropper() {
     assert_live_mrs(&ctx, 0, "live MRs");
 }
 
+/// At the device's MR limit the cache keeps its most recently used entries: each `ENOMEM`
+/// evicts the least recently used idle ones (a share: 1/64 of them first, at least one), as
+/// at `max_entries`, not every idle entry at once (which made a working set at the limit
+/// miss on everything after each refusal).
+#[test]
+fn device_mr_limit_evicts_least_recently_used_entries() {
+    let Some(ctx) =
+        providers_util::open_with(DeviceConfig::rxe().max_mr(64), &[("MRKIT_MAX_MR", "64")])
+    else {
+        return;
+    };
+    let pd = ctx.alloc_pd().unwrap();
+    let cache = RegCache::new(
+        &pd,
+        CacheConfig {
+            max_entries: 1024,
+            ..explicit()
+        },
+    )
+    .unwrap();
+    let m = Map::new(128 * 4096);
+    let page = |i: u64| m.addr + i * 4096;
+    for i in 0..64 {
+        drop(cache.raw(page(i), 4096, RW).unwrap());
+    }
+    let s = cache.stats();
+    assert_eq!((s.entries, s.evictions, s.fallback_evict_retry), (64, 0, 0));
+    // Each new page: the device refuses, the oldest idle entry goes, the retry succeeds.
+    for (k, i) in (64..69).enumerate() {
+        drop(cache.raw(page(i), 4096, RW).unwrap());
+        let s = cache.stats();
+        assert_eq!(
+            (s.entries, s.evictions, s.fallback_evict_retry),
+            (64, k as u64 + 1, k as u64 + 1),
+            "page {i}"
+        );
+    }
+    // The 64 most recent pages are all still cached.
+    let misses = cache.stats().misses;
+    for i in 5..69 {
+        drop(cache.raw(page(i), 4096, RW).unwrap());
+    }
+    assert_eq!(cache.stats().misses, misses, "recent pages were evicted");
+    // An entry in use is never evicted: with every registration held, the lookup fails
+    // after its rounds, with the device's errno.
+    let held: Vec<_> = (5..69)
+        .map(|i| cache.raw(page(i), 4096, RW).unwrap())
+        .collect();
+    let e = cache.raw(page(100), 4096, RW).unwrap_err();
+    assert_eq!(e.errno(), mrkit::Errno::ENOMEM, "{e}");
+    assert_eq!(cache.stats().entries, 64);
+    drop(held);
+    drop(cache);
+    assert_live_mrs(&ctx, 0, "live MRs");
+}
+
 #[test]
 fn enomem_evicts_idle_then_bounces() {
     // max_mr 3: one for the bounce pool, two for the cache.

@@ -34,6 +34,22 @@ impl RegCache {
         if extra > cfg.max_bytes || cfg.max_entries == 0 {
             return false;
         }
+        for (_, s, id) in self.idle_by_age(ix, usize::MAX) {
+            if fits(ix) {
+                break;
+            }
+            if let Some(x) = take_if_idle(ix, s, id) {
+                inc(&self.inner.shared.c.evictions);
+                victims.push(x);
+            }
+        }
+        fits(ix)
+    }
+
+    /// The idle entries (idle since, start, id), least recently used first (CLOCK: an entry
+    /// used since the last look starts a new idle period now), at least the `oldest` of them
+    /// in order (all with `usize::MAX`; the rest follow in no order).
+    fn idle_by_age(&self, ix: &IntervalIndex<Arc<Entry>>, oldest: usize) -> Vec<(u64, u64, u64)> {
         let now = self.tick(Instant::now());
         let mut cands: Vec<(u64, u64, u64)> = ix
             .iter()
@@ -45,17 +61,48 @@ impl RegCache {
                 (x.idle_since.load(Ordering::Relaxed), s, id)
             })
             .collect();
-        cands.sort_unstable();
-        for (_, s, id) in cands {
-            if fits(ix) {
-                break;
+        if oldest >= cands.len() {
+            cands.sort_unstable();
+        } else if oldest > 0 {
+            cands.select_nth_unstable(oldest - 1);
+            cands[..oldest].sort_unstable();
+        }
+        cands
+    }
+
+    /// The device refused a registration for lack of resources (`ENOMEM`, `EAGAIN`: its MR
+    /// limit, memlock): evict the least recently used idle entries, a share that grows with
+    /// each `round` of the same lookup — 1/64 of them, then 1/8, then all (at least one) —
+    /// so that a working set at the device's limit loses its oldest entries, as at
+    /// `max_entries`, not all of them at once. Returns how many went.
+    pub(super) fn evict_for_device_limit(&self, round: u32) -> usize {
+        let mut victims = std::mem::take(&mut *self.inner.unfenced.lock());
+        let earlier = victims.len();
+        {
+            let mut ix = self.inner.index.write();
+            let idle = ix
+                .iter()
+                .filter(|(_, _, _, x)| x.ready().is_some() && x.idle_in_index() && !x.is_dead())
+                .count();
+            let share = match round {
+                0 => idle / 64,
+                1 => idle / 8,
+                _ => idle,
             }
-            if let Some(x) = take_if_idle(ix, s, id) {
-                inc(&self.inner.shared.c.evictions);
-                victims.push(x);
+            .max(1);
+            for (_, s, id) in self.idle_by_age(&ix, share).into_iter().take(share) {
+                victims.extend(take_if_idle(&mut ix, s, id));
             }
         }
-        fits(ix)
+        let n = victims.len() - earlier;
+        // Relaxed: a statistic.
+        self.inner
+            .shared
+            .c
+            .evictions
+            .fetch_add(n as u64, Ordering::Relaxed);
+        retire_all(victims);
+        n
     }
 
     /// Evict up to `max` idle entries (all with `usize::MAX`); with `older_than`, only those

@@ -51,7 +51,8 @@ struct Request<'o> {
     /// The owner of an owned request with remote rights (the registration stays inside it).
     own: Option<&'o OwnerRange>,
     /// The device-limit fallback (evict every idle entry, retry) has been taken.
-    evicted_for_enomem: bool,
+    /// Eviction rounds after a device limit so far ([`DEVICE_LIMIT_ROUNDS`] at most).
+    device_limit_rounds: u32,
 }
 
 /// A range claimed by a miss: its placeholder, and the entries the claim superseded (merge)
@@ -68,6 +69,10 @@ enum Step {
     /// Look the range up again.
     Retry,
 }
+
+/// Eviction rounds a lookup may make after the device refused its registration for lack of
+/// resources (1/64 of the idle entries, then 1/8, then all: `RegCache::evict_for_device_limit`).
+const DEVICE_LIMIT_ROUNDS: u32 = 3;
 
 impl RegCache {
     pub(super) fn lookup(&self, addr: u64, end: u64, access: AccessFlags) -> Lookup {
@@ -115,7 +120,7 @@ impl RegCache {
             access,
             no_widen,
             own,
-            evicted_for_enomem: false,
+            device_limit_rounds: 0,
         };
         for _attempt in 0..64 {
             let mseq = self.sync_monitor();
@@ -326,8 +331,9 @@ impl RegCache {
     }
 
     /// Registration failed: give the placeholder up (its waiters look up again), then the
-    /// fallbacks. After a device limit (`ENOMEM`, `EAGAIN`), once per lookup: evict every
-    /// idle entry and retry. After a widened shape: retry page-rounded. Else the error.
+    /// fallbacks. After a device limit (`ENOMEM`, `EAGAIN`), up to [`DEVICE_LIMIT_ROUNDS`]
+    /// times per lookup: evict a growing share of the idle entries, least recently used
+    /// first (1/64, 1/8, all), and retry. After a widened shape: retry page-rounded. Else the error.
     fn fall_back(
         &self,
         req: &mut Request<'_>,
@@ -341,11 +347,15 @@ impl RegCache {
         p.wake();
         drop(p);
         let limit = matches!(err.errno(), Errno::ENOMEM | Errno::EAGAIN);
-        if limit && !req.evicted_for_enomem {
-            req.evicted_for_enomem = true;
+        if limit && req.device_limit_rounds < DEVICE_LIMIT_ROUNDS {
+            let round = req.device_limit_rounds;
+            req.device_limit_rounds += 1;
             inc(&c.fallback_evict_retry);
-            self.evict_idle(usize::MAX, None);
-            return Ok(Step::Retry);
+            // Nothing idle to evict: retrying cannot succeed.
+            if self.evict_for_device_limit(round) > 0 {
+                return Ok(Step::Retry);
+            }
+            req.device_limit_rounds = DEVICE_LIMIT_ROUNDS;
         }
         let (rs, re) = page_span(self.inner.page, req.addr, req.end);
         if !req.no_widen && (s, e) != (rs, re) && (s, e) != (req.addr, req.end) {
