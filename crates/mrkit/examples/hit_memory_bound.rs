@@ -18,21 +18,9 @@
 use std::hint::black_box;
 use std::time::Instant;
 
-use mrkit::cache::test_support::HitFloor;
+use mrkit::cache::test_support::{random_order, HitFloor};
 use mrkit::cache::{CacheConfig, RegCache};
 use mrkit::{AccessFlags, Buffer, Context};
-
-/// `len` buffer indices below `n` in random order (xorshift from `seed`).
-fn random_order(n: usize, len: usize, mut seed: u64) -> Vec<u32> {
-    (0..len)
-        .map(|_| {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            (seed % n as u64) as u32
-        })
-        .collect()
-}
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);

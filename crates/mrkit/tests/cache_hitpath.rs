@@ -23,15 +23,11 @@ fn explicit(max_entries: usize) -> CacheConfig {
     }
 }
 
-/// A scrambled order over `n` items, `passes` times (xorshift, reproducible).
-fn scrambled(n: usize, passes: usize, mut seed: u64) -> Vec<usize> {
-    (0..n * passes)
-        .map(|_| {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            (seed % n as u64) as usize
-        })
+/// A scrambled order over `n` items, `passes` times (reproducible).
+fn scrambled(n: usize, passes: usize, seed: u64) -> Vec<usize> {
+    mrkit::cache::test_support::random_order(n, n * passes, seed)
+        .into_iter()
+        .map(|i| i as usize)
         .collect()
 }
 

@@ -86,7 +86,7 @@ use std::hint::black_box;
 use std::sync::Arc;
 use std::time::Instant;
 
-use mrkit::cache::test_support::{serialize, HitFloor};
+use mrkit::cache::test_support::{random_order, serialize, HitFloor};
 use mrkit::cache::{CacheConfig, RegCache};
 use mrkit::pool::{MrPool, OwnedSlot, PoolConfig, Slot};
 use mrkit::{AccessFlags, Buffer, Context, DeviceConfig, ProtectionDomain};
@@ -227,18 +227,6 @@ fn cache_hit(cache: &RegCache, mem: &[u8]) -> f64 {
         per_batch.push(t0.elapsed().as_nanos() as f64 / 1000.0);
     }
     median(&mut per_batch)
-}
-
-/// xorshift64: a reproducible random order without a dependency.
-fn random_order(n: usize, len: usize, mut seed: u64) -> Vec<u32> {
-    (0..len)
-        .map(|_| {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            (seed % n as u64) as u32
-        })
-        .collect()
 }
 
 /// The `i`-th 4 KiB buffer of `mem`.

@@ -214,6 +214,27 @@ pub use stats::CacheStats;
 pub mod test_support {
     pub use crate::cache::floor::{serialize, HitFloor};
 
+    /// `len` indices below `n` in a reproducible random order (xorshift64 from `seed`): the
+    /// lookups of `mrkit bench pool-cache` (whose UCX program draws the same sequence), the
+    /// memory-bound example and the hit-path tests.
+    ///
+    /// ```
+    /// use mrkit::cache::test_support::random_order;
+    /// let o = random_order(64, 1000, 7);
+    /// assert!(o.iter().all(|&i| i < 64));
+    /// assert_eq!(o, random_order(64, 1000, 7));
+    /// ```
+    pub fn random_order(n: usize, len: usize, mut seed: u64) -> Vec<u32> {
+        (0..len)
+            .map(|_| {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                (seed % n as u64) as u32
+            })
+            .collect()
+    }
+
     /// Whether this process has the asymmetric barrier of the lease protocol
     /// (`membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED)`, decided at the first cache or pool):
     /// with it a hit and a same-thread handle drop have no fence; without it (old kernels,
