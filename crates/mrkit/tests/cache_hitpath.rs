@@ -453,3 +453,42 @@ fn handle_keys_are_the_pieces_keys_for_one_mr_and_for_split_registrations() {
         drop((held, whole));
     }
 }
+
+/// A thread looking up more distinct pages than its table may hold (4 x `max_entries`, at
+/// least 1,024 leases) lets go of a quarter of the table when it fills, not all of it: here
+/// 1,536 pages of 192 entries against 1,024 leases keep ~59 % of warm lookups on the thread's
+/// path (41.7 % when the whole table went), every one with the right registration.
+#[test]
+fn a_working_set_above_the_thread_table_keeps_most_of_it() {
+    let (ctx, pd) = open();
+    let (n, per) = (192usize, 8u64);
+    let cache = RegCache::new(&pd, explicit(256)).unwrap();
+    let m = Map::new(n * (per * PAGE) as usize);
+    for b in 0..n as u64 {
+        drop(cache.raw(m.addr + b * per * PAGE, per * PAGE, RW).unwrap());
+    }
+    let order = scrambled(n * per as usize, 6, 11);
+    let lookups = |check: bool| {
+        for &k in &order {
+            let a = m.addr + k as u64 * PAGE;
+            let h = cache.raw(a, PAGE, RW).unwrap();
+            if check {
+                let start = m.addr + (k as u64 / per) * per * PAGE;
+                assert_eq!(h.range(), (start, start + per * PAGE));
+                assert_translates(&ctx, &pd, &h, a, PAGE);
+            }
+        }
+    };
+    lookups(false);
+    let s0 = cache.stats();
+    lookups(true);
+    let s1 = cache.stats();
+    assert_eq!(s1.misses, s0.misses, "warm lookups missed");
+    let share = (s1.fast_hits - s0.fast_hits) as f64 / order.len() as f64;
+    assert!(
+        share > 0.55,
+        "{share:.3} of the lookups on the thread's path"
+    );
+    drop(cache);
+    assert_live_mrs(&ctx, 0, "live MRs");
+}

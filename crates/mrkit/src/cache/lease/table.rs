@@ -315,7 +315,7 @@ impl<T: Retire> LeaseTable<T> {
 
     /// Keep the live cells whose lease `keep` accepts (given the entry and whether it was
     /// killed); let go of the others.
-    pub fn retain(&mut self, keep: impl Fn(&T, bool) -> bool, out: &mut Vec<Hold<T>>) {
+    pub fn retain(&mut self, mut keep: impl FnMut(&T, bool) -> bool, out: &mut Vec<Hold<T>>) {
         for i in 0..self.cells() {
             let p = self.at(i);
             if tag(p) & STATE != LIVE {
