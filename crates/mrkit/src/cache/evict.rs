@@ -74,7 +74,8 @@ impl RegCache {
     /// limit, memlock): evict the least recently used idle entries, a share that grows with
     /// each `round` of the same lookup — 1/64 of them, then 1/8, then all (at least one) —
     /// so that a working set at the device's limit loses its oldest entries, as at
-    /// `max_entries`, not all of them at once. Returns how many went.
+    /// `max_entries`, not all of them at once. Earlier misses' victims still waiting for a
+    /// barrier go too. Returns how many registrations were let go of (both kinds).
     pub(super) fn evict_for_device_limit(&self, round: u32) -> usize {
         let mut victims = std::mem::take(&mut *self.inner.unfenced.lock());
         let earlier = victims.len();
@@ -94,15 +95,15 @@ impl RegCache {
                 victims.extend(take_if_idle(&mut ix, s, id));
             }
         }
-        let n = victims.len() - earlier;
-        // Relaxed: a statistic.
+        let all = victims.len();
+        // Relaxed: a statistic (the earlier victims were counted when evicted).
         self.inner
             .shared
             .c
             .evictions
-            .fetch_add(n as u64, Ordering::Relaxed);
+            .fetch_add((all - earlier) as u64, Ordering::Relaxed);
         retire_all(victims);
-        n
+        all
     }
 
     /// Evict up to `max` idle entries (all with `usize::MAX`); with `older_than`, only those

@@ -50,7 +50,6 @@ struct Request<'o> {
     no_widen: bool,
     /// The owner of an owned request with remote rights (the registration stays inside it).
     own: Option<&'o OwnerRange>,
-    /// The device-limit fallback (evict every idle entry, retry) has been taken.
     /// Eviction rounds after a device limit so far ([`DEVICE_LIMIT_ROUNDS`] at most).
     device_limit_rounds: u32,
 }
@@ -333,7 +332,8 @@ impl RegCache {
     /// Registration failed: give the placeholder up (its waiters look up again), then the
     /// fallbacks. After a device limit (`ENOMEM`, `EAGAIN`), up to [`DEVICE_LIMIT_ROUNDS`]
     /// times per lookup: evict a growing share of the idle entries, least recently used
-    /// first (1/64, 1/8, all), and retry. After a widened shape: retry page-rounded. Else the error.
+    /// first (1/64, 1/8, all), and retry. After a widened shape: retry page-rounded. Else the
+    /// error.
     fn fall_back(
         &self,
         req: &mut Request<'_>,
@@ -351,7 +351,7 @@ impl RegCache {
             let round = req.device_limit_rounds;
             req.device_limit_rounds += 1;
             inc(&c.fallback_evict_retry);
-            // Nothing idle to evict: retrying cannot succeed.
+            // Nothing released: retrying cannot succeed.
             if self.evict_for_device_limit(round) > 0 {
                 return Ok(Step::Retry);
             }
