@@ -34,7 +34,9 @@ impl RegCache {
         if extra > cfg.max_bytes || cfg.max_entries == 0 {
             return false;
         }
-        for (_, s, id) in self.idle_by_age(ix, usize::MAX) {
+        let mut cands = self.idle_entries(ix);
+        cands.sort_unstable(); // least recently used first
+        for (_, s, id) in cands {
             if fits(ix) {
                 break;
             }
@@ -46,98 +48,68 @@ impl RegCache {
         fits(ix)
     }
 
-    /// The idle entries (idle since, start, id), least recently used first (CLOCK: an entry
-    /// used since the last look starts a new idle period now), at least the `oldest` of them
-    /// in order (all with `usize::MAX`; the rest follow in no order).
-    fn idle_by_age(&self, ix: &IntervalIndex<Arc<Entry>>, oldest: usize) -> Vec<(u64, u64, u64)> {
+    /// The idle entries as (idle since, start, id), in no order. CLOCK: an entry used since
+    /// the last look starts a new idle period now.
+    fn idle_entries(&self, ix: &IntervalIndex<Arc<Entry>>) -> Vec<(u64, u64, u64)> {
         let now = self.tick(Instant::now());
-        let mut cands: Vec<(u64, u64, u64)> = ix
-            .iter()
-            .filter(|(_, _, _, x)| x.ready().is_some() && x.idle_in_index() && !x.is_dead())
+        ix.iter()
+            .filter(|(_, _, _, x)| evictable(x))
             .map(|(s, _, id, x)| {
                 if x.leases.take_touched() {
                     x.idle_since.store(now, Ordering::Relaxed);
                 }
                 (x.idle_since.load(Ordering::Relaxed), s, id)
             })
-            .collect();
-        if oldest >= cands.len() {
-            cands.sort_unstable();
-        } else if oldest > 0 {
-            cands.select_nth_unstable(oldest - 1);
-            cands[..oldest].sort_unstable();
-        }
-        cands
+            .collect()
     }
 
-    /// The device refused a registration for lack of resources (`ENOMEM`, `EAGAIN`: its MR
-    /// limit, memlock): evict the least recently used idle entries, a share that grows with
-    /// each `round` of the same lookup — 1/64 of them, then 1/8, then all (at least one) —
-    /// so that a working set at the device's limit loses its oldest entries, as at
-    /// `max_entries`, not all of them at once. Earlier misses' victims still waiting for a
-    /// barrier go too. Returns how many registrations were let go of (both kinds).
-    pub(super) fn evict_for_device_limit(&self, round: u32) -> usize {
+    /// Evict the idle entries `pick` selects, and retire them with earlier misses' victims
+    /// still waiting for a barrier. Returns (entries evicted now, earlier victims retired).
+    pub(super) fn evict(&self, pick: Pick) -> (usize, usize) {
         let mut victims = std::mem::take(&mut *self.inner.unfenced.lock());
         let earlier = victims.len();
         {
             let mut ix = self.inner.index.write();
-            let idle = ix
-                .iter()
-                .filter(|(_, _, _, x)| x.ready().is_some() && x.idle_in_index() && !x.is_dead())
-                .count();
-            let share = match round {
-                0 => idle / 64,
-                1 => idle / 8,
-                _ => idle,
-            }
-            .max(1);
-            for (_, s, id) in self.idle_by_age(&ix, share).into_iter().take(share) {
-                victims.extend(take_if_idle(&mut ix, s, id));
-            }
-        }
-        let all = victims.len();
-        // Relaxed: a statistic (the earlier victims were counted when evicted).
-        self.inner
-            .shared
-            .c
-            .evictions
-            .fetch_add((all - earlier) as u64, Ordering::Relaxed);
-        retire_all(victims);
-        all
-    }
-
-    /// Evict up to `max` idle entries (all with `usize::MAX`); with `older_than`, only those
-    /// idle since before that cache-clock tick (the idle scanner). Returns how many.
-    pub(super) fn evict_idle(&self, max: usize, older_than: Option<u64>) -> usize {
-        // Earlier misses' victims go too (the ENOMEM fallback and the idle scanner come here).
-        let mut victims = std::mem::take(&mut *self.inner.unfenced.lock());
-        let earlier = victims.len();
-        {
-            let mut ix = self.inner.index.write();
-            let cand: Vec<(u64, u64)> = ix
-                .iter()
-                .filter(|(_, _, _, x)| x.ready().is_some() && x.idle_in_index() && !x.is_dead())
-                .filter(|(_, _, _, x)| match older_than {
-                    None => true,
-                    Some(cut) => x.idle_since.load(Ordering::Relaxed) <= cut,
-                })
-                .map(|(s, _, id, _)| (s, id))
-                .take(max)
-                .collect();
-            for (s, id) in cand {
+            let chosen: Vec<(u64, u64)> = match pick {
+                Pick::All => ix
+                    .iter()
+                    .filter(|(_, _, _, x)| evictable(x))
+                    .map(|(s, _, id, _)| (s, id))
+                    .collect(),
+                Pick::IdleBefore(cut) => ix
+                    .iter()
+                    .filter(|(_, _, _, x)| {
+                        evictable(x) && x.idle_since.load(Ordering::Relaxed) <= cut
+                    })
+                    .map(|(s, _, id, _)| (s, id))
+                    .collect(),
+                Pick::DeviceLimitRound(round) => {
+                    let mut cands = self.idle_entries(&ix);
+                    let share = match round {
+                        0 => cands.len() / 64,
+                        1 => cands.len() / 8,
+                        _ => cands.len(),
+                    }
+                    .max(1);
+                    oldest_first(&mut cands, share);
+                    cands.truncate(share);
+                    cands.into_iter().map(|(_, s, id)| (s, id)).collect()
+                }
+            };
+            for (s, id) in chosen {
                 victims.extend(take_if_idle(&mut ix, s, id));
             }
         }
         let n = victims.len() - earlier;
         let c = &self.inner.shared.c;
-        let counter = if older_than.is_some() {
-            &c.idle_releases
-        } else {
-            &c.evictions
+        let counter = match pick {
+            Pick::IdleBefore(_) => &c.idle_releases,
+            Pick::All | Pick::DeviceLimitRound(_) => &c.evictions,
         };
+        // Relaxed: a statistic (the earlier victims were counted when evicted).
         counter.fetch_add(n as u64, Ordering::Relaxed);
         retire_all(victims);
-        n
+        (n, earlier)
     }
 
     /// Release entries idle for longer than the configured `idle_timeout` at `now`
@@ -167,7 +139,7 @@ impl RegCache {
         }
         let timeout = self.inner.cfg.idle_timeout.as_millis() as u64;
         match t.checked_sub(timeout) {
-            Some(cut) => self.evict_idle(usize::MAX, Some(cut)),
+            Some(cut) => self.evict(Pick::IdleBefore(cut)).0,
             None => 0,
         }
     }
@@ -255,11 +227,41 @@ impl RegCache {
     /// assert!(cache.is_empty());
     /// ```
     pub fn flush_idle(&self) -> usize {
-        let n = self.evict_idle(usize::MAX, None);
+        let (n, _) = self.evict(Pick::All);
         if let Some(m) = self.inner.shared.monitor {
             m.release_idle();
         }
         n
+    }
+}
+
+/// Which idle entries a round of [`RegCache::evict`] takes.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Pick {
+    /// Every idle entry ([`RegCache::flush_idle`]).
+    All,
+    /// Those idle since before this cache-clock tick (the idle scanner).
+    IdleBefore(u64),
+    /// After the device refused a registration for lack of resources (`ENOMEM`, `EAGAIN`:
+    /// its MR limit, memlock), the least recently used idle entries, a share that grows with
+    /// each round of the same lookup — 1/64 of them, then 1/8, then all (at least one) — so
+    /// that a working set at the device's limit loses its oldest entries, as at
+    /// `max_entries`, not all of them at once.
+    DeviceLimitRound(u32),
+}
+
+/// Whether an indexed entry may be evicted: published, no handle, not killed.
+fn evictable(x: &Entry) -> bool {
+    x.ready().is_some() && x.idle_in_index() && !x.is_dead()
+}
+
+/// Put the `k` oldest of `cands` (by idle since, then address) first, in order.
+fn oldest_first(cands: &mut [(u64, u64, u64)], k: usize) {
+    if k >= cands.len() {
+        cands.sort_unstable();
+    } else if k > 0 {
+        cands.select_nth_unstable(k - 1);
+        cands[..k].sort_unstable();
     }
 }
 

@@ -10,6 +10,7 @@ use super::entry::Entry;
 use super::entry::OwnerRange;
 use super::entry::Piece;
 use super::entry::REMOTE_RIGHTS;
+use super::evict::Pick;
 use super::handle::RegHandle;
 use super::lease;
 use super::lease::Hold;
@@ -70,7 +71,7 @@ enum Step {
 }
 
 /// Eviction rounds a lookup may make after the device refused its registration for lack of
-/// resources (1/64 of the idle entries, then 1/8, then all: `RegCache::evict_for_device_limit`).
+/// resources (1/64 of the idle entries, then 1/8, then all: `evict::Pick::DeviceLimitRound`).
 const DEVICE_LIMIT_ROUNDS: u32 = 3;
 
 impl RegCache {
@@ -352,7 +353,8 @@ impl RegCache {
             req.device_limit_rounds += 1;
             inc(&c.fallback_evict_retry);
             // Nothing released: retrying cannot succeed.
-            if self.evict_for_device_limit(round) > 0 {
+            let (evicted, earlier) = self.evict(Pick::DeviceLimitRound(round));
+            if evicted + earlier > 0 {
                 return Ok(Step::Retry);
             }
             req.device_limit_rounds = DEVICE_LIMIT_ROUNDS;
