@@ -347,9 +347,7 @@ fn a_cache_dropped_during_a_scan_or_a_snapshot_is_released_by_its_dropper() {
 /// miss on everything after each refusal).
 #[test]
 fn device_mr_limit_evicts_least_recently_used_entries() {
-    let Some(ctx) =
-        providers_util::open_with(DeviceConfig::rxe().max_mr(64), &[("MRKIT_MAX_MR", "64")])
-    else {
+    let Some(ctx) = providers_util::open_with_max_mr(64) else {
         return;
     };
     let pd = ctx.alloc_pd().unwrap();
@@ -400,9 +398,7 @@ fn device_mr_limit_evicts_least_recently_used_entries() {
 #[test]
 fn enomem_evicts_idle_then_bounces() {
     // max_mr 3: one for the bounce pool, two for the cache.
-    let Some(ctx) =
-        providers_util::open_with(DeviceConfig::rxe().max_mr(3), &[("MRKIT_MAX_MR", "3")])
-    else {
+    let Some(ctx) = providers_util::open_with_max_mr(3) else {
         return;
     };
     let pd = ctx.alloc_pd().unwrap();

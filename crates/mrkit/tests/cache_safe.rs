@@ -294,9 +294,7 @@ fn handles_yield_sges_over_their_range() {
 /// The pieces of a bounce buffer, as SGEs over its slots.
 #[test]
 fn bounce_buffer_yields_sges_over_its_slots() {
-    let Some(ctx) =
-        providers_util::open_with(DeviceConfig::rxe().max_mr(3), &[("MRKIT_MAX_MR", "3")])
-    else {
+    let Some(ctx) = providers_util::open_with_max_mr(3) else {
         return;
     };
     let pd = ctx.alloc_pd().unwrap();

@@ -94,6 +94,15 @@ pub fn open() -> Context {
     }
 }
 
+/// [`open_with`] a device of at most `max_mr` MRs (the native config and the drop-in's
+/// `MRKIT_MAX_MR` alike).
+pub fn open_with_max_mr(max_mr: u32) -> Option<Context> {
+    open_with(
+        mrkit::DeviceConfig::rxe().max_mr(max_mr),
+        &[("MRKIT_MAX_MR", &max_mr.to_string())],
+    )
+}
+
 /// The device under test with `cfg`'s limits. On mrkit0: `cfg` itself. On the rdma-core
 /// provider libibverbs has no way to set a device's limits, but the drop-in's device (one per
 /// process) reads them from the `MRKIT_*` variables when it opens: so the calling test runs
