@@ -982,6 +982,7 @@ fn bench_quick_writes_report() {
             "ns_2threads",
             "two_over_one",
             "floor_two_over_one",
+            "over_floor",
             "key_ns",
         ] {
             assert!(p[k].as_f64().unwrap() > 0.0, "{k}: {p}");

@@ -16,9 +16,11 @@
 //! * Working-set sweep (userfaultfd monitor, page-rounded entries, room for every buffer):
 //!   N registered 4 KiB buffers (N = 1, 16, 64, 1,024, 4,096, 65,536); two worker threads
 //!   warm up alike (each looks up every buffer once, then max(2N, 4,000) in its random
-//!   order); then five rounds of: the first makes 200,000 lookups (`get` + drop) in a
-//!   random order alone, timed in batches of 1,000, while the second waits; then the second
-//!   alone while the first waits; then both at once. Each timed phase starts with 16N (at
+//!   order); then five rounds, each of which measures, one after the other, the cache's
+//!   lookups, the same lookups reading the key, and the memory floor, each as: the first
+//!   makes 200,000 lookups (`get` + drop) in a random order alone, timed in batches of
+//!   1,000, while the second waits; then the second alone while the first waits; then both
+//!   at once. Each timed phase starts with 16N (at
 //!   least 4,000) untimed lookups by its threads: a thread that waited at a barrier finds an
 //!   8 MiB table at up to 5x its steady cost on this kind of virtual machine for its first
 //!   few hundred thousand lookups (the UCX program does the same). A phase's figure is the
@@ -50,7 +52,10 @@
 //!     protocol and run ([`HitFloor`]: the hit's one line — the thread's lease cell, found
 //!     by the lease table's own hash — and its count updates, over a THP-advised array as
 //!     large as the cache's table, no cache); `cache_over_floor_n{N}` (and
-//!     `_2threads`): the cache divided by it. At 65,536 buffers (~8 MiB per thread) both are
+//!     `_2threads`, `_isolated`): the cache over it, the median of the rounds' ratios (the
+//!     two are measured in the same rounds, seconds apart: until session 20 each ran its
+//!     own five rounds and the VM's slow seconds, which fell on one or the other, moved the
+//!     ratio from 1.3 to 5 between runs). At 65,536 buffers (~8 MiB per thread) both are
 //!     bound by the memory system, which moves ~3x between states of the VM;
 //!   * `ucx_rcache_hit_ns_p50_n{N}` (and `_2threads`): UCX's `ucs_rcache` in the same shape
 //!     and the same run, each lookup reading the key its region carries (as a UCX transport
@@ -266,107 +271,6 @@ fn hit_random(order: &[u32], lookup: &impl Fn(u32)) -> f64 {
     median(&mut per_batch)
 }
 
-/// One thread and two threads looking up `n` buffers, from the same two warm threads: each
-/// sets up its state (`setup`), both warm up alike ([`warm_thread`]), then `effort.rounds`
-/// times: the first measures alone while the second waits, the second alone while the
-/// first waits, then both at once (each over its own random order); every timed phase
-/// starts with [`rewarm`]. `alone` wraps the first thread's one-thread measurement of the
-/// first round and returns the share of its lookups served by the per-thread path (read
-/// from counters around it; NaN where there are none). Alone, the first thread also measures isolated
-/// lookups each round (each followed by [`serialize`], over lookups its alone phase did not
-/// just make). Each thread measures alone so that both figures include a
-/// thread that waited: on this kind of virtual machine the thread that waited stays ~20 %
-/// slower at 65,536 buffers for as long as we measured (over a million lookups), which the
-/// one-thread figure of the first thread alone did not show. The figures are medians over
-/// the rounds; `two_over_one` is the median of each round's ratio (adjacent phases, so the
-/// VM's drift between rounds, 3x at 65,536 buffers within minutes, stays out of it).
-fn one_and_two<S>(
-    n: usize,
-    effort: Effort,
-    setup: impl Fn() -> S + Sync,
-    lookup: impl Fn(&S, u32) + Sync,
-    alone: impl Fn(&dyn Fn() -> f64) -> (f64, f64) + Sync,
-) -> HitFigures {
-    let go = std::sync::Barrier::new(2);
-    let (setup, lookup, alone, go) = (&setup, &lookup, &alone, &go);
-    let per_thread = std::thread::scope(|s| {
-        let ts: Vec<_> = [0x2545_f491_4f6c_dd1d_u64, 0x1405_7b7e_f767_814f]
-            .into_iter()
-            .enumerate()
-            .map(|(k, seed)| {
-                s.spawn(move || {
-                    let st = setup();
-                    let look = |i: u32| lookup(&st, i);
-                    warm_thread(n, seed, &look);
-                    // Three parts: alone, isolated, then both threads at once.
-                    let lookups = effort.lookups;
-                    let few = (lookups / ISOLATED).max(BATCH).min(lookups);
-                    let order = random_order(n, 2 * lookups + few, seed.rotate_left(17));
-                    let (first, rest) = order.split_at(lookups);
-                    let (few, second) = rest.split_at(few);
-                    let mut extra = None;
-                    let mut isolated = Vec::with_capacity(effort.rounds);
-                    let mut rounds = Vec::with_capacity(effort.rounds);
-                    for r in 0..effort.rounds.max(1) as u64 {
-                        // Each round's re-warm draws its own order (round 0: seed ^ 1, 3, 2).
-                        let salt = 4 * r;
-                        go.wait();
-                        let mine = (k == 0).then(|| {
-                            rewarm(n, effort.rewarm_passes, seed ^ (1 + salt), &look);
-                            let one = if r == 0 {
-                                let (one, a) = alone(&|| hit_random(first, &look));
-                                extra = Some(a);
-                                one
-                            } else {
-                                hit_random(first, &look)
-                            };
-                            isolated.push(hit_random(few, &|i| {
-                                look(i);
-                                serialize();
-                            }));
-                            one
-                        });
-                        go.wait();
-                        let mine = mine.or_else(|| {
-                            rewarm(n, effort.rewarm_passes, seed ^ (3 + salt), &look);
-                            Some(hit_random(first, &look))
-                        });
-                        go.wait();
-                        rewarm(n, effort.rewarm_passes, seed ^ (2 + salt), &look);
-                        rounds.push((mine.unwrap_or(f64::NAN), hit_random(second, &look)));
-                    }
-                    (rounds, isolated, extra)
-                })
-            })
-            .collect();
-        ts.into_iter().map(|t| t.join().ok()).collect::<Vec<_>>()
-    });
-    let mut r = per_thread.into_iter().flatten();
-    let (Some((r0, mut isolated, share)), Some((r1, _, _))) = (r.next(), r.next()) else {
-        return HitFigures {
-            one: f64::NAN,
-            two: f64::NAN,
-            isolated: f64::NAN,
-            two_over_one: f64::NAN,
-            fast_share: f64::NAN,
-        };
-    };
-    let (mut one, mut two, mut ratio) = (Vec::new(), Vec::new(), Vec::new());
-    for ((a0, b0), (a1, b1)) in r0.into_iter().zip(r1) {
-        let (o, t) = ((a0 + a1) / 2.0, (b0 + b1) / 2.0);
-        one.push(o);
-        two.push(t);
-        ratio.push(t / o);
-    }
-    HitFigures {
-        one: median(&mut one),
-        two: median(&mut two),
-        isolated: median(&mut isolated),
-        two_over_one: median(&mut ratio),
-        fast_share: share.unwrap_or(f64::NAN),
-    }
-}
-
 /// What each lookup of the sweep does with its handle.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Use {
@@ -376,43 +280,270 @@ enum Use {
     Key,
 }
 
-/// The cache's hits ([`one_and_two`] over `get_ref`, `used`, drop) on buffer `i` = page
-/// `page_of(i)` of `mem`.
-fn cache_one_and_two(
-    cache: &RegCache,
-    mem: &[u8],
-    page_of: impl Fn(u32) -> u32 + Sync,
+/// What a sweep point times. The subjects of a point are measured in the same rounds, one
+/// after the other ([`one_and_two`]), so that the virtual machine's memory state, which
+/// moves the 65,536-buffer figures several-fold within seconds, is the same for each of
+/// them in a round and the ratios between them are taken round by round.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Subject {
+    /// The cache's lookups, each handle used as [`Use`] says.
+    Cache(Use),
+    /// The memory floor under them ([`HitFloor`]: each thread its own table over the same
+    /// pages).
+    Floor,
+}
+
+/// A thread's state for one [`Subject`].
+enum Local {
+    Cache(Use),
+    Floor(HitFloor),
+}
+
+/// One sweep point's buffers: buffer `i` is page `page_of(i)` of `mem`, registered through
+/// `cache`.
+struct Point<'a, P> {
+    cache: &'a RegCache,
+    mem: &'a [u8],
+    page_of: P,
+}
+
+impl<P: Fn(u32) -> u32 + Sync> Point<'_, P> {
+    fn addr(&self, i: u32) -> u64 {
+        self.mem.as_ptr() as u64 + u64::from((self.page_of)(i)) * 4096
+    }
+
+    /// A thread's state for `s` over `n` buffers (the floor's table is the thread's own).
+    fn local(&self, s: Subject, n: usize) -> Local {
+        match s {
+            Subject::Cache(u) => Local::Cache(u),
+            Subject::Floor => Local::Floor(HitFloor::at_pages(
+                &(0..n as u32).map(|i| self.addr(i)).collect::<Vec<_>>(),
+            )),
+        }
+    }
+
+    /// The cache's lookup of buffer `i`, its handle used as `used` says, then dropped.
+    #[inline(always)]
+    fn cache_lookup(&self, i: u32, used: Use) {
+        let h = self
+            .cache
+            .get_ref(page(self.mem, (self.page_of)(i)), AccessFlags::empty())
+            .expect("cache get");
+        match used {
+            Use::Nothing => {
+                black_box(&h);
+            }
+            Use::Key => {
+                black_box(h.lkey());
+            }
+        }
+        drop(h);
+    }
+
+    /// One lookup through `l`, untimed (warm-up).
+    fn lookup(&self, l: &Local, i: u32) {
+        match l {
+            Local::Cache(u) => self.cache_lookup(i, *u),
+            Local::Floor(f) => assert!(f.hit(self.addr(i), 4096)),
+        }
+    }
+
+    /// [`hit_random`] over `order` through `l`, each lookup followed by [`serialize`] when
+    /// `isolated`: one loop per subject and shape, with no dispatch inside.
+    fn timed(&self, l: &Local, order: &[u32], isolated: bool) -> f64 {
+        fn run(order: &[u32], isolated: bool, look: impl Fn(u32)) -> f64 {
+            if isolated {
+                hit_random(order, &|i| {
+                    look(i);
+                    serialize();
+                })
+            } else {
+                hit_random(order, &look)
+            }
+        }
+        match l {
+            Local::Cache(Use::Nothing) => {
+                run(order, isolated, |i| self.cache_lookup(i, Use::Nothing))
+            }
+            Local::Cache(Use::Key) => run(order, isolated, |i| self.cache_lookup(i, Use::Key)),
+            Local::Floor(f) => run(order, isolated, |i| assert!(f.hit(self.addr(i), 4096))),
+        }
+    }
+
+    /// The share of the lookups `measure` makes that the per-thread path serves (the cache's
+    /// counters around it; NaN for the floor), with `measure`'s figure.
+    fn with_share(&self, l: &Local, measure: impl FnOnce() -> f64) -> (f64, f64) {
+        match l {
+            Local::Cache(_) => {
+                let s0 = self.cache.stats();
+                let ns = measure();
+                let s1 = self.cache.stats();
+                let hits = (s1.hits - s0.hits).max(1) as f64;
+                (ns, (s1.fast_hits - s0.fast_hits) as f64 / hits)
+            }
+            Local::Floor(_) => (measure(), f64::NAN),
+        }
+    }
+}
+
+/// One subject's figures, round by round (ns per lookup).
+#[derive(Debug, Clone, Default)]
+struct Rounds {
+    /// One thread: the mean of the two threads' alone figures.
+    one: Vec<f64>,
+    /// Two threads at once: the mean of the two.
+    two: Vec<f64>,
+    /// The first thread's isolated lookups.
+    isolated: Vec<f64>,
+    /// Share of the first round's first alone phase served by the per-thread path.
+    fast_share: f64,
+}
+
+impl Rounds {
+    /// Medians over the rounds.
+    fn figures(&self) -> HitFigures {
+        let ratios: Vec<f64> = self.two.iter().zip(&self.one).map(|(t, o)| t / o).collect();
+        HitFigures {
+            one: median_or_nan(self.one.clone()),
+            two: median_or_nan(self.two.clone()),
+            isolated: median_or_nan(self.isolated.clone()),
+            two_over_one: median_or_nan(ratios),
+            fast_share: self.fast_share,
+        }
+    }
+
+    /// `self` over `peer`, round by round (one thread, two threads, isolated): the medians
+    /// of the rounds' ratios.
+    fn over(&self, peer: &Rounds) -> Ratios {
+        let r = |a: &[f64], b: &[f64]| median_or_nan(a.iter().zip(b).map(|(x, y)| x / y).collect());
+        Ratios {
+            one: r(&self.one, &peer.one),
+            two: r(&self.two, &peer.two),
+            isolated: r(&self.isolated, &peer.isolated),
+        }
+    }
+}
+
+/// The median, NaN for no value.
+fn median_or_nan(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        f64::NAN
+    } else {
+        median(&mut v)
+    }
+}
+
+/// One subject over another, each the median of the rounds' ratios ([`Rounds::over`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Ratios {
+    /// One thread.
+    pub one: f64,
+    /// Two threads at once.
+    pub two: f64,
+    /// Isolated lookups.
+    pub isolated: f64,
+}
+
+/// One thread and two threads looking up the `n` buffers of `point` through each of
+/// `subjects`, from the same two warm threads: each sets up its state for every subject
+/// and warms every subject up alike ([`warm_thread`]), then `effort.rounds` times, for
+/// each subject in turn: the first thread measures alone while the second waits, the
+/// second alone while the first waits, then both at once (each over its own random
+/// order); every timed phase starts with [`rewarm`]. Alone, the first thread also measures
+/// isolated lookups each round (each followed by [`serialize`], over lookups its alone
+/// phase did not just make); in the first round it reads the share of its alone lookups
+/// the per-thread path served ([`Point::with_share`]). Each thread measures alone so that
+/// both figures include a thread that waited: on this kind of virtual machine the thread
+/// that waited stays ~20 % slower at 65,536 buffers for as long as we measured (over a
+/// million lookups), which the one-thread figure of the first thread alone did not show.
+/// The subjects of a round are adjacent in time, so the ratios between them are taken round
+/// by round ([`Rounds::over`]), as is each `two_over_one` (until session 20 each subject
+/// ran its own rounds, one subject after the other: at 65,536 buffers the floor then
+/// measured 3.6 to 18 ns and the cache 6 to 39 ns within single runs, and which one met
+/// the VM's slow seconds decided their ratio).
+fn one_and_two<P: Fn(u32) -> u32 + Sync>(
+    point: &Point<'_, P>,
     n: usize,
     effort: Effort,
-    used: Use,
-) -> HitFigures {
-    let acc = AccessFlags::empty();
-    one_and_two(
-        n,
-        effort,
-        || (),
-        |(), i| {
-            let h = cache
-                .get_ref(page(mem, page_of(i)), acc)
-                .expect("cache get");
-            match used {
-                Use::Nothing => {
-                    black_box(&h);
-                }
-                Use::Key => {
-                    black_box(h.lkey());
-                }
-            }
-            drop(h);
-        },
-        |measure| {
-            let s0 = cache.stats();
-            let ns = measure();
-            let s1 = cache.stats();
-            let hits = (s1.hits - s0.hits).max(1) as f64;
-            (ns, (s1.fast_hits - s0.fast_hits) as f64 / hits)
-        },
-    )
+    subjects: &[Subject],
+) -> Vec<Rounds> {
+    let go = std::sync::Barrier::new(2);
+    let go = &go;
+    let per_thread = std::thread::scope(|s| {
+        let ts: Vec<_> = [0x2545_f491_4f6c_dd1d_u64, 0x1405_7b7e_f767_814f]
+            .into_iter()
+            .enumerate()
+            .map(|(k, seed)| {
+                s.spawn(move || {
+                    let locals: Vec<Local> = subjects.iter().map(|&s| point.local(s, n)).collect();
+                    for l in &locals {
+                        warm_thread(n, seed, &|i| point.lookup(l, i));
+                    }
+                    // Three parts: alone, isolated, then both threads at once.
+                    let lookups = effort.lookups;
+                    let few = (lookups / ISOLATED).max(BATCH).min(lookups);
+                    let order = random_order(n, 2 * lookups + few, seed.rotate_left(17));
+                    let (first, rest) = order.split_at(lookups);
+                    let (few, second) = rest.split_at(few);
+                    let mut out = vec![Rounds::default(); locals.len()];
+                    for r in 0..effort.rounds.max(1) as u64 {
+                        for (j, (l, o)) in locals.iter().zip(&mut out).enumerate() {
+                            // Each phase's re-warm draws its own order.
+                            let salt = 4 * (r * locals.len() as u64 + j as u64);
+                            let look = |i: u32| point.lookup(l, i);
+                            go.wait();
+                            if k == 0 {
+                                rewarm(n, effort.rewarm_passes, seed ^ (1 + salt), &look);
+                                let one = if r == 0 {
+                                    let (one, share) =
+                                        point.with_share(l, || point.timed(l, first, false));
+                                    o.fast_share = share;
+                                    one
+                                } else {
+                                    point.timed(l, first, false)
+                                };
+                                o.one.push(one);
+                                o.isolated.push(point.timed(l, few, true));
+                            }
+                            go.wait();
+                            if k == 1 {
+                                rewarm(n, effort.rewarm_passes, seed ^ (3 + salt), &look);
+                                o.one.push(point.timed(l, first, false));
+                            }
+                            go.wait();
+                            rewarm(n, effort.rewarm_passes, seed ^ (2 + salt), &look);
+                            o.two.push(point.timed(l, second, false));
+                        }
+                    }
+                    out
+                })
+            })
+            .collect();
+        ts.into_iter().map(|t| t.join().ok()).collect::<Vec<_>>()
+    });
+    let mut r = per_thread.into_iter().flatten();
+    let (Some(t0), Some(t1)) = (r.next(), r.next()) else {
+        return vec![Rounds::default(); subjects.len()];
+    };
+    t0.into_iter()
+        .zip(t1)
+        .map(|(a, b)| Rounds {
+            one: a
+                .one
+                .iter()
+                .zip(&b.one)
+                .map(|(x, y)| (x + y) / 2.0)
+                .collect(),
+            two: a
+                .two
+                .iter()
+                .zip(&b.two)
+                .map(|(x, y)| (x + y) / 2.0)
+                .collect(),
+            isolated: a.isolated,
+            fast_share: a.fast_share,
+        })
+        .collect()
 }
 
 /// One point's figures for one structure (ns per lookup).
@@ -428,26 +559,6 @@ pub struct HitFigures {
     pub two_over_one: f64,
     /// Share of the one-thread lookups served by the per-thread path (the cache only).
     pub fast_share: f64,
-}
-
-/// The memory floor under those hits ([`HitFloor`]: the same line per lookup, each thread its
-/// own table of lease cells, no cache) in the same protocol, buffers placed as
-/// [`cache_one_and_two`]'s.
-fn floor_one_and_two(
-    mem: &[u8],
-    page_of: impl Fn(u32) -> u32 + Sync,
-    n: usize,
-    effort: Effort,
-) -> HitFigures {
-    let base = mem.as_ptr() as u64;
-    let addr = |i: u32| base + u64::from(page_of(i)) * 4096;
-    one_and_two(
-        n,
-        effort,
-        || HitFloor::at_pages(&(0..n as u32).map(addr).collect::<Vec<_>>()),
-        |f, i| assert!(f.hit(addr(i), 4096)),
-        |measure| (measure(), f64::NAN),
-    )
 }
 
 /// Resident bytes of this process (`/proc/self/statm`).
@@ -466,8 +577,10 @@ pub struct SweepPoint {
     pub cache: HitFigures,
     /// The cache's hits, each reading its handle's lkey.
     pub cache_key: HitFigures,
-    /// The memory floor under a hit ([`HitFloor`]) in the same protocol.
+    /// The memory floor under a hit ([`HitFloor`]) in the same rounds.
     pub floor: HitFigures,
+    /// The cache's hits over the floor, round by round ([`Rounds::over`]).
+    pub over_floor: Ratios,
     /// Resident bytes gained per entry while the entries were created.
     pub bytes_per_entry: Option<f64>,
     /// Lookups whose handles are dropped on another thread ([`cross_thread_drops`]), at
@@ -539,17 +652,28 @@ pub fn hit_sweep(
             (Some(a), Some(b)) => Some(b.saturating_sub(a) as f64 / n as f64),
             _ => None,
         };
-        let cache_figs = cache_one_and_two(&cache, mem, |i| i, n, effort, Use::Nothing);
-        let cache_key = cache_one_and_two(&cache, mem, |i| i, n, effort, Use::Key);
-        let floor = floor_one_and_two(mem, |i| i, n, effort);
+        let point = Point {
+            cache: &cache,
+            mem,
+            page_of: |i| i,
+        };
+        let subjects = [
+            Subject::Cache(Use::Nothing),
+            Subject::Cache(Use::Key),
+            Subject::Floor,
+        ];
+        let [cache_figs, cache_key, floor]: [Rounds; 3] = one_and_two(&point, n, effort, &subjects)
+            .try_into()
+            .map_err(|_| "one round list per subject".to_string())?;
         let cross_drop = CROSS_DROP_SIZES
             .contains(&n)
             .then(|| cross_thread_drops(&cache, mem, n, effort));
         out.push(SweepPoint {
             buffers: n,
-            cache: cache_figs,
-            cache_key,
-            floor,
+            cache: cache_figs.figures(),
+            cache_key: cache_key.figures(),
+            floor: floor.figures(),
+            over_floor: cache_figs.over(&floor),
             bytes_per_entry,
             cross_drop,
         });
@@ -578,14 +702,26 @@ pub fn scattered_point(
     pd: &ProtectionDomain,
     n: usize,
     effort: Effort,
-) -> Result<(HitFigures, HitFigures), String> {
+) -> Result<(HitFigures, HitFigures, Ratios), String> {
     // Declared before the cache: dropped after it.
     let buf = Buffer::new(n * SCATTER as usize * 4096).map_err(|e| e.to_string())?;
     let cache = sweep_cache(pd, n)?;
     let offsets = random_order(SCATTER as usize, n, SCATTER_SEED);
     let page_of = |i: u32| i * SCATTER + offsets[i as usize];
     let mem = buf.as_slice();
-    let cache_figs = cache_one_and_two(&cache, mem, page_of, n, effort, Use::Nothing);
+    let point = Point {
+        cache: &cache,
+        mem,
+        page_of,
+    };
+    let [c, f]: [Rounds; 2] = one_and_two(
+        &point,
+        n,
+        effort,
+        &[Subject::Cache(Use::Nothing), Subject::Floor],
+    )
+    .try_into()
+    .map_err(|_| "one round list per subject".to_string())?;
     let stats = cache.stats();
     if stats.uncached > 0 || stats.entries as usize != n {
         return Err(format!(
@@ -593,9 +729,8 @@ pub fn scattered_point(
             stats.entries, stats.uncached
         ));
     }
-    let floor = floor_one_and_two(mem, page_of, n, effort);
     drop(cache);
-    Ok((cache_figs, floor))
+    Ok((c.figures(), f.figures(), c.over(&f)))
 }
 
 /// UCX's figures at one size: one thread, two threads, bytes per entry.
@@ -1104,7 +1239,7 @@ pub fn sweep_rows(
         rows.push((format!("hit_floor_ns_n{n}_2threads"), f.two));
         rows.push((format!("hit_floor_isolated_ns_n{n}"), f.isolated));
         let point = format!("n{n}");
-        ratio_rows(&mut rows, &point, "floor", c, (f.one, f.two, f.isolated));
+        ratio_rows(&mut rows, &point, "floor", p.over_floor);
         two_over_one_rows(&mut rows, &point, c, f);
         let ucx = ucx_at(n, false);
         if let Some(u) = ucx {
@@ -1127,16 +1262,16 @@ pub fn sweep_rows(
         }
     }
     for &n in scattered {
-        let (c, f) = scattered_point(pd, n, effort)?;
+        let (c, f, over) = scattered_point(pd, n, effort)?;
         rows.push((format!("cache_hit_ns_p50_n{n}_scattered"), c.one));
         rows.push((format!("cache_hit_ns_p50_n{n}_scattered_2threads"), c.two));
         rows.push((format!("cache_hit_isolated_ns_n{n}_scattered"), c.isolated));
         rows.push((format!("hit_floor_ns_n{n}_scattered"), f.one));
         rows.push((format!("hit_floor_ns_n{n}_scattered_2threads"), f.two));
-        rows.push((format!("cache_over_floor_n{n}_scattered"), c.one / f.one));
+        rows.push((format!("cache_over_floor_n{n}_scattered"), over.one));
         rows.push((
             format!("cache_over_floor_n{n}_scattered_2threads"),
-            c.two / f.two,
+            over.two,
         ));
         two_over_one_rows(&mut rows, &format!("n{n}_scattered"), &c, &f);
         if let Some(u) = ucx_at(n, true) {
@@ -1155,21 +1290,12 @@ pub fn sweep_rows(
 }
 
 /// `cache_over_{peer}_{point}`, `…_{point}_2threads` and `cache_over_{peer}_isolated_{point}`
-/// (`point`: `n{N}`, or `n{N}_scattered`): the cache's figures divided by a peer's (one
-/// thread, two threads, isolated).
-fn ratio_rows(
-    rows: &mut Rows,
-    point: &str,
-    peer: &str,
-    c: &HitFigures,
-    (one, two, iso): (f64, f64, f64),
-) {
-    rows.push((format!("cache_over_{peer}_{point}"), c.one / one));
-    rows.push((format!("cache_over_{peer}_{point}_2threads"), c.two / two));
-    rows.push((
-        format!("cache_over_{peer}_isolated_{point}"),
-        c.isolated / iso,
-    ));
+/// (`point`: `n{N}`, or `n{N}_scattered`): the cache's figures over a peer's (one thread,
+/// two threads, isolated).
+fn ratio_rows(rows: &mut Rows, point: &str, peer: &str, r: Ratios) {
+    rows.push((format!("cache_over_{peer}_{point}"), r.one));
+    rows.push((format!("cache_over_{peer}_{point}_2threads"), r.two));
+    rows.push((format!("cache_over_{peer}_isolated_{point}"), r.isolated));
 }
 
 /// `cache_two_over_one_{point}` and `hit_floor_two_over_one_{point}`: what a second thread
@@ -1186,7 +1312,13 @@ fn ucx_rows(rows: &mut Rows, point: &str, c: &HitFigures, u: &UcxPoint) {
     rows.push((format!("ucx_rcache_hit_ns_p50_{point}"), u.one));
     rows.push((format!("ucx_rcache_hit_ns_p50_{point}_2threads"), u.two));
     rows.push((format!("ucx_rcache_hit_isolated_ns_{point}"), u.isolated));
-    ratio_rows(rows, point, "ucx", c, (u.one, u.two, u.isolated));
+    // UCX runs in its own process, before the cache: ratios of the medians.
+    let r = Ratios {
+        one: c.one / u.one,
+        two: c.two / u.two,
+        isolated: c.isolated / u.isolated,
+    };
+    ratio_rows(rows, point, "ucx", r);
 }
 
 /// The hit sweep for `mrkit bench`'s raw.json (`"cache_hits"`): `sizes`, `lookups` per
@@ -1232,6 +1364,8 @@ pub fn sweep_json(sizes: &[usize], effort: Effort) -> serde_json::Value {
                 "key_ns": p.cache_key.one,
                 "key_ns_2threads": p.cache_key.two,
                 "floor_two_over_one": p.floor.two_over_one,
+                "over_floor": p.over_floor.one,
+                "over_floor_2threads": p.over_floor.two,
                 "ucx_ns": u.map(|u| u.one),
                 "ucx_ns_2threads": u.map(|u| u.two),
                 "ucx_ns_isolated": u.map(|u| u.isolated),

@@ -156,18 +156,18 @@ pub(super) fn report(raw: &Value, points: &[Point], floors: &[Floor], pm: &PerMe
 /// The hit sweep's table (see `bench_pool_cache::sweep_json`).
 pub(super) fn cache_hits_report(s: &mut String, c: &Value) {
     use std::fmt::Write as _;
-    let _ = writeln!(s, "\nHits by working set: N cached 4 KiB buffers, two threads warmed up alike, then, in {} round(s), {} lookups (`get` + drop) in a random order by each alone (*mrkit*: the mean of the two) and then by both at once, each phase after untimed lookups of its own, median of 1,000-lookup batches (ns), median over the rounds; *2 ÷ 1*: the median of the rounds' two-thread ÷ one-thread ratios; *mrkit + lkey*: each lookup also reads its handle's lkey, as a program about to post does (UCX's lookups always read their region's key); *isolated*: the first thread alone with an `LFENCE` after every lookup (no overlap between lookups); the memory floor under a hit (its one line, the thread's lease cell, and count updates without the cache) and UCX's `ucs_rcache` (no-op registration callback) in the same shape and run.\n", c["rounds"], c["lookups"]);
+    let _ = writeln!(s, "\nHits by working set: N cached 4 KiB buffers, two threads warmed up alike, then, in {} round(s), {} lookups (`get` + drop) in a random order by each alone (*mrkit*: the mean of the two) and then by both at once, each phase after untimed lookups of its own, median of 1,000-lookup batches (ns), median over the rounds; *2 ÷ 1*: the median of the rounds' two-thread ÷ one-thread ratios; *÷ floor*: the median of the rounds' mrkit ÷ floor ratios (the floor is measured in the same rounds, right after the cache); *mrkit + lkey*: each lookup also reads its handle's lkey, as a program about to post does (UCX's lookups always read their region's key); *isolated*: the first thread alone with an `LFENCE` after every lookup (no overlap between lookups); the memory floor under a hit (its one line, the thread's lease cell, and count updates without the cache) and UCX's `ucs_rcache` (no-op registration callback) in the same shape and run.\n", c["rounds"], c["lookups"]);
     if let Some(e) = c["error"].as_str() {
         let _ = writeln!(s, "Not measured: {e}");
         return;
     }
     let f = |v: &Value| v.as_f64().map_or("—".to_string(), |x| format!("{x:.1}"));
     let f2 = |v: &Value| v.as_f64().map_or("—".to_string(), |x| format!("{x:.2}"));
-    let _ = writeln!(s, "| buffers | mrkit | 2 threads | 2 ÷ 1 | mrkit + lkey | isolated | thread-path share | floor | floor 2 threads | floor 2 ÷ 1 | floor isolated | UCX | UCX 2 threads | UCX isolated | mrkit ÷ UCX |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let _ = writeln!(s, "| buffers | mrkit | 2 threads | 2 ÷ 1 | mrkit + lkey | isolated | thread-path share | floor | floor 2 threads | floor 2 ÷ 1 | floor isolated | ÷ floor | UCX | UCX 2 threads | UCX isolated | mrkit ÷ UCX |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for p in c["points"].as_array().into_iter().flatten() {
         let _ = writeln!(
             s,
-            "| {} | {} | {} | {} | {} | {} | {:.1} % | {} | {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {:.1} % | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
             p["buffers"],
             f(&p["ns"]),
             f(&p["ns_2threads"]),
@@ -179,6 +179,7 @@ pub(super) fn cache_hits_report(s: &mut String, c: &Value) {
             f(&p["floor_ns_2threads"]),
             f2(&p["floor_two_over_one"]),
             f(&p["floor_ns_isolated"]),
+            f2(&p["over_floor"]),
             f(&p["ucx_ns"]),
             f(&p["ucx_ns_2threads"]),
             f(&p["ucx_ns_isolated"]),
