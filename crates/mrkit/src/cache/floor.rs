@@ -16,7 +16,7 @@
 use std::sync::atomic::{compiler_fence, AtomicBool, AtomicU64, Ordering};
 
 use super::lease::mem::Slots;
-use super::lease::table::{cells_holding, home, live_tag};
+use super::lease::table::{cells_holding, home, live_tag, next_cell};
 use super::tls::page_key;
 
 /// A lease cell as the hit sees it: its tag (state and key), the owner's count, the dead
@@ -82,9 +82,9 @@ impl HitFloor {
         });
         for &start in pages {
             let tag = live_tag(page_key(start));
-            let mut i = home(tag, size - 1);
+            let mut i = home(tag, size);
             while cells[i].tag != 0 {
-                i = (i + 1) & (size - 1);
+                i = next_cell(i, size);
             }
             let c = &mut cells[i];
             (c.tag, c.start, c.end) = (tag, start, start + 4096);
@@ -97,14 +97,14 @@ impl HitFloor {
     #[inline(never)]
     pub fn hit(&self, addr: u64, len: u64) -> bool {
         let want = live_tag(page_key(addr));
-        let mask = self.cells.len() - 1;
-        let mut i = home(want, mask);
+        let cells = self.cells.len();
+        let mut i = home(want, cells);
         let c = loop {
             let c = &self.cells[i];
             match c.tag {
                 t if t == want => break c,
                 0 => return false,
-                _ => i = (i + 1) & mask,
+                _ => i = next_cell(i, cells),
             }
         };
         if !(c.start <= addr && addr.saturating_add(len) <= c.end) {

@@ -108,7 +108,7 @@ impl RegCache {
         if access.is_writable() || access.intersects(REMOTE_RIGHTS) {
             return Err(borrowed_rights_error(access, "get_ref (a shared borrow)"));
         }
-        let h = self.get_local(mem.as_ptr() as u64, mem.len() as u64, access)?;
+        let h = self.get_slice(mem, access)?;
         Ok(RegRef { h, mem })
     }
 
@@ -151,16 +151,32 @@ impl RegCache {
         if access.intersects(REMOTE_RIGHTS) {
             return Err(borrowed_rights_error(access, "get_mut (a borrow)"));
         }
-        let h = self.get_local(mem.as_ptr() as u64, mem.len() as u64, access)?;
+        let h = self.get_slice(mem, access)?;
         Ok(RegMut { h, mem })
     }
 
+    /// A lookup of `addr..addr + len` (an unchecked address: the end may overflow, which the
+    /// slow path refuses).
     #[inline(always)]
     pub(super) fn get_local(&self, addr: u64, len: u64, access: AccessFlags) -> Result<RegHandle> {
         if let Some(h) = self.fast_hit(addr, len, access) {
             return Ok(h);
         }
         self.get_slow(addr, len, access, false, None)
+            .map_err(|(e, _)| e)
+    }
+
+    /// A lookup of a slice's bytes. Its end needs no overflow check: a slice lies in one
+    /// allocation, whose one-past-the-end address does not wrap (`as_ptr_range`), so the
+    /// hit goes straight to [`fast_hit_to`](Self::fast_hit_to).
+    #[inline(always)]
+    fn get_slice(&self, mem: &[u8], access: AccessFlags) -> Result<RegHandle> {
+        let span = mem.as_ptr_range();
+        let (addr, end) = (span.start as u64, span.end as u64);
+        if let Some(h) = self.fast_hit_to(addr, end, access) {
+            return Ok(h);
+        }
+        self.get_slow(addr, end - addr, access, false, None)
             .map_err(|(e, _)| e)
     }
 }

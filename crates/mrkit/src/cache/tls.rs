@@ -172,7 +172,18 @@ impl RegCache {
     /// record ([`current`]) is tried first, then the thread's other records.
     #[inline(always)]
     pub(super) fn fast_hit(&self, addr: u64, len: u64, access: AccessFlags) -> Option<RegHandle> {
-        let end = addr.checked_add(len)?;
+        self.fast_hit_to(addr, addr.checked_add(len)?, access)
+    }
+
+    /// [`fast_hit`](Self::fast_hit) of `addr..end`, `end` computed without overflow by the
+    /// caller.
+    #[inline(always)]
+    pub(super) fn fast_hit_to(
+        &self,
+        addr: u64,
+        end: u64,
+        access: AccessFlags,
+    ) -> Option<RegHandle> {
         let found = match current::hit(self.id, addr, end, access) {
             Some(l) => l,
             None => self.hit_other(addr, end, access),

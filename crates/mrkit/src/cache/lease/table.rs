@@ -57,8 +57,6 @@ const MAX_USED_EIGHTHS: usize = 5;
 /// it owns its leases.
 pub struct LeaseTable<T: Retire> {
     block: Block,
-    /// Cells - 1.
-    mask: usize,
     /// Live cells.
     live: usize,
     /// Live and gone cells.
@@ -88,7 +86,7 @@ pub fn live_tag(key: u64) -> u32 {
     LIVE | (key as u32 & KEY)
 }
 
-/// The home cell of a tag's key in a table of `mask + 1` cells: Fibonacci hashing, the top
+/// The home cell of a tag's key in a table of `cells` cells: Fibonacci hashing, the top
 /// bits of the 64-bit product (taken as the high word of the product with the cell count:
 /// one multiply, no variable shift).
 ///
@@ -106,11 +104,21 @@ pub fn live_tag(key: u64) -> u32 {
 /// to 5x its steady cost for a few hundred thousand lookups, and the mispredicting hash,
 /// bound by its own stalls, hid that transient.
 #[inline(always)]
-pub fn home(tag: u32, mask: usize) -> usize {
+pub fn home(tag: u32, cells: usize) -> usize {
     let h = u64::from(tag & KEY).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    // A cell count fits in 64 bits: no carry into the high word to handle.
-    let cells = (mask as u64).wrapping_add(1);
-    ((u128::from(h) * u128::from(cells)) >> 64) as usize
+    ((u128::from(h) * cells as u128) >> 64) as usize
+}
+
+/// The cell after `i` in a table of `cells` cells (a probe's next step). A compare, not a
+/// mask: the hit then reads the cell count alone (the block's), with nothing derived from it
+/// before its first probe.
+#[inline(always)]
+pub fn next_cell(i: usize, cells: usize) -> usize {
+    if i + 1 == cells {
+        0
+    } else {
+        i + 1
+    }
 }
 
 /// Cells of the block a rebuild makes for `live` leases.
@@ -148,7 +156,6 @@ impl<T: Retire> LeaseTable<T> {
     fn with_cells(cells: usize) -> Self {
         LeaseTable {
             block: mem::new_block(cells),
-            mask: cells - 1,
             live: 0,
             used: 0,
             _own: PhantomData,
@@ -179,14 +186,15 @@ impl<T: Retire> LeaseTable<T> {
     #[inline(always)]
     fn find(&self, key: u64) -> Option<NonNull<Lease<T>>> {
         let want = live_tag(key);
-        let mut i = home(want, self.mask);
+        let cells = self.cells();
+        let mut i = home(want, cells);
         // At most 5/8 used: an empty cell ends every probe.
         loop {
             let p = self.at(i);
             match tag(p) {
                 t if t == want => return Some(p),
                 EMPTY => return None,
-                _ => i = (i + 1) & self.mask,
+                _ => i = next_cell(i, cells),
             }
         }
     }
@@ -270,14 +278,15 @@ impl<T: Retire> LeaseTable<T> {
         // The probe run of `key` up to the empty cell that ends it; its gone cells are
         // reusable once their leases are freed.
         let mut gone = Vec::new();
-        let mut i = home(want, self.mask);
+        let cells = self.cells();
+        let mut i = home(want, cells);
         let empty = loop {
             match tag(self.at(i)) {
                 EMPTY => break i,
                 t if t & STATE == GONE => gone.push(i),
                 _ => {}
             }
-            i = (i + 1) & self.mask;
+            i = next_cell(i, cells);
         };
         let i = self
             .block
@@ -378,9 +387,10 @@ impl<T: Retire> LeaseTable<T> {
         if l.handles() != 0 {
             return None;
         }
-        let mut j = home(t, self.mask);
+        let cells = self.cells();
+        let mut j = home(t, cells);
         while tag(self.at(j)) != EMPTY {
-            j = (j + 1) & self.mask;
+            j = next_cell(j, cells);
         }
         let q = self.at(j);
         // SAFETY: `q` is an empty cell of our new block, `p` an initialised lease nobody
@@ -599,7 +609,7 @@ mod tests {
                 .iter()
                 .filter(|e| {
                     let want = super::live_tag((e.start >> 12) & KEY_MASK);
-                    super::tag(t.at(super::home(want, t.mask))) != want
+                    super::tag(t.at(super::home(want, t.cells()))) != want
                 })
                 .count();
             assert_eq!(away, 0, "first {first:#x} stride {stride}");
