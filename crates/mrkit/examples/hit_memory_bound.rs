@@ -11,7 +11,8 @@
 //! as much as on the cache. Here the table is 32 MiB (262,144 buffers) or 128 MiB
 //! (1,048,576), so every hit pays a DRAM access, as in a slow state, and what decides the
 //! cost is how many lookups the CPU overlaps — the hit's instruction count. The floor
-//! (`HitFloor`) makes the same memory accesses without the cache around them. It registers
+//! (`HitFloor`) makes the same memory accesses without the cache around them, in the same
+//! loop (the buffer's slice, a handle-sized value kept; since session 20). It registers
 //! N 4 KiB buffers of one mapping (N x 4 KiB pinned: 1 GiB for 262,144; the soft device's
 //! default `max_mr` is 524,287), warms the thread's table, then times 2^20 lookups in random
 //! order, 7 times alternating with the floor, and prints the medians.
@@ -67,8 +68,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         hit.push(t0.elapsed().as_nanos() as f64 / order.len() as f64);
         let t0 = Instant::now();
+        // The cache's loop around the floor's accesses: the same slice, and a value of a
+        // handle's size kept by reference.
         for &i in &order {
-            black_box(floor.hit(base + u64::from(black_box(i)) * 4096, 4096));
+            let mem = page(black_box(i));
+            let hit = floor.hit(mem.as_ptr() as u64, mem.len() as u64);
+            black_box(&(hit, mem));
         }
         bare.push(t0.elapsed().as_nanos() as f64 / order.len() as f64);
     }
