@@ -51,7 +51,10 @@
 //!   * `hit_floor_ns_n{N}` (and `_2threads`): the memory floor under a hit in the same
 //!     protocol and run ([`HitFloor`]: the hit's one line — the thread's lease cell, found
 //!     by the lease table's own hash — and its count updates, over a THP-advised array as
-//!     large as the cache's table, no cache); `cache_over_floor_n{N}` (and
+//!     large as the cache's table, no cache), in the cache's loop (the same slice of the
+//!     buffer, a handle-sized value kept; every loop inlines its lookup, since session 20:
+//!     before, the cache's lookup was called out of line and the floor's loop did less
+//!     around its call); `cache_over_floor_n{N}` (and
 //!     `_2threads`, `_isolated`): the cache over it, the median of the rounds' ratios (the
 //!     two are measured in the same rounds, seconds apart: until session 20 each ran its
 //!     own five rounds and the VM's slow seconds, which fell on one or the other, moved the
