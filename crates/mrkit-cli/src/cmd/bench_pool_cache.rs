@@ -547,21 +547,13 @@ fn one_and_two<P: Fn(u32) -> u32 + Sync>(
     let (Some(t0), Some(t1)) = (r.next(), r.next()) else {
         return vec![Rounds::default(); subjects.len()];
     };
+    // A round's figure: the mean of the two threads'.
+    let mean = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(x, y)| (x + y) / 2.0).collect();
     t0.into_iter()
         .zip(t1)
         .map(|(a, b)| Rounds {
-            one: a
-                .one
-                .iter()
-                .zip(&b.one)
-                .map(|(x, y)| (x + y) / 2.0)
-                .collect(),
-            two: a
-                .two
-                .iter()
-                .zip(&b.two)
-                .map(|(x, y)| (x + y) / 2.0)
-                .collect(),
+            one: mean(&a.one, &b.one),
+            two: mean(&a.two, &b.two),
             isolated: a.isolated,
             fast_share: a.fast_share,
         })
