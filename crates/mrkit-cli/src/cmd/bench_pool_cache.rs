@@ -424,12 +424,11 @@ struct Rounds {
 impl Rounds {
     /// Medians over the rounds.
     fn figures(&self) -> HitFigures {
-        let ratios: Vec<f64> = self.two.iter().zip(&self.one).map(|(t, o)| t / o).collect();
         HitFigures {
             one: median_or_nan(self.one.clone()),
             two: median_or_nan(self.two.clone()),
             isolated: median_or_nan(self.isolated.clone()),
-            two_over_one: median_or_nan(ratios),
+            two_over_one: median_of_ratios(&self.two, &self.one),
             fast_share: self.fast_share,
         }
     }
@@ -437,13 +436,17 @@ impl Rounds {
     /// `self` over `peer`, round by round (one thread, two threads, isolated): the medians
     /// of the rounds' ratios.
     fn over(&self, peer: &Rounds) -> Ratios {
-        let r = |a: &[f64], b: &[f64]| median_or_nan(a.iter().zip(b).map(|(x, y)| x / y).collect());
         Ratios {
-            one: r(&self.one, &peer.one),
-            two: r(&self.two, &peer.two),
-            isolated: r(&self.isolated, &peer.isolated),
+            one: median_of_ratios(&self.one, &peer.one),
+            two: median_of_ratios(&self.two, &peer.two),
+            isolated: median_of_ratios(&self.isolated, &peer.isolated),
         }
     }
+}
+
+/// The median of the rounds' `a ÷ b` (NaN for no round).
+fn median_of_ratios(a: &[f64], b: &[f64]) -> f64 {
+    median_or_nan(a.iter().zip(b).map(|(x, y)| x / y).collect())
 }
 
 /// The median, NaN for no value.

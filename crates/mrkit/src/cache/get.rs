@@ -155,24 +155,30 @@ impl RegCache {
         Ok(RegMut { h, mem })
     }
 
-    /// A lookup of `addr..addr + len` (an unchecked address: the end may overflow, which the
-    /// slow path refuses).
+    /// A lookup of `addr..addr + len` (an unchecked address: an end that overflows goes to
+    /// the slow path, which refuses it).
     #[inline(always)]
     pub(super) fn get_local(&self, addr: u64, len: u64, access: AccessFlags) -> Result<RegHandle> {
-        if let Some(h) = self.fast_hit(addr, len, access) {
-            return Ok(h);
+        match addr.checked_add(len) {
+            Some(end) => self.get_span(addr, end, access),
+            None => self
+                .get_slow(addr, len, access, false, None)
+                .map_err(|(e, _)| e),
         }
-        self.get_slow(addr, len, access, false, None)
-            .map_err(|(e, _)| e)
     }
 
     /// A lookup of a slice's bytes. Its end needs no overflow check: a slice lies in one
-    /// allocation, whose one-past-the-end address does not wrap (`as_ptr_range`), so the
-    /// hit goes straight to [`fast_hit_to`](Self::fast_hit_to).
+    /// allocation, whose one-past-the-end address does not wrap (`as_ptr_range`).
     #[inline(always)]
     fn get_slice(&self, mem: &[u8], access: AccessFlags) -> Result<RegHandle> {
         let span = mem.as_ptr_range();
-        let (addr, end) = (span.start as u64, span.end as u64);
+        self.get_span(span.start as u64, span.end as u64, access)
+    }
+
+    /// A lookup of `addr..end`, `end` computed without overflow: the per-thread hit
+    /// ([`fast_hit_to`](Self::fast_hit_to)), else the slow path.
+    #[inline(always)]
+    fn get_span(&self, addr: u64, end: u64, access: AccessFlags) -> Result<RegHandle> {
         if let Some(h) = self.fast_hit_to(addr, end, access) {
             return Ok(h);
         }
