@@ -3,9 +3,10 @@
 //! of the cache a thread last hit is reached through [`current`](super::current).
 
 use std::cell::RefCell;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Weak};
 
+use super::current::HitFields;
 use super::entry::{Entry, Meta};
 use super::handle::RegHandle;
 use super::lease::table::LeaseTable;
@@ -113,24 +114,26 @@ fn drop_backout(b: Backout<Entry>) {
 /// word and the thread's hit counter: it runs no drop and no code that can reach `TLS`
 /// ([`current::hit`] relies on it).
 ///
-/// `asymmetric`: the proof of the asymmetric barrier, if the process has it (a constant
-/// `Some` on the current record's path: the count update then tests no flag).
+/// `f`: what the hit reads of the record, [`HitFields::of`] it (the current record's copy,
+/// kept in the thread's current slot). `asymmetric`: the proof of the asymmetric barrier, if
+/// the process has it (a constant `Some` on the current record's path: the count update
+/// then tests no flag).
 #[inline(always)]
-pub(super) fn hit_in(
-    rec: &TlsCache,
+pub(super) fn hit_in<'a>(
+    rec: &'a TlsCache,
+    f: HitFields<'a>,
     addr: u64,
     end: u64,
     access: AccessFlags,
     asymmetric: Option<Asymmetric>,
 ) -> Lookup {
-    // Acquire: as `monitor::seq`.
-    if rec.mseq != rec.seq.load(Ordering::Acquire) {
+    if f.behind() {
         return Lookup::Miss;
     }
     let key = page_key(addr);
     let covers = |m: &_| Meta::covers(m, addr, end, access);
     let got = match asymmetric {
-        Some(a) => rec.cells.hit_asymmetric(key, covers, a),
+        Some(a) => f.table_hit(key, covers, a),
         None => rec.cells.hit(key, covers),
     };
     let got = match got {
@@ -145,8 +148,7 @@ pub(super) fn hit_in(
     };
     match got {
         Ok(h) => {
-            let n = &rec.stats.hits;
-            n.store(n.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+            f.count_hit();
             Lookup::Hit(h)
         }
         Err(b) => Lookup::Dead(b),
@@ -214,7 +216,7 @@ impl RegCache {
             if let Some(a) = asymmetric {
                 current::set(rec, a);
             }
-            hit_in(rec, addr, end, access, asymmetric)
+            hit_in(rec, HitFields::of(rec), addr, end, access, asymmetric)
         })
         .unwrap_or(Lookup::Miss)
     }

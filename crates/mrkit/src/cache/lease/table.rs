@@ -182,21 +182,21 @@ impl<T: Retire> LeaseTable<T> {
         self.block.cell(i).cast()
     }
 
+    /// The table's cells as a hit reads them: its block's base and cell count.
+    #[inline(always)]
+    pub fn view(&self) -> TableView<T> {
+        TableView {
+            base: self.block.cell(0).cast(),
+            cells: self.cells(),
+            _own: PhantomData,
+        }
+    }
+
     /// The live cell of `key`.
     #[inline(always)]
     fn find(&self, key: u64) -> Option<NonNull<Lease<T>>> {
-        let want = live_tag(key);
-        let cells = self.cells();
-        let mut i = home(want, cells);
-        // At most 5/8 used: an empty cell ends every probe.
-        loop {
-            let p = self.at(i);
-            match tag(p) {
-                t if t == want => return Some(p),
-                EMPTY => return None,
-                _ => i = next_cell(i, cells),
-            }
-        }
+        // SAFETY: the view of our own block, attached while `self` lives.
+        unsafe { self.view().find(key) }
     }
 
     /// A hit at page `key`: the lease of its cell, if its entry's facts pass `covers`, then a
@@ -207,8 +207,8 @@ impl<T: Retire> LeaseTable<T> {
         key: u64,
         covers: impl FnOnce(&T::Meta) -> bool,
     ) -> Option<Result<Handle<T>, Backout<T>>> {
-        // SAFETY: `false`: no claim about the barrier.
-        unsafe { self.hit_with::<false>(key, covers) }
+        // SAFETY: our own block; `false`: no claim about the barrier.
+        unsafe { self.view().hit_with::<false>(key, covers) }
     }
 
     /// [`hit`](Self::hit) with the proof of the asymmetric barrier: no flag tested on the
@@ -218,29 +218,10 @@ impl<T: Retire> LeaseTable<T> {
         &self,
         key: u64,
         covers: impl FnOnce(&T::Meta) -> bool,
-        _: Asymmetric,
+        a: Asymmetric,
     ) -> Option<Result<Handle<T>, Backout<T>>> {
-        // SAFETY: the proof.
-        unsafe { self.hit_with::<true>(key, covers) }
-    }
-
-    /// # Safety
-    ///
-    /// With `ASYMMETRIC`, [`asymmetric`](super::asymmetric) returned `Some`.
-    #[inline(always)]
-    unsafe fn hit_with<const ASYMMETRIC: bool>(
-        &self,
-        key: u64,
-        covers: impl FnOnce(&T::Meta) -> bool,
-    ) -> Option<Result<Handle<T>, Backout<T>>> {
-        let p = self.find(key)?;
-        // SAFETY: live: an initialised lease, alive while the table holds it.
-        if !covers(&unsafe { p.as_ref() }.meta) {
-            return None;
-        }
-        // SAFETY: the table's hold: this thread owns the lease and keeps it alive; (caller)
-        // the barrier claim.
-        Some(unsafe { take::<T, ASYMMETRIC>(p) })
+        // SAFETY: our own block, on the table's thread (the table is not `Send`).
+        unsafe { self.view().hit_asymmetric(key, covers, a) }
     }
 
     /// Whether `key` has a live cell.
@@ -408,6 +389,98 @@ impl<T: Retire> LeaseTable<T> {
         self.live += 1;
         self.used += 1;
         Some(j)
+    }
+}
+
+/// A table's cells as its hit reads them (its block's base and cell count): a copy the
+/// thread can keep where a hit reaches it without following a pointer to the table (the
+/// cache's current record, `cache::current`). Valid while the table lives and keeps its
+/// block: until it is dropped or it grows or compacts (a rebuild: `insert`).
+pub struct TableView<T: Retire> {
+    base: NonNull<Lease<T>>,
+    cells: usize,
+    _own: PhantomData<(Lease<T>, *const ())>,
+}
+
+impl<T: Retire> Clone for TableView<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T: Retire> Copy for TableView<T> {}
+
+impl<T: Retire> TableView<T> {
+    /// The view of no table (no cell): a placeholder, valid for no hit.
+    pub const NONE: Self = TableView {
+        base: NonNull::dangling(),
+        cells: 0,
+        _own: PhantomData,
+    };
+
+    #[inline(always)]
+    fn at(self, i: usize) -> NonNull<Lease<T>> {
+        // SAFETY: (callers) `i < cells`, inside the block's mapping, valid while the view is.
+        // Cells are `mem::CELL` bytes apart (a lease may be smaller: under loom).
+        unsafe { NonNull::new_unchecked(self.base.as_ptr().byte_add(i * mem::CELL)) }
+    }
+
+    /// The live cell of `key`.
+    ///
+    /// # Safety
+    ///
+    /// The view is valid (see the type's doc).
+    #[inline(always)]
+    unsafe fn find(self, key: u64) -> Option<NonNull<Lease<T>>> {
+        let want = live_tag(key);
+        let cells = self.cells;
+        let mut i = home(want, cells);
+        // At most 5/8 used: an empty cell ends every probe.
+        loop {
+            let p = self.at(i);
+            match tag(p) {
+                t if t == want => return Some(p),
+                EMPTY => return None,
+                _ => i = next_cell(i, cells),
+            }
+        }
+    }
+
+    /// [`LeaseTable::hit_asymmetric`] through the view.
+    ///
+    /// # Safety
+    ///
+    /// The view is valid (see the type's doc) and the calling thread is its table's.
+    #[inline(always)]
+    pub unsafe fn hit_asymmetric(
+        self,
+        key: u64,
+        covers: impl FnOnce(&T::Meta) -> bool,
+        _: Asymmetric,
+    ) -> Option<Result<Handle<T>, Backout<T>>> {
+        // SAFETY: (caller) a valid view on its table's thread; the proof.
+        unsafe { self.hit_with::<true>(key, covers) }
+    }
+
+    /// # Safety
+    ///
+    /// The view is valid and the calling thread is its table's; with `ASYMMETRIC`,
+    /// [`asymmetric`](super::asymmetric) returned `Some`.
+    #[inline(always)]
+    unsafe fn hit_with<const ASYMMETRIC: bool>(
+        self,
+        key: u64,
+        covers: impl FnOnce(&T::Meta) -> bool,
+    ) -> Option<Result<Handle<T>, Backout<T>>> {
+        // SAFETY: (caller) a valid view.
+        let p = unsafe { self.find(key) }?;
+        // SAFETY: live: an initialised lease, alive while the table holds it.
+        if !covers(&unsafe { p.as_ref() }.meta) {
+            return None;
+        }
+        // SAFETY: the table's hold: this thread owns the lease and keeps it alive; (caller)
+        // the barrier claim.
+        Some(unsafe { take::<T, ASYMMETRIC>(p) })
     }
 }
 
