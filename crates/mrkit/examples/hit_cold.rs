@@ -15,9 +15,8 @@
 use std::hint::black_box;
 use std::time::Instant;
 
-use mrkit::cache::test_support::{random_order, serialize, HitFloor};
-use mrkit::cache::{CacheConfig, RegCache};
-use mrkit::{AccessFlags, Buffer, Context};
+use mrkit::cache::test_support::{random_order, serialize, warm_cache, HitFloor};
+use mrkit::AccessFlags;
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
@@ -44,24 +43,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         Some(a) => a.parse()?,
         None => 65_536,
     };
-    let ctx = Context::open_default()?;
-    let pd = ctx.alloc_pd()?;
-    let cache = RegCache::new(
-        &pd,
-        CacheConfig {
-            max_entries: n,
-            max_bytes: u64::MAX,
-            ..CacheConfig::default()
-        },
-    )?;
-    let mem = Buffer::new(n * 4096)?;
+    let (cache, mem) = warm_cache(n)?;
     let all = mem.as_slice();
     let base = all.as_ptr() as u64;
     let page = |i: u32| &all[i as usize * 4096..][..4096];
-    // Every buffer once (a miss each), then two passes in random order (the table warm).
-    for i in (0..n as u32).chain(random_order(n, 2 * n, 7)) {
-        drop(cache.get_ref(page(i), AccessFlags::empty())?);
-    }
     let floor = HitFloor::new(base, n);
     let work = vec![1u64; 8 << 20];
     let before = cache.stats();

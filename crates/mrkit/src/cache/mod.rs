@@ -214,6 +214,36 @@ pub use stats::CacheStats;
 pub mod test_support {
     pub use crate::cache::floor::{serialize, HitFloor};
 
+    use super::{CacheConfig, RegCache};
+    use crate::{AccessFlags, Buffer, Context};
+
+    /// A cache on the default device's new PD with room for `n` 4 KiB buffers of one new
+    /// mapping, all cached, and the calling thread's table warm: every buffer looked up once
+    /// (a miss each), then twice as many lookups in random order (the memory-bound hit
+    /// examples' setup). Returns the cache and the mapping (buffer `i` at `i * 4096`).
+    ///
+    /// ```
+    /// let (cache, mem) = mrkit::cache::test_support::warm_cache(8).unwrap();
+    /// assert_eq!((cache.stats().entries, mem.len()), (8, 8 * 4096));
+    /// ```
+    pub fn warm_cache(n: usize) -> Result<(RegCache, Buffer), Box<dyn std::error::Error>> {
+        let pd = Context::open_default()?.alloc_pd()?;
+        let cache = RegCache::new(
+            &pd,
+            CacheConfig {
+                max_entries: n,
+                max_bytes: u64::MAX,
+                ..CacheConfig::default()
+            },
+        )?;
+        let mem = Buffer::new(n * 4096)?;
+        let all = mem.as_slice();
+        for i in (0..n as u32).chain(random_order(n, 2 * n, 7)) {
+            drop(cache.get_ref(&all[i as usize * 4096..][..4096], AccessFlags::empty())?);
+        }
+        Ok((cache, mem))
+    }
+
     /// `len` indices below `n` in a reproducible random order (xorshift64 from `seed`): the
     /// lookups of `mrkit bench pool-cache` (whose UCX program draws the same sequence), the
     /// memory-bound example and the hit-path tests.
