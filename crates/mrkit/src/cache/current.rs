@@ -140,7 +140,14 @@ thread_local! {
 /// looks the record up in `TLS`).
 #[inline(always)]
 pub(super) fn hit(id: u64, addr: u64, end: u64, access: AccessFlags) -> Option<Lookup> {
-    let c = CURRENT.with(Cell::get);
+    // Through the slot's address, field by field: a copy of the whole slot (`Cell::get`)
+    // comes back through `with`'s `Result`, whose error the compiler encodes in a field's
+    // niche and tests on every hit (two instructions), and loads the record's address even
+    // where the hit does not need it.
+    let c: *const Current = CURRENT.with(Cell::as_ptr);
+    // SAFETY: this thread's slot, written only by `set` and `clear` on this thread, neither
+    // of which runs during this function (it calls no code that can reach them).
+    let c = unsafe { &*c };
     if c.id != id {
         return None;
     }
@@ -153,7 +160,7 @@ pub(super) fn hit(id: u64, addr: u64, end: u64, access: AccessFlags) -> Option<L
     // exists (mutable accesses clear `CURRENT` first and none is running: `hit_in` runs no
     // code that can reach `TLS`, it reads the record and takes one count on a lease).
     Some(hit_in(
-        unsafe { &*c.rec },
+        || unsafe { &*c.rec },
         f,
         addr,
         end,

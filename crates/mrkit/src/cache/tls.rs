@@ -114,13 +114,15 @@ fn drop_backout(b: Backout<Entry>) {
 /// word and the thread's hit counter: it runs no drop and no code that can reach `TLS`
 /// ([`current::hit`] relies on it).
 ///
-/// `f`: what the hit reads of the record, [`HitFields::of`] it (the current record's copy,
-/// kept in the thread's current slot). `asymmetric`: the proof of the asymmetric barrier, if
+/// `rec`: the record (a closure: the current record's path reads its address from the
+/// thread's slot only where it needs it, off the table hit). `f`: what the hit reads of the
+/// record, [`HitFields::of`] it (the current record's copy, kept in the thread's current
+/// slot). `asymmetric`: the proof of the asymmetric barrier, if
 /// the process has it (a constant `Some` on the current record's path: the count update
 /// then tests no flag).
 #[inline(always)]
 pub(super) fn hit_in<'a>(
-    rec: &'a TlsCache,
+    rec: impl Fn() -> &'a TlsCache,
     f: HitFields<'a>,
     addr: u64,
     end: u64,
@@ -132,13 +134,15 @@ pub(super) fn hit_in<'a>(
     }
     let key = page_key(addr);
     let covers = |m: &_| Meta::covers(m, addr, end, access);
+    // `rec` is called only off the table hit's path (which reaches the table through `f`):
+    // on the ring's, and without the barrier.
     let got = match asymmetric {
         Some(a) => f.table_hit(key, covers, a),
-        None => rec.cells.hit(key, covers),
+        None => rec().cells.hit(key, covers),
     };
     let got = match got {
         Some(got) => got,
-        None => match ring_match(&rec.ring, addr, end, access) {
+        None => match ring_match(&rec().ring, addr, end, access) {
             Some(h) => match asymmetric {
                 Some(a) => h.try_get_asymmetric(a),
                 None => h.try_get(),
@@ -216,7 +220,7 @@ impl RegCache {
             if let Some(a) = asymmetric {
                 current::set(rec, a);
             }
-            hit_in(rec, HitFields::of(rec), addr, end, access, asymmetric)
+            hit_in(|| rec, HitFields::of(rec), addr, end, access, asymmetric)
         })
         .unwrap_or(Lookup::Miss)
     }
