@@ -15,13 +15,7 @@
 use std::hint::black_box;
 use std::time::Instant;
 
-use mrkit::cache::test_support::{random_order, serialize, warm_cache, HitFloor};
-use mrkit::AccessFlags;
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
+use mrkit::cache::test_support::{buffers_arg, median, random_order, serialize, WarmCache};
 
 /// Read one word of every line of `work` (the application's other work).
 fn sweep(work: &[u64]) -> u64 {
@@ -39,34 +33,18 @@ fn timed(f: impl FnOnce()) -> f64 {
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let n: usize = match std::env::args().nth(1) {
-        Some(a) => a.parse()?,
-        None => 65_536,
-    };
-    let (cache, mem) = warm_cache(n)?;
-    let all = mem.as_slice();
-    let base = all.as_ptr() as u64;
-    let page = |i: u32| &all[i as usize * 4096..][..4096];
-    let floor = HitFloor::new(base, n);
+    let n = buffers_arg(65_536)?;
+    let w = WarmCache::new(n)?;
     let work = vec![1u64; 8 << 20];
-    let before = cache.stats();
+    let before = w.cache.stats();
     let (mut hit, mut bare) = (Vec::new(), Vec::new());
     for &i in &random_order(n, 1000, 5) {
         black_box(sweep(&work));
-        hit.push(timed(|| {
-            let h = cache
-                .get_ref(page(black_box(i)), AccessFlags::empty())
-                .expect("cache get");
-            black_box(&h);
-        }));
+        hit.push(timed(|| w.hit(i)));
         black_box(sweep(&work));
-        bare.push(timed(|| {
-            let mem = page(black_box(i));
-            let hit = floor.hit(mem.as_ptr() as u64, mem.len() as u64);
-            black_box(&(hit, mem));
-        }));
+        bare.push(timed(|| w.floor_hit(i)));
     }
-    let after = cache.stats();
+    let after = w.cache.stats();
     let (hit, bare) = (median(hit), median(bare));
     println!(
         "{n} buffers, caches swept before each lookup: hit {hit:.0} ns, floor {bare:.0} ns, \

@@ -214,34 +214,103 @@ pub use stats::CacheStats;
 pub mod test_support {
     pub use crate::cache::floor::{serialize, HitFloor};
 
+    use std::hint::black_box;
+
     use super::{CacheConfig, RegCache};
     use crate::{AccessFlags, Buffer, Context};
 
     /// A cache on the default device's new PD with room for `n` 4 KiB buffers of one new
     /// mapping, all cached, and the calling thread's table warm: every buffer looked up once
-    /// (a miss each), then twice as many lookups in random order (the memory-bound hit
-    /// examples' setup). Returns the cache and the mapping (buffer `i` at `i * 4096`).
+    /// (a miss each), then twice as many lookups in random order; beside it the memory floor
+    /// of the same buffers ([`HitFloor`]). The setup and the two timed lookups of the
+    /// memory-bound hit examples (`hit_memory_bound`, `hit_cold`).
     ///
     /// ```
-    /// let (cache, mem) = mrkit::cache::test_support::warm_cache(8).unwrap();
-    /// assert_eq!((cache.stats().entries, mem.len()), (8, 8 * 4096));
+    /// let w = mrkit::cache::test_support::WarmCache::new(8).unwrap();
+    /// assert_eq!((w.cache.stats().entries, w.len()), (8, 8));
+    /// w.hit(5);
+    /// w.floor_hit(5);
     /// ```
-    pub fn warm_cache(n: usize) -> Result<(RegCache, Buffer), Box<dyn std::error::Error>> {
-        let pd = Context::open_default()?.alloc_pd()?;
-        let cache = RegCache::new(
-            &pd,
-            CacheConfig {
-                max_entries: n,
-                max_bytes: u64::MAX,
-                ..CacheConfig::default()
-            },
-        )?;
-        let mem = Buffer::new(n * 4096)?;
-        let all = mem.as_slice();
-        for i in (0..n as u32).chain(random_order(n, 2 * n, 7)) {
-            drop(cache.get_ref(&all[i as usize * 4096..][..4096], AccessFlags::empty())?);
+    pub struct WarmCache {
+        /// The cache, every buffer in it.
+        pub cache: RegCache,
+        mem: Buffer,
+        floor: HitFloor,
+    }
+
+    impl WarmCache {
+        /// `n` buffers cached and looked up (see the type).
+        pub fn new(n: usize) -> Result<WarmCache, Box<dyn std::error::Error>> {
+            let pd = Context::open_default()?.alloc_pd()?;
+            let cache = RegCache::new(
+                &pd,
+                CacheConfig {
+                    max_entries: n,
+                    max_bytes: u64::MAX,
+                    ..CacheConfig::default()
+                },
+            )?;
+            let mem = Buffer::new(n * 4096)?;
+            let all = mem.as_slice();
+            for i in (0..n as u32).chain(random_order(n, 2 * n, 7)) {
+                drop(cache.get_ref(&all[i as usize * 4096..][..4096], AccessFlags::empty())?);
+            }
+            let floor = HitFloor::new(all.as_ptr() as u64, n);
+            Ok(WarmCache { cache, mem, floor })
         }
-        Ok((cache, mem))
+
+        /// Buffers.
+        pub fn len(&self) -> usize {
+            self.mem.len() / 4096
+        }
+
+        /// Whether there are none.
+        pub fn is_empty(&self) -> bool {
+            self.len() == 0
+        }
+
+        /// Buffer `i` (panics past the last).
+        #[inline(always)]
+        pub fn page(&self, i: u32) -> &[u8] {
+            &self.mem.as_slice()[i as usize * 4096..][..4096]
+        }
+
+        /// The cache's lookup of buffer `i`, the handle kept by reference, then dropped.
+        #[inline(always)]
+        pub fn hit(&self, i: u32) {
+            let h = self
+                .cache
+                .get_ref(self.page(black_box(i)), AccessFlags::empty())
+                .expect("cache get");
+            black_box(&h);
+        }
+
+        /// The floor's accesses for buffer `i` in the loop the cache's lookups run in: the
+        /// same slice, and a value of a handle's size kept by reference.
+        #[inline(always)]
+        pub fn floor_hit(&self, i: u32) {
+            let mem = self.page(black_box(i));
+            let hit = self.floor.hit(mem.as_ptr() as u64, mem.len() as u64);
+            black_box(&(hit, mem));
+        }
+    }
+
+    /// The first command-line argument as a number of buffers, `default` without one.
+    pub fn buffers_arg(default: usize) -> Result<usize, Box<dyn std::error::Error>> {
+        Ok(match std::env::args().nth(1) {
+            Some(a) => a.parse()?,
+            None => default,
+        })
+    }
+
+    /// The median of `v` (the upper one of an even count; NaN-safe order).
+    ///
+    /// ```
+    /// assert_eq!(mrkit::cache::test_support::median(vec![3.0, 1.0, 2.0]), 2.0);
+    /// ```
+    pub fn median(mut v: Vec<f64>) -> f64 {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
     }
 
     /// `len` indices below `n` in a reproducible random order (xorshift64 from `seed`): the
