@@ -87,7 +87,7 @@ impl<'a> HitFields<'a> {
         self.mseq != self.seq.load(Ordering::Acquire)
     }
 
-    /// The table's hit at page `key` ([`LeaseTable::hit_asymmetric`](super::lease::table::LeaseTable::hit_asymmetric)).
+    /// The table's hit at page `key` ([`TableView::hit_asymmetric`]).
     #[inline(always)]
     pub(super) fn table_hit(
         self,

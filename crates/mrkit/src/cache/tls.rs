@@ -117,9 +117,8 @@ fn drop_backout(b: Backout<Entry>) {
 /// `rec`: the record (a closure: the current record's path reads its address from the
 /// thread's slot only where it needs it, off the table hit). `f`: what the hit reads of the
 /// record, [`HitFields::of`] it (the current record's copy, kept in the thread's current
-/// slot). `asymmetric`: the proof of the asymmetric barrier, if
-/// the process has it (a constant `Some` on the current record's path: the count update
-/// then tests no flag).
+/// slot). `asymmetric`: the proof of the asymmetric barrier, if the process has it (a
+/// constant `Some` on the current record's path: the count update then tests no flag).
 #[inline(always)]
 pub(super) fn hit_in<'a>(
     rec: impl Fn() -> &'a TlsCache,

@@ -211,19 +211,6 @@ impl<T: Retire> LeaseTable<T> {
         unsafe { self.view().hit_with::<false>(key, covers) }
     }
 
-    /// [`hit`](Self::hit) with the proof of the asymmetric barrier: no flag tested on the
-    /// way.
-    #[inline(always)]
-    pub fn hit_asymmetric(
-        &self,
-        key: u64,
-        covers: impl FnOnce(&T::Meta) -> bool,
-        a: Asymmetric,
-    ) -> Option<Result<Handle<T>, Backout<T>>> {
-        // SAFETY: our own block, on the table's thread (the table is not `Send`).
-        unsafe { self.view().hit_asymmetric(key, covers, a) }
-    }
-
     /// Whether `key` has a live cell.
     pub fn contains(&self, key: u64) -> bool {
         self.find(key).is_some()
@@ -446,7 +433,8 @@ impl<T: Retire> TableView<T> {
         }
     }
 
-    /// [`LeaseTable::hit_asymmetric`] through the view.
+    /// A hit at page `key` ([`LeaseTable::hit`] through the view) with the proof of the
+    /// asymmetric barrier: no flag tested on the way.
     ///
     /// # Safety
     ///
